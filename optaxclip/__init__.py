@@ -1,0 +1,39 @@
+"""optaxclip: gradient clipping for JAX as optax transformations.
+
+Every clipper is an ``optax.GradientTransformation`` to chain before the
+optimizer::
+
+    tx = optax.chain(optaxclip.clip_global(5.0), optax.adam(1e-3))
+"""
+
+from optaxclip._static import ClipBlockRMSState
+from optaxclip._static import ClipGlobalState
+from optaxclip._static import ClipNormState
+from optaxclip._static import ClipUnitwiseState
+from optaxclip._static import ClipValueState
+from optaxclip._static import clip_block_rms
+from optaxclip._static import clip_global
+from optaxclip._static import clip_norm
+from optaxclip._static import clip_unitwise
+from optaxclip._static import clip_value
+from optaxclip._static import default_unit_axes
+from optaxclip._stats import stats
+from optaxclip._wrappers import clipped
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "ClipBlockRMSState",
+    "ClipGlobalState",
+    "ClipNormState",
+    "ClipUnitwiseState",
+    "ClipValueState",
+    "clip_block_rms",
+    "clip_global",
+    "clip_norm",
+    "clip_unitwise",
+    "clip_value",
+    "clipped",
+    "default_unit_axes",
+    "stats",
+)

@@ -1,0 +1,438 @@
+"""Clippers with a fixed threshold: by value, per-tensor norm, global norm,
+block RMS and unit-wise (AGC)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optaxclip import _checks
+from optaxclip import _norms
+from optaxclip import _stats
+
+Axis = Optional[Union[int, Sequence[int]]]
+
+ClipValueState = _stats.make_state(
+    "ClipValueState",
+    doc="State of :func:`clip_value`: ``norm`` is the largest pre-clip |g| "
+    "(the inf-norm), ``clipped_norm`` the largest after clipping and "
+    "``clip_fraction`` the share of elements clipped.")
+ClipNormState = _stats.make_state(
+    "ClipNormState",
+    doc="State of :func:`clip_norm`: the global ``ord``-norm before "
+    "(``norm``) and after (``clipped_norm``) clipping, and the share of "
+    "units (leaves or slices) scaled down (``clip_fraction``).")
+ClipGlobalState = _stats.make_state(
+    "ClipGlobalState",
+    doc="State of :func:`clip_global`: the global ``ord``-norm before "
+    "(``norm``) and after (``clipped_norm``) clipping, and ``clip_fraction`` "
+    "1.0 when the tree was scaled down, else 0.0.")
+ClipBlockRMSState = _stats.make_state(
+    "ClipBlockRMSState",
+    doc="State of :func:`clip_block_rms`: the global L2 norm before "
+    "(``norm``) and after (``clipped_norm``) clipping, and the share of "
+    "leaves scaled down (``clip_fraction``).")
+ClipUnitwiseState = _stats.make_state(
+    "ClipUnitwiseState",
+    doc="State of :func:`clip_unitwise`: the global L2 norm of the gradient "
+    "before (``norm``) and after (``clipped_norm``) clipping, and the share "
+    "of units scaled down (``clip_fraction``).")
+
+Sharded = Union[bool, Any, Callable[[Any, jax.Array], bool]]
+
+
+def _init_stats(state_cls):
+  def init_fn(params):
+    del params
+    return state_cls(*_stats.zeros())
+  return init_fn
+
+
+def _flatten(updates, who: str):
+  leaves, treedef = jax.tree.flatten(updates)
+  _checks.check_float_leaves(updates, f"{who}: updates")
+  return leaves, treedef
+
+
+def _fraction(numerator, denominator) -> jax.Array:
+  return _stats.as_stat(numerator / max(denominator, 1))
+
+
+def sharded_flags(updates: Any, sharded: Sharded, who: str) -> list[bool]:
+  """Per leaf of ``updates``, whether it is sharded over ``axis_name``.
+
+  ``sharded`` is a bool for all leaves, a callable ``(path, leaf) -> bool``,
+  or a pytree of bools that is a prefix of ``updates``.
+  """
+  if isinstance(sharded, bool):
+    return [sharded] * len(jax.tree.leaves(updates))
+  if callable(sharded):
+    with_path, _ = jax.tree_util.tree_flatten_with_path(updates)
+    return [bool(sharded(path, leaf)) for path, leaf in with_path]
+  try:
+    flags = jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: flag, sub),
+                         sharded, updates)
+  except ValueError as err:
+    raise ValueError(f"{who}: `sharded` must be a bool, a callable or a pytree "
+                     f"prefix of the updates: {err}") from err
+  return [bool(f) for f in jax.tree.leaves(flags)]
+
+
+def _check_axis_name(axis_name, who):
+  if axis_name is None:
+    return None
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if not names or not all(isinstance(n, str) for n in names):
+    raise TypeError(f"{who}: axis_name must be a string or a tuple of strings;"
+                    f" got {axis_name!r}.")
+  return axis_name
+
+
+def clip_value(max_delta: float) -> optax.GradientTransformation:
+  """Clips each element of the updates into ``[-max_delta, max_delta]``.
+
+  The element-wise clipping of ``tf.clip_by_value``, Keras' ``clipvalue``,
+  ``torch.nn.utils.clip_grad_value_`` and ``optax.clip``. It changes the
+  update's direction; prefer :func:`clip_global` unless you want exactly
+  this. Complex elements keep their phase and have their modulus clipped.
+
+  Args:
+    max_delta: the largest absolute value an element may keep (>= 0).
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a
+    :class:`ClipValueState`.
+
+  References:
+    Mikolov, `Statistical Language Models Based on Neural Networks
+    <https://www.fit.vut.cz/study/phd-thesis-file/283/283.pdf>`_, 2012
+
+  Example:
+    >>> import jax.numpy as jnp, optaxclip
+    >>> tx = optaxclip.clip_value(1.0)
+    >>> g = {"w": jnp.array([-3.0, 0.5, 2.0])}
+    >>> clipped, state = tx.update(g, tx.init(g))
+    >>> clipped["w"]
+    Array([-1. ,  0.5,  1. ], dtype=float32)
+    >>> float(state.clip_fraction)
+    0.6666666865348206
+  """
+  _checks.check_number("max_delta", max_delta, low=0.0, allow_inf=True)
+
+  def update_fn(updates, state, params=None):
+    del params, state
+    leaves, treedef = _flatten(updates, "clip_value")
+    out, largest, clipped = [], jnp.zeros((), jnp.float32), 0.0
+    total = 0
+    for x in leaves:
+      mag = _norms.magnitude(x)
+      limit = jnp.asarray(max_delta, mag.dtype)
+      over = mag > limit
+      if jnp.iscomplexobj(x):
+        factor = jnp.where(over, limit / jnp.where(over, mag, 1), 1)
+        out.append(_norms.scale_leaf(x, factor))
+      else:
+        out.append(jnp.clip(x, -limit, limit).astype(x.dtype))
+      largest = jnp.maximum(largest, jnp.max(mag, initial=0).astype(jnp.float32))
+      clipped = clipped + _norms.count(over)
+      total += x.size
+    limit = jnp.asarray(max_delta, jnp.float32)
+    new_state = ClipValueState(
+        norm=_stats.as_stat(largest),
+        clipped_norm=_stats.as_stat(jnp.minimum(largest, limit)),
+        clip_fraction=_fraction(clipped, total))
+    return jax.tree.unflatten(treedef, out), new_state
+
+  return optax.GradientTransformation(_init_stats(ClipValueState), update_fn)
+
+
+def _leaf_axes(x: jax.Array, axis: Optional[tuple[int, ...]], path: str,
+               who: str) -> Optional[tuple[int, ...]]:
+  """Normalises reduction axes for one leaf, naming the leaf on error."""
+  if axis is None:
+    return None
+  try:
+    return tuple(sorted(a % x.ndim if -x.ndim <= a < x.ndim else _raise()
+                        for a in axis))
+  except (ValueError, ZeroDivisionError):
+    raise ValueError(f"{who}: axis {axis} does not fit the leaf {path} of "
+                     f"shape {x.shape}.") from None
+
+
+def _raise():
+  raise ValueError
+
+
+def _units(norms: Sequence[jax.Array]) -> int:
+  return sum(n.size for n in norms)
+
+
+def _per_unit_clip(leaves, norms, limits, ord):  # pylint: disable=redefined-builtin
+  """Scales each unit to its limit; returns updates and the statistics."""
+  factors = [_norms.clip_factor(n, lim) for n, lim in zip(norms, limits)]
+  out = [_norms.scale_leaf(x, f) for x, f in zip(leaves, factors)]
+  clipped_norms = [n * f for n, f in zip(norms, factors)]
+  scaled = sum((_norms.count(f < 1) for f in factors), jnp.zeros((), jnp.float32))
+  stats = (_stats.as_stat(_norms.combine_norms(norms, ord)),
+           _stats.as_stat(_norms.combine_norms(clipped_norms, ord)),
+           _fraction(scaled, _units(norms)))
+  return out, stats
+
+
+def clip_norm(
+    max_norm: float,
+    *,
+    ord: Union[float, str] = 2,  # pylint: disable=redefined-builtin
+    axis: Axis = None,
+    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    sharded: Sharded = True,
+) -> optax.GradientTransformation:
+  """Clips each leaf (or each slice of it) to ``ord``-norm at most ``max_norm``.
+
+  Per-tensor clipping as ``tf.clip_by_norm(t, max_norm, axes=axis)`` and
+  Keras' ``clipnorm``: every leaf is scaled by ``min(1, max_norm / ||leaf||)``
+  on its own. With ``axis``, the norm is taken over those axes and each slice
+  across the remaining ones is clipped on its own (e.g. ``axis=0`` clips each
+  column of a matrix).
+
+  Args:
+    max_norm: the largest norm a leaf (or slice) may keep (>= 0).
+    ord: the norm's order: any p >= 1, or ``inf`` (the largest magnitude).
+    axis: the axis or axes a norm spans; ``None`` for the whole leaf. Every
+      leaf must have these axes.
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves are split; their norms are summed across devices.
+      Only with ``axis=None``.
+    sharded: which leaves are split over ``axis_name`` (the others are
+      replicated and counted once): a bool, a pytree prefix of bools or a
+      callable ``(path, leaf) -> bool``.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a
+    :class:`ClipNormState`.
+
+  References:
+    Pascanu et al., `On the difficulty of training Recurrent Neural Networks
+    <https://arxiv.org/abs/1211.5063>`_, 2013
+
+  Example:
+    >>> import jax.numpy as jnp, optaxclip
+    >>> tx = optaxclip.clip_norm(1.0)
+    >>> g = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.6, 0.0])}
+    >>> clipped, state = tx.update(g, tx.init(g))
+    >>> clipped["a"], clipped["b"]
+    (Array([0.6, 0.8], dtype=float32), Array([0.6, 0. ], dtype=float32))
+    >>> float(state.clip_fraction)
+    0.5
+  """
+  _checks.check_number("max_norm", max_norm, low=0.0, allow_inf=True)
+  p = _checks.check_ord("ord", ord)
+  axis = _checks.check_axis("axis", axis)
+  axis_name = _check_axis_name(axis_name, "clip_norm")
+  if axis_name is not None and axis is not None:
+    raise ValueError("clip_norm: axis_name works with axis=None only.")
+
+  def update_fn(updates, state, params=None):
+    del params, state
+    leaves, treedef = _flatten(updates, "clip_norm")
+    paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
+    axes = [_leaf_axes(x, axis, path, "clip_norm")
+            for x, path in zip(leaves, paths)]
+    norms = _norms.unit_norms(
+        leaves, p, axes, axis_name=axis_name,
+        sharded=sharded_flags(updates, sharded, "clip_norm"))
+    out, stats = _per_unit_clip(leaves, norms, [max_norm] * len(leaves), p)
+    return jax.tree.unflatten(treedef, out), ClipNormState(*stats)
+
+  return optax.GradientTransformation(_init_stats(ClipNormState), update_fn)
+
+
+def clip_global(
+    max_norm: float,
+    *,
+    ord: Union[float, str] = 2,  # pylint: disable=redefined-builtin
+    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    sharded: Sharded = True,
+) -> optax.GradientTransformation:
+  """Scales the whole update so that its global ``ord``-norm is at most ``max_norm``.
+
+  The global-norm clipping of Pascanu et al., ``tf.clip_by_global_norm``,
+  Keras' ``global_clipnorm``, ``torch.nn.utils.clip_grad_norm_`` and
+  ``optax.clip_by_global_norm``: every leaf is multiplied by the same
+  ``min(1, max_norm / ||g||)``, so the update keeps its direction. The norm
+  accumulates in float32 (bfloat16 trees get it right), is overflow-safe, and
+  its pre-clip value is kept in the state (``stats()``), as torch returns it.
+  PyTorch divides by ``norm + 1e-6``; this uses the exact ratio.
+
+  Args:
+    max_norm: the largest global norm the update may keep (>= 0).
+    ord: the norm's order: any p >= 1, or ``inf``; torch's ``norm_type``.
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves are split; partial norms are summed across them.
+    sharded: which leaves are split over ``axis_name`` (the others are
+      replicated and counted once): a bool, a pytree prefix of bools or a
+      callable ``(path, leaf) -> bool``.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a
+    :class:`ClipGlobalState`.
+
+  References:
+    Pascanu et al., `On the difficulty of training Recurrent Neural Networks
+    <https://arxiv.org/abs/1211.5063>`_, 2013
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optaxclip
+    >>> tx = optax.chain(optaxclip.clip_global(5.0), optax.sgd(1.0))
+    >>> params = {"a": jnp.zeros(2), "b": jnp.zeros(1)}
+    >>> g = {"a": jnp.array([6.0, 8.0]), "b": jnp.array([0.0])}
+    >>> updates, state = tx.update(g, tx.init(params), params)
+    >>> updates["a"]
+    Array([-3., -4.], dtype=float32)
+    >>> float(optaxclip.stats(state)["clip_global/norm"])
+    10.0
+  """
+  _checks.check_number("max_norm", max_norm, low=0.0, allow_inf=True)
+  p = _checks.check_ord("ord", ord)
+  axis_name = _check_axis_name(axis_name, "clip_global")
+
+  def update_fn(updates, state, params=None):
+    del params, state
+    leaves, treedef = _flatten(updates, "clip_global")
+    norm = _norms.global_norm(
+        leaves, p, axis_name=axis_name,
+        sharded=sharded_flags(updates, sharded, "clip_global"))
+    factor = _norms.clip_factor(norm, max_norm)
+    out = [_norms.scale_leaf(x, factor) for x in leaves]
+    new_state = ClipGlobalState(
+        norm=_stats.as_stat(norm),
+        clipped_norm=_stats.as_stat(norm * factor),
+        clip_fraction=_stats.as_stat(factor < 1))
+    return jax.tree.unflatten(treedef, out), new_state
+
+  return optax.GradientTransformation(_init_stats(ClipGlobalState), update_fn)
+
+
+def clip_block_rms(threshold: float) -> optax.GradientTransformation:
+  """Clips each leaf to a root-mean-square of at most ``threshold``.
+
+  The same numbers as ``optax.clip_by_block_rms``: a leaf of RMS ``r`` is
+  divided by ``max(1, r / threshold)``. Useful when leaves differ wildly in
+  size, since the RMS does not grow with the leaf's element count.
+
+  Args:
+    threshold: the largest RMS a leaf may keep (>= 0).
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a
+    :class:`ClipBlockRMSState`.
+
+  References:
+    Shazeer and Stern, `Adafactor: Adaptive Learning Rates with Sublinear
+    Memory Cost <https://arxiv.org/abs/1804.04235>`_, 2018 (update clipping
+    by RMS)
+
+  Example:
+    >>> import jax.numpy as jnp, optaxclip
+    >>> tx = optaxclip.clip_block_rms(1.0)
+    >>> g = {"w": jnp.array([4.0, -4.0, 4.0, -4.0])}
+    >>> clipped, _ = tx.update(g, tx.init(g))
+    >>> clipped["w"]
+    Array([ 1., -1.,  1., -1.], dtype=float32)
+  """
+  _checks.check_number("threshold", threshold, low=0.0, allow_inf=True)
+
+  def update_fn(updates, state, params=None):
+    del params, state
+    leaves, treedef = _flatten(updates, "clip_block_rms")
+    norms = _norms.unit_norms(leaves, 2.0)
+    limits = [jnp.asarray(threshold, n.dtype) * math.sqrt(max(x.size, 1))
+              for x, n in zip(leaves, norms)]
+    out, stats = _per_unit_clip(leaves, norms, limits, 2.0)
+    return jax.tree.unflatten(treedef, out), ClipBlockRMSState(*stats)
+
+  return optax.GradientTransformation(_init_stats(ClipBlockRMSState), update_fn)
+
+
+def default_unit_axes(x: jax.Array) -> Optional[tuple[int, ...]]:
+  """The axes a unit spans for AGC, by the leaf's rank (as optax 0.2.8).
+
+  Scalars and vectors (also after squeezing): the whole leaf; rank 2: axis 0
+  (a Dense kernel's inputs, one unit per output); rank 3 or 4: axes (0, 1, 2);
+  rank 5 and up: every axis but the last.
+  """
+  if sum(d != 1 for d in x.shape) <= 1:
+    return None
+  if x.ndim == 2:
+    return (0,)
+  if x.ndim in (3, 4):
+    return (0, 1, 2)
+  return tuple(range(x.ndim - 1))
+
+
+def clip_unitwise(
+    clipping: float = 0.01,
+    *,
+    eps: float = 1e-3,
+    axis: Axis = None,
+) -> optax.GradientTransformation:
+  """Adaptive gradient clipping (AGC): ``||g_u|| <= clipping * max(||w_u||, eps)``.
+
+  Each unit ``u`` of each leaf (an output unit of a layer: see
+  :func:`default_unit_axes`) is clipped relative to the norm of the matching
+  unit of the parameters, as in NFNets. Same numbers as
+  ``optax.adaptive_grad_clip`` (which guards its divisor with 1e-6; this uses
+  the exact ratio). Needs ``params`` in ``update``.
+
+  Args:
+    clipping: the largest allowed ratio of gradient to parameter norm (>= 0).
+    eps: parameter norms below it count as ``eps``, so zero-initialised
+      parameters still move (>= 0).
+    axis: the axes a unit spans, for every leaf; ``None`` picks them by rank.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a
+    :class:`ClipUnitwiseState`.
+
+  References:
+    Brock et al., `High-Performance Large-Scale Image Recognition Without
+    Normalization <https://arxiv.org/abs/2102.06171>`_, 2021
+
+  Example:
+    >>> import jax.numpy as jnp, optaxclip
+    >>> tx = optaxclip.clip_unitwise(0.1)
+    >>> params = {"w": jnp.array([[3.0, 1.0], [4.0, 0.0]])}
+    >>> g = {"w": jnp.array([[3.0, 0.0], [4.0, 0.05]])}
+    >>> clipped, state = tx.update(g, tx.init(params), params)
+    >>> clipped["w"]
+    Array([[0.3 , 0.  ],
+           [0.4 , 0.05]], dtype=float32)
+    >>> float(state.clip_fraction)
+    0.5
+  """
+  _checks.check_number("clipping", clipping, low=0.0, allow_inf=True)
+  _checks.check_number("eps", eps, low=0.0)
+  axis = _checks.check_axis("axis", axis)
+
+  def update_fn(updates, state, params=None):
+    del state
+    _checks.check_same_structure(updates, params, "clip_unitwise")
+    leaves, treedef = _flatten(updates, "clip_unitwise")
+    param_leaves = treedef.flatten_up_to(params)
+    _checks.check_float_leaves(params, "clip_unitwise: params")
+    paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
+    axes = [default_unit_axes(x) if axis is None
+            else _leaf_axes(x, axis, path, "clip_unitwise")
+            for x, path in zip(leaves, paths)]
+    g_norms = _norms.unit_norms(leaves, 2.0, axes)
+    w_norms = _norms.unit_norms(param_leaves, 2.0, axes)
+    limits = [clipping * jnp.maximum(w, jnp.asarray(eps, w.dtype))
+              for w in w_norms]
+    out, stats = _per_unit_clip(leaves, g_norms, limits, 2.0)
+    return jax.tree.unflatten(treedef, out), ClipUnitwiseState(*stats)
+
+  return optax.GradientTransformation(_init_stats(ClipUnitwiseState), update_fn)
