@@ -93,6 +93,17 @@ def _pmax(value, axis_name: AxisName):
   return jax.lax.pmax(value, axis_name) if axis_name else value
 
 
+def axis_size(axis_name: AxisName) -> int:
+  """The number of devices along the mapped axis (or axes); 1 for ``None``."""
+  if not axis_name:
+    return 1
+  size = getattr(jax.lax, "axis_size", None)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if size is None:  # older jax: psum of a Python constant is concrete.
+    return int(jax.lax.psum(1, names))
+  return math.prod(int(size(n)) for n in names)
+
+
 def may_span_devices(x: jax.Array) -> bool:
   """Whether ``x`` may be split across devices, as far as its type tells.
 
