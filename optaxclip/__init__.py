@@ -6,6 +6,8 @@ optimizer::
     tx = optax.chain(optaxclip.clip_global(5.0), optax.adam(1e-3))
 """
 
+from optaxclip._per_example import ClipPerExampleState
+from optaxclip._per_example import clip_per_example
 from optaxclip._static import ClipBlockRMSState
 from optaxclip._static import ClipGlobalState
 from optaxclip._static import ClipNormState
@@ -26,11 +28,13 @@ __all__ = (
     "ClipBlockRMSState",
     "ClipGlobalState",
     "ClipNormState",
+    "ClipPerExampleState",
     "ClipUnitwiseState",
     "ClipValueState",
     "clip_block_rms",
     "clip_global",
     "clip_norm",
+    "clip_per_example",
     "clip_unitwise",
     "clip_value",
     "clipped",
