@@ -22,8 +22,10 @@ _REGISTRY: dict[str, tuple[type, str, tuple[str, ...]]] = {}
 
 
 def _short_name(class_name: str) -> str:
+  """``ClipBlockRMSState`` -> ``clip_block_rms``: the function's name."""
   base = class_name[:-len("State")] if class_name.endswith("State") else class_name
-  return re.sub(r"(?<!^)(?=[A-Z][a-z])", "_", base).lower()
+  return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_",
+                base).lower()
 
 
 def make_state(
