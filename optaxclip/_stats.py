@@ -74,8 +74,10 @@ def _unwrap(value: Any) -> Any:
   """The array inside an ``nnx`` Variable, or the value itself."""
   if isinstance(value, jax.Array):
     return value
-  inner = getattr(value, "value", value)
-  return inner
+  get_value = getattr(value, "get_value", None)  # flax >= 0.12: .value is
+  if callable(get_value):                         # deprecated.
+    return get_value()
+  return getattr(value, "value", value)
 
 
 def stats(opt_state: Any) -> dict[str, jax.Array]:
