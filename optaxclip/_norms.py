@@ -255,8 +255,10 @@ def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0) -> jax.Array:  #
   if math.isinf(ord):
     return jnp.max(flat, initial=0)
   biggest = jnp.max(flat, initial=0)
-  scale = jnp.where(biggest > 0, biggest, 1)
-  return biggest * safe_root(jnp.sum(_power(flat / scale, ord)), ord)
+  # An infinite unit norm makes the whole infinite (inf / inf would be NaN).
+  scale = jnp.where((biggest > 0) & jnp.isfinite(biggest), biggest, 1)
+  return jnp.where(jnp.isinf(biggest), biggest,
+                   biggest * safe_root(jnp.sum(_power(flat / scale, ord)), ord))
 
 
 def clip_factor(norm: jax.Array, limit: Any) -> jax.Array:
