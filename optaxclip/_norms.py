@@ -308,9 +308,11 @@ def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0) -> jax.Array:  #
     biggest = jnp.maximum(biggest, part.max(initial=0))
   if math.isinf(ord):
     return biggest
-  scale = jnp.where(biggest > 0, biggest, 1)
-  return biggest * safe_root(
-      sum(jnp.sum(_power(part / scale, ord)) for part in parts), ord)
+  # An infinite unit norm makes the whole infinite (inf / inf would be NaN).
+  scale = jnp.where((biggest > 0) & jnp.isfinite(biggest), biggest, 1)
+  total = sum(jnp.sum(_power(part / scale, ord)) for part in parts)
+  return jnp.where(jnp.isinf(biggest), biggest,
+                   biggest * safe_root(total, ord))
 
 
 def clip_factor(norm: jax.Array, limit: Any) -> jax.Array:
