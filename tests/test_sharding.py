@@ -30,6 +30,17 @@ CLIPPERS = {
     "clip_block_rms": lambda: optaxclip.clip_block_rms(0.5),
     "clip_unitwise": lambda: optaxclip.clip_unitwise(0.1),
     "clipped": lambda: optaxclip.clipped(optax.identity(), clipnorm=1.0),
+    # Adaptive: short warm-ups so that three steps exercise the adaptation.
+    "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=1),
+    "clip_zscore_leaf": lambda: optaxclip.clip_zscore(warmup_steps=1,
+                                                      scope="leaf"),
+    "clip_percentile": lambda: optaxclip.clip_percentile(50.0, history=4),
+    "clip_percentile_leaf": lambda: optaxclip.clip_percentile(
+        50.0, history=4, scope="leaf"),
+    "clip_relative": lambda: optaxclip.clip_relative(warmup_steps=1,
+                                                     warmup_max_norm=2.0),
+    "guard": lambda: optaxclip.guard(optaxclip.clip_global(2.0), spike_z=1.0,
+                                     warmup_steps=1),
 }
 
 # A small FSDP-style layout: kernels split along one axis or the other, and a
