@@ -85,23 +85,32 @@ def _batch_size(leaves, paths) -> int:
 
 
 def _weighted_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
-  """``sum_b weights[b] * x[b]`` in the accumulation dtype."""
+  """``sum_b weights[b] * x[b]`` in the accumulation dtype.
+
+  A product and a sum over the batch axis (XLA fuses them), not a
+  ``tensordot``: with the batch split over an Explicit mesh axis, a
+  contraction over it needs an explicit output sharding; a sum does not.
+  """
   dtype = _norms.accumulation_dtype(x.dtype)
-  if jnp.iscomplexobj(x):
-    dtype = jnp.promote_types(dtype, x.dtype)
-  return jnp.tensordot(weights.astype(_norms.accumulation_dtype(x.dtype)),
-                       x.astype(dtype), axes=1)
+  w = weights.astype(dtype).reshape(weights.shape + (1,) * (x.ndim - 1))
+  return jnp.sum(x.astype(jnp.promote_types(dtype, x.dtype)) * w, axis=0)
 
 
-def _gaussian(key, x: jax.Array, std: jax.Array) -> jax.Array:
-  """Gaussian noise of ``std`` on each real coordinate of ``x``."""
-  dtype = _norms.accumulation_dtype(x.dtype)
-  if jnp.iscomplexobj(x):
-    re_key, im_key = jax.random.split(key)
-    re = jax.random.normal(re_key, x.shape, dtype)
-    im = jax.random.normal(im_key, x.shape, dtype)
-    return std.astype(dtype) * (re + 1j * im)
-  return std.astype(dtype) * jax.random.normal(key, x.shape, dtype)
+def _standard_normals(key, leaves, extra: int) -> tuple[list, jax.Array]:
+  """Standard normal noise shaped like each leaf (complex: on both parts),
+  and ``extra`` more values, from one draw (one PRNG call compiles faster
+  than one per leaf)."""
+  dtype = _norms.tree_accumulation_dtype(leaves)
+  sizes = [x.size * (2 if jnp.iscomplexobj(x) else 1) for x in leaves]
+  flat = jax.random.normal(key, (sum(sizes) + extra,), dtype)
+  out, start = [], 0
+  for x, size in zip(leaves, sizes):
+    part = flat[start:start + size]
+    start += size
+    if jnp.iscomplexobj(x):
+      part = part[:x.size] + 1j * part[x.size:]
+    out.append(part.reshape(x.shape))
+  return out, flat[start:]
 
 
 def clip_per_example(
@@ -267,17 +276,18 @@ def clip_per_example(
     norm_sum = psum(jnp.sum(example_norms))
     clipped_norm_sum = psum(jnp.sum(clipped_norms))
 
-    key, step_key = jax.random.split(state.key)
-    sum_key, count_key = jax.random.split(step_key)
+    key, noise_key = jax.random.split(state.key)
     count_std = (count_noise_std(batch, noise_multiplier)
                  if adaptive and not no_noise else 0.0)
+    count_noise = jnp.zeros((), jnp.float32)
     if not no_noise:
       z_sum = (sum_noise_multiplier(noise_multiplier, count_std) if adaptive
                else jnp.asarray(noise_multiplier, jnp.float32))
       sum_std = z_sum * clip
       # The same key on every device: the noise is added once, not per device.
-      sums = [s + _gaussian(kk, s, sum_std)
-              for s, kk in zip(sums, jax.random.split(sum_key, k))]
+      noises, rest = _standard_normals(noise_key, sums, 1)
+      sums = [s + (sum_std * n).astype(s.dtype) for s, n in zip(sums, noises)]
+      count_noise = count_std * rest[0].astype(jnp.float32)
     if reduce == "mean":
       sums = [s / batch for s in sums]
     out = [s.astype(x.dtype) for s, x in zip(sums, leaves)]
@@ -285,9 +295,7 @@ def clip_per_example(
     new_clip = clip
     if adaptive:
       centred = (batch - clipped_count) - 0.5 * batch
-      if not no_noise:
-        centred = centred + count_std * jax.random.normal(count_key, (),
-                                                          jnp.float32)
+      centred = centred + count_noise
       unclipped_share = jnp.clip(centred / batch + 0.5, 0.0, 1.0)
       new_clip = clip * jnp.exp(
           -jnp.asarray(quantile_lr, jnp.float32)

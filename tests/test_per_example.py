@@ -250,11 +250,14 @@ def test_adaptive_noise_on_count_and_sum():
 
 # ---------------------------------------------------------------- axis_name
 
+# Test programs run once or twice: cheap code generation saves compile time.
+_OPTIONS = {"xla_backend_optimization_level": 0,
+            "xla_llvm_disable_expensive_passes": True}
+
+
 def _compiled(fn, *args):
-  """``jax.jit(fn)(*args)`` with cheap code generation: test programs run once."""
-  options = {"xla_backend_optimization_level": 0,
-             "xla_llvm_disable_expensive_passes": True}
-  return jax.jit(fn).lower(*args).compile(options)(*args)
+  """``jax.jit(fn)(*args)``, compiled with ``_OPTIONS``."""
+  return jax.jit(fn).lower(*args).compile(_OPTIONS)(*args)
 
 
 def test_data_parallel_axis_equals_one_device():
@@ -284,6 +287,29 @@ def test_data_parallel_axis_equals_one_device():
   for scope in want:  # the clipping and the adaptation did something.
     assert float(want[scope][2].clip_fraction) > 0, scope
     assert float(want[scope][2].clip_norm) != 1.0, scope
+
+
+def test_batch_sharded_under_jit_equals_one_device():
+  # No shard_map: per-example gradients whose batch axis is split over a
+  # data-parallel mesh axis (Auto, then Explicit axis types), under plain
+  # jit; XLA reduces across devices and gathers nothing.
+  meshes = [
+      jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",)),
+      jax.make_mesh((8,), ("data",),
+                    axis_types=(jax.sharding.AxisType.Explicit,))]
+  tree = _batch(2, batch=32, scale=0.5)
+  tx = optaxclip.clip_per_example(1.0, scope="layer", noise_multiplier=0.5,
+                                  target_quantile=0.5)
+  state = _state(tx, tree)
+  want = _compiled(tx.update, tree, state)
+  for mesh in meshes:
+    sharded = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), tree)
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(tx.update).lower(sharded, state).compile(_OPTIONS)
+      got = compiled(sharded, state)
+    assert " all-gather" not in compiled.as_text()
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # -------------------------------------------------------- jit, chain, stats
