@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import optaxclip
 from optaxclip import _per_example
+from fast_compile import compile_fast, run_fast
 
 SHAPES = {"w": (3, 2), "b": (2,), "s": ()}
 
@@ -236,7 +237,7 @@ def test_adaptive_noise_on_count_and_sum():
   state = _state(tx, tree)
   keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(300))
   states = jax.vmap(lambda k: state._replace(key=k))(keys)
-  outs, new = jax.jit(jax.vmap(tx.update, in_axes=(None, 0)))(tree, states)
+  outs, new = run_fast(jax.vmap(tx.update, in_axes=(None, 0)), tree, states)
   # Noised unclipped share b = 0.5 - log(C'/C) / lr: its noise has standard
   # deviation sigma_b / B = 1/20.
   shares = 0.5 - np.log(np.asarray(new.clip_norm) / clip) / 0.2
@@ -249,16 +250,6 @@ def test_adaptive_noise_on_count_and_sum():
 
 
 # ---------------------------------------------------------------- axis_name
-
-# Test programs run once or twice: cheap code generation saves compile time.
-_OPTIONS = {"xla_backend_optimization_level": 0,
-            "xla_llvm_disable_expensive_passes": True}
-
-
-def _compiled(fn, *args):
-  """``jax.jit(fn)(*args)``, compiled with ``_OPTIONS``."""
-  return jax.jit(fn).lower(*args).compile(_OPTIONS)(*args)
-
 
 def test_data_parallel_axis_equals_one_device():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
@@ -276,11 +267,11 @@ def test_data_parallel_axis_equals_one_device():
       out[scope] = (first, second, state)
     return out
 
-  want = _compiled(two_steps, tree)
+  want = run_fast(two_steps, tree)
   specs = jax.tree.map(lambda _: P("data"), tree)
   sharded = jax.tree.map(
       lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), tree)
-  got = _compiled(jax.shard_map(
+  got = run_fast(jax.shard_map(
       functools.partial(two_steps, axis_name="data"), mesh=mesh,
       in_specs=(specs,), out_specs=P()), sharded)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
@@ -301,12 +292,12 @@ def test_batch_sharded_under_jit_equals_one_device():
   tx = optaxclip.clip_per_example(1.0, scope="layer", noise_multiplier=0.5,
                                   target_quantile=0.5)
   state = _state(tx, tree)
-  want = _compiled(tx.update, tree, state)
+  want = run_fast(tx.update, tree, state)
   for mesh in meshes:
     sharded = jax.tree.map(
         lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), tree)
     with jax.set_mesh(mesh):
-      compiled = jax.jit(tx.update).lower(sharded, state).compile(_OPTIONS)
+      compiled = compile_fast(jax.jit(tx.update).lower(sharded, state))
       got = compiled(sharded, state)
     assert " all-gather" not in compiled.as_text()
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)

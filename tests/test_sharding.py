@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import optaxclip
+from fast_compile import compile_fast, run_fast
 
 # Every clipper checked on sharded trees, by name: a factory of the clipper
 # that is chained before adam. A new clipper is checked by adding it here.
@@ -52,9 +53,6 @@ LAYOUT = {
 }
 STEP_SCALES = (1.0, 5.0, 0.2)  # three steps: the adaptive clippers move.
 TOL = 1e-5
-# Test programs are run once: cheap code generation saves compile time.
-COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
-                    "xla_llvm_disable_expensive_passes": True}
 
 
 def _is_layout_leaf(x):
@@ -115,13 +113,8 @@ def _run(params, grads_per_step):
     return jax.tree.map(lambda x: x[-1], outs)
 
   stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *grads_per_step)
-  compiled = jax.jit(train).lower(params, stacked).compile(COMPILER_OPTIONS)
+  compiled = compile_fast(jax.jit(train).lower(params, stacked))
   return compiled(params, stacked), compiled.as_text()
-
-
-def _compiled(fn, *args):
-  """``jax.jit(fn)(*args)``, compiled with cheap code generation (faster)."""
-  return jax.jit(fn).lower(*args).compile(COMPILER_OPTIONS)(*args)
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,7 +222,7 @@ def test_axis_name_inside_shard_map_matches_one_device():
       out[name] = (updates, state)
     return out
 
-  want = _compiled(functools.partial(run, mapped=False), grads, params)
+  want = run_fast(functools.partial(run, mapped=False), grads, params)
   out_specs = {name: (SHARD_SPECS, None if name in local_stats else P())
                for name in cases}
   mapped = jax.shard_map(
@@ -237,7 +230,7 @@ def test_axis_name_inside_shard_map_matches_one_device():
       in_specs=(SHARD_SPECS, SHARD_SPECS), out_specs=out_specs)
   put = lambda t: jax.tree.map(
       lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, SHARD_SPECS)
-  got = _compiled(mapped, put(grads), put(params))
+  got = run_fast(mapped, put(grads), put(params))
   for name in cases:
     for key in grads:
       np.testing.assert_allclose(got[name][0][key], want[name][0][key],
@@ -267,16 +260,16 @@ def test_replicated_leaves_are_counted_once():
 
 def test_tuple_axis_name_and_pmap():
   g = _shard_tree(1, 3.0)
-  want, want_state = jax.jit(optaxclip.clip_global(2.0).update)(
-      g, optaxclip.clip_global(2.0).init(g))
+  want, want_state = run_fast(optaxclip.clip_global(2.0).update, g,
+                              optaxclip.clip_global(2.0).init(g))
   # A 2x4 mesh, the kernel split over both axes at once.
   mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
   specs = {"w_in": P(("a", "b"), None), "w_out": P(None, ("a", "b")), "b": P()}
   tx = optaxclip.clip_global(2.0, axis_name=("a", "b"),
                              sharded={"w_in": True, "w_out": True, "b": False})
-  f = jax.jit(jax.shard_map(lambda g: tx.update(g, tx.init(g)), mesh=mesh,
-                            in_specs=(specs,), out_specs=(specs, P())))
-  got, state = f(jax.tree.map(
+  f = jax.shard_map(lambda g: tx.update(g, tx.init(g)), mesh=mesh,
+                    in_specs=(specs,), out_specs=(specs, P()))
+  got, state = run_fast(f, jax.tree.map(
       lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), g, specs))
   for key in g:
     np.testing.assert_allclose(got[key], want[key], rtol=TOL, atol=TOL)
