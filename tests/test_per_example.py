@@ -282,20 +282,21 @@ def test_data_parallel_axis_equals_one_device():
 
 def test_batch_sharded_under_jit_equals_one_device():
   # No shard_map: per-example gradients whose batch axis is split over a
-  # data-parallel mesh axis (Auto, then Explicit axis types), under plain
-  # jit; XLA reduces across devices and gathers nothing.
-  meshes = [
-      jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",)),
-      jax.make_mesh((8,), ("data",),
-                    axis_types=(jax.sharding.AxisType.Explicit,))]
-  tree = _batch(2, batch=32, scale=0.5)
+  # "data" mesh axis and whose kernel is also split over "fsdp" (Auto, then
+  # Explicit axis types), under plain jit; XLA reduces across devices and
+  # gathers nothing.
+  types = jax.sharding.AxisType
+  meshes = [jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(t, t))
+            for t in (types.Auto, types.Explicit)]
+  tree = _batch(2, batch=32, scale=0.5, shapes={"w": (8, 2), "b": (2,)})
+  specs = {"w": P("data", "fsdp"), "b": P("data")}
   tx = optaxclip.clip_per_example(1.0, scope="layer", noise_multiplier=0.5,
                                   target_quantile=0.5)
   state = _state(tx, tree)
   want = run_fast(tx.update, tree, state)
   for mesh in meshes:
     sharded = jax.tree.map(
-        lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), tree)
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
     with jax.set_mesh(mesh):
       compiled = compile_fast(jax.jit(tx.update).lower(sharded, state))
       got = compiled(sharded, state)
