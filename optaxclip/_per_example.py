@@ -84,16 +84,32 @@ def _batch_size(leaves, paths) -> int:
   return size
 
 
+def _summed_batch_sharding(x: jax.Array):
+  """The sharding of ``x`` summed over its batch axis, when that axis is
+  split over an Explicit mesh axis (JAX then asks for it); else None."""
+  typeof = getattr(jax, "typeof", None)
+  sharding = getattr(typeof(x), "sharding", None) if typeof else None
+  spec = tuple(getattr(sharding, "spec", None) or ())
+  if not spec or spec[0] is None:
+    return None
+  rest = spec[1:] + (None,) * (x.ndim - len(spec))
+  return jax.sharding.NamedSharding(sharding.mesh,
+                                    jax.sharding.PartitionSpec(*rest))
+
+
 def _weighted_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
   """``sum_b weights[b] * x[b]`` in the accumulation dtype.
 
-  A product and a sum over the batch axis (XLA fuses them), not a
-  ``tensordot``: with the batch split over an Explicit mesh axis, a
-  contraction over it needs an explicit output sharding; a sum does not.
+  A contraction (``tensordot``) at full float32 precision: on XLA:CPU a
+  product summed over the leading axis ran 150x slower (551 ms against
+  3.5 ms for 64 examples of 152k parameters).
   """
-  dtype = _norms.accumulation_dtype(x.dtype)
-  w = weights.astype(dtype).reshape(weights.shape + (1,) * (x.ndim - 1))
-  return jnp.sum(x.astype(jnp.promote_types(dtype, x.dtype)) * w, axis=0)
+  dtype = jnp.promote_types(_norms.accumulation_dtype(x.dtype), x.dtype)
+  out_sharding = _summed_batch_sharding(x)
+  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+  return jnp.tensordot(weights.astype(_norms.accumulation_dtype(x.dtype)),
+                       x.astype(dtype), axes=1,
+                       precision=jax.lax.Precision.HIGHEST, **kwargs)
 
 
 def _standard_normals(key, leaves, extra: int) -> tuple[list, jax.Array]:
