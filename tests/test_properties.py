@@ -144,6 +144,8 @@ def _leaves(tree):
 class PropertyTest(parameterized.TestCase):
 
   @parameterized.named_parameters((name, name) for name in CONFIGS)
+  # Each example checks all eight limits, so 20 examples cover 160 cases.
+  @hypothesis.settings(max_examples=20)
   @hypothesis.given(g=_trees(), params=_trees())
   def test_properties(self, name, g, params):
     _, units = CONFIGS[name]
