@@ -701,7 +701,9 @@ class CheckTest(parameterized.TestCase):
       bad=[(-1.0, ValueError), (np.float32(-2.0), ValueError),
            (float("nan"), ValueError), (-math.inf, ValueError),
            ("1.0", TypeError), (None, TypeError), (True, TypeError),
-           (1 + 2j, TypeError), (np.ones(2), TypeError)])
+           (1 + 2j, TypeError), (np.ones(2), TypeError),
+           (np.array(True), TypeError), (np.array(1 + 2j), TypeError),
+           (np.array("1"), TypeError), (np.array(-1.0), ValueError)])
   def test_bad_hyperparameter_fails_at_construction(self, factory, bad):
     fn, name, others = factory
     value, error = bad
