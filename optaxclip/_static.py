@@ -213,10 +213,13 @@ def clip_norm(
     axis: the axis or axes a norm spans; ``None`` for the whole leaf. Every
       leaf must have these axes. Not traceable either (``static_args``).
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
-      which sharded leaves are split; their norms are summed across devices.
-      Only with ``axis=None``.
-    sharded: which leaves are split over ``axis_name`` (the others are
-      replicated and counted once): a bool, a pytree prefix of bools or a
+      which sharded leaves are split; their partial norms are summed across
+      devices, so every device clips with the norm of the whole leaf.
+    sharded: which leaves are split over ``axis_name`` along an axis a norm
+      spans (with ``axis=None``: split at all); the others are replicated,
+      or split only along axes a norm does not span (each device then holds
+      whole slices, clipped exactly, but the statistics count the local
+      slices only), and need no sum. A bool, a pytree prefix of bools or a
       callable ``(path, leaf) -> bool``.
 
   Returns:
@@ -241,8 +244,6 @@ def clip_norm(
   p = _checks.check_ord("ord", ord)
   axis = _checks.check_axis("axis", axis)
   axis_name = _check_axis_name(axis_name, "clip_norm")
-  if axis_name is not None and axis is not None:
-    raise ValueError("clip_norm: axis_name works with axis=None only.")
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -328,7 +329,12 @@ def clip_global(
   return optax.GradientTransformation(_init_stats(ClipGlobalState), update_fn)
 
 
-def clip_block_rms(threshold: float) -> optax.GradientTransformation:
+def clip_block_rms(
+    threshold: float,
+    *,
+    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    sharded: Sharded = True,
+) -> optax.GradientTransformation:
   """Clips each leaf to a root-mean-square of at most ``threshold``.
 
   The same numbers as ``optax.clip_by_block_rms``: a leaf of RMS ``r`` is
@@ -337,6 +343,13 @@ def clip_block_rms(threshold: float) -> optax.GradientTransformation:
 
   Args:
     threshold: the largest RMS a leaf may keep (>= 0).
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves are split: their squared norms are summed and
+      their element counts multiplied by the number of devices, so each
+      shard is clipped by the RMS of the whole leaf.
+    sharded: which leaves are split over ``axis_name`` (the others are
+      replicated and counted once): a bool, a pytree prefix of bools or a
+      callable ``(path, leaf) -> bool``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -356,13 +369,17 @@ def clip_block_rms(threshold: float) -> optax.GradientTransformation:
     Array([ 1., -1.,  1., -1.], dtype=float32)
   """
   _checks.check_number("threshold", threshold, low=0.0, allow_inf=True)
+  axis_name = _check_axis_name(axis_name, "clip_block_rms")
 
   def update_fn(updates, state, params=None):
     del params, state
     leaves, treedef = _flatten(updates, "clip_block_rms")
-    norms = _norms.unit_norms(leaves, 2.0)
-    limits = [jnp.asarray(threshold, n.dtype) * math.sqrt(max(x.size, 1))
-              for x, n in zip(leaves, norms)]
+    flags = sharded_flags(updates, sharded, "clip_block_rms")
+    norms = _norms.unit_norms(leaves, 2.0, axis_name=axis_name, sharded=flags)
+    devices = _norms.axis_size(axis_name)
+    sizes = [x.size * (devices if f else 1) for x, f in zip(leaves, flags)]
+    limits = [jnp.asarray(threshold, n.dtype) * math.sqrt(max(size, 1))
+              for size, n in zip(sizes, norms)]
     out, stats = _per_unit_clip(leaves, norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipBlockRMSState(*stats)
 
@@ -400,6 +417,8 @@ def clip_unitwise(
     *,
     eps: float = 1e-3,
     axis: Axis = None,
+    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Adaptive gradient clipping (AGC): ``||g_u|| <= clipping * max(||w_u||, eps)``.
 
@@ -414,6 +433,16 @@ def clip_unitwise(
     eps: parameter norms below it count as ``eps``, so zero-initialised
       parameters still move (>= 0).
     axis: the axes a unit spans, for every leaf; ``None`` picks them by rank.
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves (and their params) are split: partial unit norms
+      of gradient and parameters are summed across devices.
+    sharded: which leaves are split over ``axis_name`` along an axis their
+      units span (e.g. FSDP's split of a Dense kernel's input axis). Leaves
+      that are replicated, or split only along the other axes (a kernel's
+      output axis: each device holds whole units), need no sum: mark them
+      False; they are clipped exactly, but for those split ones the
+      statistics count the local units only. A bool, a pytree prefix of
+      bools or a callable ``(path, leaf) -> bool``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -438,6 +467,7 @@ def clip_unitwise(
   _checks.check_number("clipping", clipping, low=0.0, allow_inf=True)
   _checks.check_number("eps", eps, low=0.0)
   axis = _checks.check_axis("axis", axis)
+  axis_name = _check_axis_name(axis_name, "clip_unitwise")
 
   def update_fn(updates, state, params=None):
     del state
@@ -453,8 +483,11 @@ def clip_unitwise(
     axes = [default_unit_axes(x) if axis is None
             else _leaf_axes(x, axis, path, "clip_unitwise")
             for x, path in zip(leaves, paths)]
-    g_norms = _norms.unit_norms(leaves, 2.0, axes)
-    w_norms = _norms.unit_norms(param_leaves, 2.0, axes)
+    flags = sharded_flags(updates, sharded, "clip_unitwise")
+    g_norms = _norms.unit_norms(leaves, 2.0, axes, axis_name=axis_name,
+                                sharded=flags)
+    w_norms = _norms.unit_norms(param_leaves, 2.0, axes, axis_name=axis_name,
+                                sharded=flags)
     limits = [clipping * jnp.maximum(w, jnp.asarray(eps, w.dtype))
               for w in w_norms]
     out, stats = _per_unit_clip(leaves, g_norms, limits, 2.0)
