@@ -18,14 +18,13 @@ RTOL = 1e-5
 ATOL = 1e-6
 
 
-def _tree(seed=0, scale=1.0, dtype=np.float32):
+def _tree(seed):
+  """A small float32 tree of three leaves of ranks 1, 2 and 4."""
   rng = np.random.default_rng(seed)
-  return {
-      "dense": {"kernel": rng.standard_normal((4, 3)) * scale,
-                "bias": rng.standard_normal(3) * scale},
-      "conv": rng.standard_normal((2, 2, 3, 2)) * scale,
-  } if dtype is None else jax.tree.map(
-      lambda x: jnp.asarray(x, dtype), _tree(seed, scale, None))
+  tree = {"dense": {"kernel": rng.standard_normal((4, 3)),
+                    "bias": rng.standard_normal(3)},
+          "conv": rng.standard_normal((2, 2, 3, 2))}
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
 def _np(tree):
