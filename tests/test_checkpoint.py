@@ -10,15 +10,15 @@ import pytest
 
 import optaxclip
 
-STEPS, SAVE_AT = 24, 11
+STEPS, SAVE_AT = 16, 7
 
 MAKERS = {
-    "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=5,
+    "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=3,
                                                  scope="leaf"),
     "clip_percentile": lambda: optaxclip.clip_percentile(history=8),
-    "clip_relative": lambda: optaxclip.clip_relative(warmup_steps=5),
+    "clip_relative": lambda: optaxclip.clip_relative(warmup_steps=3),
     "guard": lambda: optaxclip.guard(optax.adam(1e-2), spike_z=2.0,
-                                     warmup_steps=5),
+                                     warmup_steps=3),
 }
 
 
@@ -27,11 +27,11 @@ def gradient_stream(seed=0):
   rng = np.random.default_rng(seed)
   out = []
   for t in range(STEPS):
-    scale = {7: 30.0, 13: 50.0, 17: 8.0}.get(t, 1.0)
+    scale = {5: 30.0, 9: 50.0, 13: 8.0}.get(t, 1.0)
     g = {"dense": {"kernel": rng.standard_normal((4, 3)) * scale,
                    "bias": rng.standard_normal(3)},
          "scale": rng.standard_normal(()) * 0.1}
-    if t == 15:
+    if t == 11:
       g["dense"]["bias"][0] = np.nan
     out.append(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g))
   return out
