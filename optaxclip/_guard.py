@@ -118,11 +118,12 @@ def guard(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    zero = jnp.zeros((), jnp.int32)
+    # A fresh array per field: a donated state must not hold one buffer twice.
+    counter = lambda: jnp.zeros((), jnp.int32)
     return GuardState(
         norm=jnp.zeros((), _F32), threshold=jnp.full((), jnp.inf, _F32),
-        skipped=zero, nonfinite=zero, consecutive_skips=zero, count=zero,
-        mean=jnp.zeros((), _F32), var=jnp.zeros((), _F32),
+        skipped=counter(), nonfinite=counter(), consecutive_skips=counter(),
+        count=counter(), mean=jnp.zeros((), _F32), var=jnp.zeros((), _F32),
         inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):

@@ -439,7 +439,7 @@ def test_one_trace_no_host_transfer_in_a_jitted_loop(name):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  step = jax.jit(step)
+  step = jax.jit(step, donate_argnums=(0, 1))  # donation: no shared buffers
   params = global_tree(1.0)
   state = tx.init(params)
   grads = [jax.device_put(global_tree(g)) for g in spiky_stream(12)]
