@@ -31,9 +31,9 @@ ClipZscoreState = _stats.make_state(
     doc="State of :func:`clip_zscore`. Statistics: the global L2 norm "
     "before (``norm``) and after (``clipped_norm``) clipping, the share of "
     "clipping units (the tree, or each leaf) scaled down (``clip_fraction``) "
-    "and ``threshold``, the norm above which a step counts as a spike (capped "
-    "by ``max_norm``; with ``scope='leaf'`` the L2 norm of the per-leaf "
-    "thresholds). Memory: ``count`` (warm-up norms gathered, int32, at most "
+    "and ``threshold``, the norm above which a step counts as a spike, capped "
+    "by ``max_norm`` (during warm-up: ``max_norm``, or +inf without one; with "
+    "``scope='leaf'``: the L2 norm of the per-leaf thresholds). Memory: ``count`` (warm-up norms gathered, int32, at most "
     "``warmup_steps``), and ``mean``/``var`` of the norm (scalars, or one per "
     "leaf), the warm-up's plain mean and variance until it ends, then EMAs.")
 ClipPercentileState = _stats.make_state(
@@ -49,7 +49,7 @@ ClipRelativeState = _stats.make_state(
     doc="State of :func:`clip_relative`. Statistics as for every clipper, "
     "``threshold`` being ``warmup_max_norm`` during warm-up, then the L2 norm "
     "of the per-leaf limits ``factor * gamma_i``. Memory: ``count`` (steps "
-    "taken, int32, at most ``warmup_steps``) and ``gamma`` (one float32 per "
+    "with a finite norm, int32, at most ``warmup_steps``) and ``gamma`` (one float32 per "
     "leaf, +inf before the first step).")
 
 
@@ -218,8 +218,8 @@ def clip_zscore(
   Args:
     alpha: EMA smoothing of the norm's mean and variance, in (0, 1).
     z_thresh: the z-score above which a norm is a spike (> 0).
-    max_norm: a fixed cap on the norm, applied during warm-up too; ``None``
-      for none.
+    max_norm: a fixed cap on the norm (on each leaf's with
+      ``scope="leaf"``), applied during warm-up too; ``None`` for none.
     eps: added to the standard deviation in the z-score (>= 0).
     warmup_steps: steps whose norms start the statistics (>= 1).
     mode: ``"zscore"`` or ``"percentile"`` (see above).

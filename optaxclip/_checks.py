@@ -59,6 +59,8 @@ def check_number(
   """
   if value is None and allow_none:
     return
+  if isinstance(value, np.ndarray) and value.ndim == 0:
+    value = value.item()  # a 0-d bool, complex or str array is checked as such.
   if isinstance(value, jax.Array):
     if value.ndim != 0 or not (
         jnp.issubdtype(value.dtype, jnp.floating)

@@ -53,11 +53,14 @@ def guard(
     EMA mean and standard deviation of the norm.
 
   The statistics start as the plain mean and variance of the first
-  ``warmup_steps`` finite norms and then follow every finite norm,
-  ``m <- alpha m + (1 - alpha) g`` then ``v <- alpha v + (1 - alpha)
-  (g - m)^2`` (the update order of ZClip, :func:`clip_zscore`). Skipped
-  spikes enter them too, so a lasting rise in the norm is absorbed within
-  a few steps instead of stalling training; NaN/Inf norms never do.
+  ``warmup_steps`` finite norms and then follow every finite norm ``x``,
+  ``m <- alpha m + (1 - alpha) x`` then ``v <- alpha v + (1 - alpha)
+  (x - m)^2`` (the update order of ZClip, :func:`clip_zscore`), a spike
+  entering at the spike bound ``m + spike_z s`` rather than at its own
+  size (as in ZClip's "percentile" mode). So one spike barely moves the
+  bound, while a lasting rise in the norm lifts it step by step (the
+  standard deviation grows geometrically while such steps are skipped)
+  until the new level passes. NaN/Inf norms never enter.
 
   Unlike ``optax.apply_if_finite``, it also catches spikes, counts what it
   skipped, and never gives up and applies a non-finite update (watch
@@ -115,11 +118,12 @@ def guard(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    zero = jnp.zeros((), jnp.int32)
+    # A fresh array per field: a donated state must not hold one buffer twice.
+    counter = lambda: jnp.zeros((), jnp.int32)
     return GuardState(
         norm=jnp.zeros((), _F32), threshold=jnp.full((), jnp.inf, _F32),
-        skipped=zero, nonfinite=zero, consecutive_skips=zero, count=zero,
-        mean=jnp.zeros((), _F32), var=jnp.zeros((), _F32),
+        skipped=counter(), nonfinite=counter(), consecutive_skips=counter(),
+        count=counter(), mean=jnp.zeros((), _F32), var=jnp.zeros((), _F32),
         inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -132,24 +136,34 @@ def guard(
     threshold = jnp.full((), jnp.inf, _F32)
     if max_norm is not None:
       threshold = jnp.minimum(threshold, max_norm)
+    seen = norm  # what the statistics take in
     if spike_z is not None:
-      bound = state.mean + spike_z * jnp.sqrt(state.var)
-      threshold = jnp.where(warming, threshold, jnp.minimum(threshold, bound))
+      bound = jnp.where(warming, jnp.inf,
+                        state.mean + spike_z * jnp.sqrt(state.var))
+      threshold = jnp.minimum(threshold, bound)
+      seen = jnp.minimum(norm, bound)
     skip = norm > threshold
     if skip_nonfinite:
       skip = skip | ~finite
 
-    new_updates, new_inner = inner.update(updates, state.inner_state, params,
-                                          **extra_args)
-    new_updates = jax.tree.map(
-        lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
-    new_inner = jax.tree.map(lambda n, o: jnp.where(skip, o, n), new_inner,
-                             state.inner_state)
+    def step():
+      return inner.update(updates, state.inner_state, params, **extra_args)
+
+    def skip_step():
+      zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out_shapes)
+      return zeros, state.inner_state
+
+    # inner's outputs may differ from the updates in dtype: ask for them.
+    out_shapes = jax.eval_shape(step)[0]
+    # A cond rather than selecting between both results: a skipped step
+    # costs nothing, and the state is not copied. The real step goes in the
+    # true branch: on XLA:CPU the other order was measured 4x slower.
+    new_updates, new_inner = jax.lax.cond(~skip, step, skip_step)
 
     warm_mean, warm_var = _adaptive.welford(state.count, state.mean,
-                                            state.var, norm)
+                                            state.var, seen)
     ema_mean, ema_var = _adaptive.ema_mean_var(alpha, state.mean, state.var,
-                                               norm)
+                                               seen)
     count = jnp.where(finite, jnp.minimum(state.count + 1, warmup_steps),
                       state.count)
     mean = jnp.where(finite, jnp.where(warming, warm_mean, ema_mean),

@@ -38,7 +38,13 @@ def stream(steps=45, seed=0):
 
 
 class GuardRule:
-  """The skipping rule, restated with plain Python floats."""
+  """The skipping rule, restated with plain Python floats.
+
+  Skip a step whose norm is NaN/Inf, above max_norm, or (after the warm-up
+  of finite norms) above mean + spike_z * std; the statistics take in every
+  finite norm, clamped at that spike bound, mean first, then the variance
+  with the new mean.
+  """
 
   def __init__(self, skip_nonfinite=True, spike_z=None, max_norm=None,
                alpha=0.97, warmup_steps=25):
@@ -60,6 +66,8 @@ class GuardRule:
       self.margins.append(abs(g - threshold) / threshold)
     skip = g > threshold or (self.skip_nonfinite and not finite)
     if finite:
+      if self.z is not None and not warming:
+        g = min(g, self.mean + self.z * self.var ** 0.5)  # spikes: the bound
       if warming:
         self.gathered.append(g)
         self.mean = float(np.mean(self.gathered))
@@ -126,6 +134,23 @@ class GuardTest(chex.TestCase):
     self.assertGreater(skipped, nonfinite if kwargs else 0)
     self.assertLess(skipped, len(pairs))
 
+  def test_a_lasting_rise_is_absorbed_not_skipped_forever(self):
+    tx = optaxclip.guard(optax.sgd(1.0), spike_z=3.0, warmup_steps=10)
+    rule = GuardRule(spike_z=3.0, warmup_steps=10)
+    update = jax.jit(tx.update)
+    params = grads(1.0)
+    state = tx.init(params)
+    rng = np.random.default_rng(1)
+    norms = list(np.exp(0.05 * rng.standard_normal(20))) + [5.0] * 60
+    skips = []
+    for n in norms:
+      _, state = update(grads(n), state, params)
+      skips.append(int(state.consecutive_skips) > 0)
+      self.assertEqual(skips[-1], rule.step(float(n))[0])
+    first_pass = skips.index(False, 20)
+    self.assertGreater(first_pass - 20, 5)  # the jump was first taken as spikes
+    self.assertFalse(any(skips[first_pass:]))  # then accepted for good
+
   def test_skip_nonfinite_false_lets_nan_through(self):
     tx = optaxclip.guard(optax.sgd(1.0), skip_nonfinite=False)
     params = grads(1.0)
@@ -177,7 +202,7 @@ class GuardTest(chex.TestCase):
       updates, state = tx.update(g, state, params)
       return optax.apply_updates(params, updates), state
 
-    step = jax.jit(step)
+    step = jax.jit(step, donate_argnums=(0, 1))  # donation: no shared buffers
     params = grads(1.0)
     state = tx.init(params)
     data = [jax.device_put(grads(n, b)) for n, b in stream(25)]

@@ -18,14 +18,13 @@ RTOL = 1e-5
 ATOL = 1e-6
 
 
-def _tree(seed=0, scale=1.0, dtype=np.float32):
+def _tree(seed):
+  """A small float32 tree of three leaves of ranks 1, 2 and 4."""
   rng = np.random.default_rng(seed)
-  return {
-      "dense": {"kernel": rng.standard_normal((4, 3)) * scale,
-                "bias": rng.standard_normal(3) * scale},
-      "conv": rng.standard_normal((2, 2, 3, 2)) * scale,
-  } if dtype is None else jax.tree.map(
-      lambda x: jnp.asarray(x, dtype), _tree(seed, scale, None))
+  tree = {"dense": {"kernel": rng.standard_normal((4, 3)),
+                    "bias": rng.standard_normal(3)},
+          "conv": rng.standard_normal((2, 2, 3, 2))}
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
 def _np(tree):
@@ -118,7 +117,7 @@ class ParityTest(parameterized.TestCase):
 
   def test_clip_global_and_clip_norm_match_tf_torch_optax_by_order(self):
     g = _tree(4)
-    orders = (1, 2, 3, math.inf, "inf")
+    orders = (1, 2, 3, math.inf)
     max_norms = np.array([0.7, 2.0, 50.0], np.float32)
 
     def run(g, max_norm):
@@ -256,7 +255,6 @@ def _all_clippers():
       ("clip_norm", optaxclip.clip_norm(1.0), False),
       ("clip_norm_axis", optaxclip.clip_norm(1.0, axis=-1), False),
       ("clip_global", optaxclip.clip_global(1.0), False),
-      ("clip_global_ord1", optaxclip.clip_global(1.0, ord=1), False),
       ("clip_global_inf", optaxclip.clip_global(0.5, ord="inf"), False),
       ("clip_block_rms", optaxclip.clip_block_rms(0.3), False),
       ("clip_unitwise", optaxclip.clip_unitwise(0.1), True),
@@ -274,7 +272,7 @@ def _reference(name, leaves, params=None):
     flat = np.concatenate([m.ravel() for m in mags])
     return out, flat.max(), min(flat.max(), 0.5), np.mean(flat > 0.5)
   if name.startswith("clip_global"):
-    limit, p = {"clip_global": (1.0, 2.0), "clip_global_ord1": (1.0, 1.0),
+    limit, p = {"clip_global": (1.0, 2.0),
                 "clip_global_inf": (0.5, math.inf)}[name]
     norm = np_refs.tree_norm(leaves, p)
     out = [np_refs.f64(x) * min(1.0, limit / norm) for x in leaves]
@@ -373,11 +371,11 @@ class DtypeTest(parameterized.TestCase):
     g = [jnp.asarray(rng.standard_normal(100), jnp.bfloat16)
          for _ in range(1000)]
     true_norm = np_refs.tree_norm(_leaves(g))
-    tx = optaxclip.clip_global(1.0)
-    out, state = jax.jit(tx.update)(g, tx.init(g))
+    # The state alone: the scaled leaves (their dtypes are checked above)
+    # would add a third to the compile time of 1000 leaves.
+    state = jax.jit(lambda g: optaxclip.clip_global(1.0).update(g, None)[1])(g)
     self.assertLess(abs(float(state.norm) / true_norm - 1), 0.01)
-    self.assertTrue(all(x.dtype == jnp.bfloat16 for x in out))
-    _close(np_refs.tree_norm(_leaves(out)), 1.0, rtol=1e-2)
+    _close(state.clipped_norm, 1.0, rtol=1e-2)
     # optax 0.2.8 sums the squares in bfloat16: on this input it reports a
     # norm of 193.0 for a true 316.43 (0.61x; ours: 316.4327), and scales
     # its update by that wrong norm.
@@ -462,12 +460,8 @@ _META_CASES = [
      {"a": np.array([3.0, -4.0]), "b": np.array([[1.0, 2.0]])}, None),
     ("clip_norm", optaxclip.clip_norm(5.0),
      {"a": np.array([3.0, 4.0]), "b": np.array([[0.0, 5.0]])}, None),
-    ("clip_norm_axis", optaxclip.clip_norm(5.0, axis=1),
-     {"a": np.array([[3.0, 4.0], [0.0, 5.0]])}, None),
     ("clip_global", optaxclip.clip_global(5.0),
      {"a": np.array([1.0, 2.0]), "b": np.array([[2.0, 4.0]])}, None),
-    ("clip_global_ord1", optaxclip.clip_global(9.0, ord=1),
-     {"a": np.array([1.0, -2.0]), "b": np.array([[2.0, 4.0]])}, None),
     ("clip_global_inf", optaxclip.clip_global(4.0, ord=math.inf),
      {"a": np.array([1.0, -2.0]), "b": np.array([[2.0, 4.0]])}, None),
     ("clip_global_ord3", optaxclip.clip_global(17 ** (1 / 3), ord=3),
@@ -487,10 +481,8 @@ def _meta_reference(name, tree, params):
     return [np.clip(x, -4.0, 4.0) for x in leaves]
   if name == "clip_norm":
     return [np_refs.tf_clip_by_norm(x, 5.0) for x in leaves]
-  if name == "clip_norm_axis":
-    return [np_refs.tf_clip_by_norm(x, 5.0, axes=1) for x in leaves]
   if name.startswith("clip_global"):
-    limit, p = {"clip_global": (5.0, 2.0), "clip_global_ord1": (9.0, 1.0),
+    limit, p = {"clip_global": (5.0, 2.0),
                 "clip_global_inf": (4.0, math.inf),
                 "clip_global_ord3": (17 ** (1 / 3), 3.0)}[name]
     n = np_refs.tree_norm(leaves, p)
@@ -701,7 +693,9 @@ class CheckTest(parameterized.TestCase):
       bad=[(-1.0, ValueError), (np.float32(-2.0), ValueError),
            (float("nan"), ValueError), (-math.inf, ValueError),
            ("1.0", TypeError), (None, TypeError), (True, TypeError),
-           (1 + 2j, TypeError), (np.ones(2), TypeError)])
+           (1 + 2j, TypeError), (np.ones(2), TypeError),
+           (np.array(True), TypeError), (np.array(1 + 2j), TypeError),
+           (np.array("1"), TypeError), (np.array(-1.0), ValueError)])
   def test_bad_hyperparameter_fails_at_construction(self, factory, bad):
     fn, name, others = factory
     value, error = bad
