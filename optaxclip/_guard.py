@@ -31,6 +31,16 @@ GuardState = _stats.make_state(
     "``inner_state``.")
 
 
+def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> jax.Array:
+  """Zeros of the struct's shape and dtype, and of its sharding when that is
+  explicit (on an Explicit mesh both branches of a cond must agree)."""
+  sharding = getattr(struct, "sharding", None)
+  spec = getattr(sharding, "spec", None) or ()
+  if any(entry is not None for entry in spec):
+    return jnp.zeros(struct.shape, struct.dtype, out_sharding=sharding)
+  return jnp.zeros(struct.shape, struct.dtype)
+
+
 def guard(
     inner: optax.GradientTransformation,
     *,
@@ -150,7 +160,7 @@ def guard(
       return inner.update(updates, state.inner_state, params, **extra_args)
 
     def skip_step():
-      zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out_shapes)
+      zeros = jax.tree.map(_zeros_like_struct, out_shapes)
       return zeros, state.inner_state
 
     # inner's outputs may differ from the updates in dtype: ask for them.
