@@ -115,10 +115,14 @@ def guard(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    zero = jnp.zeros((), jnp.int32)
+    # One array per field: a buffer shared by several fields cannot be
+    # donated (jax.jit(step, donate_argnums=...) fails on the first step).
+    def zero():
+      return jnp.zeros((), jnp.int32)
     return GuardState(
         norm=jnp.zeros((), _F32), threshold=jnp.full((), jnp.inf, _F32),
-        skipped=zero, nonfinite=zero, consecutive_skips=zero, count=zero,
+        skipped=zero(), nonfinite=zero(), consecutive_skips=zero(),
+        count=zero(),
         mean=jnp.zeros((), _F32), var=jnp.zeros((), _F32),
         inner_state=inner.init(params))
 
