@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.util
 import math
 import os
@@ -81,7 +82,7 @@ class Sizes:
   context: int = 1024
   compile_leaves: int = 1000
   compile_size: int = 100
-  rounds: int = 7
+  rounds: Optional[int] = None  # None: fitted to the time budget (3 to 15)
   compile_repeats: int = 2
   optax_compile: bool = True
 
@@ -148,6 +149,14 @@ def adam() -> optax.GradientTransformation:
   return optax.adam(LEARNING_RATE)
 
 
+def _sum_of_squares(tree) -> jax.Array:
+  # The barrier keeps XLA from merging x * x with adam's own g * g (which it
+  # would then write out in full): this is one read of the gradients.
+  return sum((jnp.sum(jnp.square(
+      jax.lax.optimization_barrier(x).astype(jnp.float32)))
+              for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
+
+
 def read_only() -> optax.GradientTransformation:
   """Sums the squares of the gradients into its state; updates unchanged.
 
@@ -160,9 +169,27 @@ def read_only() -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del state, params
-    total = sum((jnp.sum(jnp.square(x.astype(jnp.float32)))
-                 for x in jax.tree.leaves(updates)), jnp.zeros((), jnp.float32))
-    return updates, total
+    return updates, _sum_of_squares(updates)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scale_only() -> optax.GradientTransformation:
+  """Multiplies every leaf by a factor kept in its state; no norm.
+
+  ``chain(scale_only(), adam)`` is the floor for scaling the gradients, the
+  other thing a norm clipper does.
+  """
+  def init_fn(params):
+    del params
+    return jnp.ones((), jnp.float32)
+
+  def update_fn(updates, state, params=None):
+    del params
+    scaled = jax.tree.map(
+        lambda x: (x * state.astype(jnp.promote_types(x.dtype, jnp.float32))
+                   ).astype(x.dtype), updates)
+    return scaled, state * 0.999
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -197,6 +224,8 @@ def step_rows(bf16: bool) -> list[Row]:
   rows = [
       Row("adam + read (floor)", chained(read_only),
           note="one f32 sum-of-squares pass over the gradients, not used"),
+      Row("adam + scale (floor)", chained(scale_only),
+          note="every leaf times a factor from the state, no norm"),
       Row("clip_global", chained(lambda: optaxclip.clip_global(1.0)),
           chained(lambda: optax.clip_by_global_norm(1.0)),
           "optax.clip_by_global_norm", 1.08),
@@ -248,7 +277,8 @@ class Stepper:
         return p, s, optaxclip.stats(s)
       return p, s
 
-    self.state = tx.init(params)
+    # Distinct buffers: a state whose fields share one array cannot be donated.
+    self.state = jax.tree.map(jnp.copy, tx.init(params))
     self.shares_adam = _take_adam(self.state) is not None
     lowered = jax.jit(step, donate_argnums=(0, 1)).lower(
         params, self.state, grads)
@@ -288,14 +318,18 @@ class Result:
 
 
 def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
-                  rounds: int, budget_s: float,
+                  rounds: Optional[int], budget_s: float,
                   extra: Optional[dict[str, Callable[[], None]]] = None,
-                  log=print) -> dict[str, Result]:
-  """Per-round step time of each variant over ``adam``'s, interleaved.
+                  log=print, seed: int = 0) -> dict[str, Result]:
+  """Step time of each variant over ``adam``'s, in adjacent pairs.
 
   ``variants`` maps names to ``(make_tx, with_stats)``; ``adam`` must be one
   of them. ``extra`` maps names to argument-less callables timed the same way
-  (blocking inside).
+  (blocking inside). Each round visits the variants in a new random order,
+  and times every variant's step right after an adam step: the ratio of the
+  two is that round's figure, so load that comes and goes on a shared
+  machine hits both sides of a ratio alike. ``rounds=None`` fits the rounds
+  (3 to 15) to ``budget_s`` seconds of timed steps.
   """
   shared = {"params": jax.tree.map(jnp.copy, params)}
   shared["adam"] = _take_adam(adam().init(shared["params"]))
@@ -307,41 +341,46 @@ def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
     except Exception as err:  # pylint: disable=broad-except
       results[name] = Result([], [], None, f"{type(err).__name__}: {err}")
       log(f"  {name}: failed to build: {results[name].error[:200]}")
-  extra = extra or {}
-  for name in extra:
+  runners = {name: functools.partial(stepper.run, shared, grads, 1)
+             for name, stepper in steppers.items()}
+  for name, fn in (extra or {}).items():
+    runners[name] = fn
     results[name] = Result([], [])
-  # Warm-up (two steps each, outside the clock), then size the rounds.
-  for stepper in steppers.values():
-    stepper.run(shared, grads, 2)
-  for fn in extra.values():
-    fn()
+  base = runners.pop("adam")
+  for name, fn in list(runners.items()):  # warm-up, outside the clock
+    try:
+      fn()
+      fn()
+    except Exception as err:  # pylint: disable=broad-except
+      results[name].error = f"{type(err).__name__}: {err}"
+      log(f"  {name}: failed to run: {results[name].error[:200]}")
+      del runners[name]
+  base()
   t0 = time.perf_counter()
-  steppers["adam"].run(shared, grads, 1)
+  base()
   one = time.perf_counter() - t0
-  per_round = one * (len(steppers) + len(extra))
-  iters = int(max(1, min(5, budget_s / rounds / max(per_round, 1e-9))))
+  if rounds is None:
+    rounds = int(min(15, max(3, budget_s / (2 * one * max(len(runners), 1)))))
+  order = list(runners)
+  rng = np.random.default_rng(seed)
   for _ in range(rounds):
-    times = {}
-    for name, stepper in steppers.items():
+    rng.shuffle(order)
+    for name in order:
       t0 = time.perf_counter()
-      stepper.run(shared, grads, iters)
-      times[name] = (time.perf_counter() - t0) / iters
-    for name, fn in extra.items():
-      t0 = time.perf_counter()
-      for _ in range(iters):
-        fn()
-      times[name] = (time.perf_counter() - t0) / iters
-    for name, t in times.items():
-      results[name].ratios.append(t / times["adam"])
-      results[name].ms.append(t * 1e3)
+      base()
+      t1 = time.perf_counter()
+      runners[name]()
+      t2 = time.perf_counter()
+      results[name].ratios.append((t2 - t1) / (t1 - t0))
+      results[name].ms.append((t2 - t1) * 1e3)
+      results["adam"].ratios.append(1.0)
+      results["adam"].ms.append((t1 - t0) * 1e3)
   return results
 
 
 def read_pass_fn(grads) -> Callable[[], None]:
   """One jitted f32 sum of squares over all leaves, on its own."""
-  fn = jax.jit(lambda g: sum(
-      (jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g)),
-      jnp.zeros((), jnp.float32)))
+  fn = jax.jit(_sum_of_squares)
   jax.block_until_ready(fn(grads))
   return lambda: jax.block_until_ready(fn(grads))
 
@@ -476,11 +515,13 @@ def step_table(title: str, n_params: int, n_leaves: int, rows: list[Row],
                torch_line: Optional[str]) -> list[str]:
   adam_res = results["adam"]
   adam_ms = statistics.median(adam_res.ms)
+  rounds = max((len(r.ratios) for n, r in results.items() if n != "adam"),
+               default=0)
   lines = [
       f"### {title}",
       "",
       f"{n_params / 1e6:.1f}M parameters in {n_leaves} leaves; adam's step: "
-      f"{adam_ms:.1f} ms (median); its temporaries: "
+      f"{adam_ms:.1f} ms (median); {rounds} rounds; adam's temporaries: "
       f"{fmt_mb(adam_res.temp_bytes)} MiB.",
       "",
       "| variant | optaxclip / adam | target | met | optax equivalent | "
@@ -528,7 +569,7 @@ def run_tree(title, shapes, dtype, sizes: Sizes, budget_s: float, log):
   torch_line = None
   if importlib.util.find_spec("torch") is not None:
     try:
-      ratio, ms, version = torch_reference(params, grads, sizes.rounds,
+      ratio, ms, version = torch_reference(params, grads, sizes.rounds or 5,
                                            budget_s / 4)
       torch_line = (f"| torch {version}: clip_grad_norm_(foreach=True) + "
                     f"Adam(foreach=True) / Adam ({ms:.1f} ms) | "
@@ -595,7 +636,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"),
                       help="where to write the markdown report")
   parser.add_argument("--rounds", type=int, default=None,
-                      help="timing rounds per tree (default 7; quick 3)")
+                      help="timing rounds per tree (default: fitted to about "
+                      "a minute of timed steps per tree, 3 to 15; quick 3)")
   parser.add_argument("--only", default="a,b,c,compile",
                       help="comma-separated sections: a, b, c, compile")
   parser.add_argument("--no-optax-compile", action="store_true",
@@ -618,15 +660,17 @@ def main(argv: Optional[list[str]] = None) -> int:
       f"- Command: `{command}`" + (" (quick sizes: not for quoting)"
                                    if args.quick else ""),
       "",
-      "Step ratios are the median over "
-      f"{sizes.rounds} rounds of (variant step time / adam step time in the "
-      "same round), every variant interleaved in each round, with the "
-      "interquartile range in parentheses. Steps donate params and state. "
-      "`adam + read (floor)` is adam plus one float32 sum-of-squares pass over "
-      "the gradients, stored and not used: no norm-based clipper can cost "
-      "less. Temp is the compiled step's temporary memory "
-      "(`memory_analysis().temp_size_in_bytes`); adam's own is in each "
-      "table's heading.",
+      "Each step ratio is the median over rounds of (variant step time / "
+      "the step time of adam run just before it); every round visits the "
+      "variants in a new random order; the interquartile range is in "
+      "parentheses. Steps donate params and state, as a training loop does. "
+      "Floors: `one read pass alone` is a jitted float32 sum of squares of "
+      "the gradients on its own (1 + its time over adam's); `adam + read` "
+      "adds that pass to adam's step (no norm-based clipper can cost less); "
+      "`adam + scale` multiplies every leaf by a factor from the state (what "
+      "scaling the update costs). Temp is the compiled step's temporary "
+      "memory (`memory_analysis().temp_size_in_bytes`); adam's own is in "
+      "each table's heading.",
       "",
       "## Step time over adam's own step",
       "",
