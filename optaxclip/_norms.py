@@ -21,15 +21,16 @@ maxima ``pmax``-ed, so each device sees the norm of the whole array; leaves
 replicated over the axis are counted once.
 
 Performance notes (XLA on CPU, measured with ``benchmarks/run.py``): a plain
-float32 ``sum(x * x)`` is the fastest reduction XLA emits, but any scalar
-operand in it (a threshold, a scale) makes XLA write a broadcast of the
-scalar to memory, and a bfloat16 leaf's float32 upcast is shared with the
-optimizer's own and written out in full. Hence: the fast path squares float32
-leaves with no other operand; narrower leaves go through a two-output
-reduction (which XLA fuses with the upcast); the exact recompute uses the same
-kind of reduction, which needs no scalar operand. Small leaves are
-concatenated (in chunks of at most ``CHUNK_SIZE`` elements) for the tree-wide
-norm, so that the compiled program does not grow with the number of leaves.
+``sum(x * x)`` is the fastest reduction XLA emits, but any scalar operand in
+it (a threshold, a scale) makes XLA write a broadcast of the scalar to memory,
+and a square (or bfloat16 upcast) of the raw gradient is merged with the
+optimizer's own and then written out in full. Hence the fast path squares the
+leaf behind an ``optimization_barrier`` with no other operand, and the exact
+recompute and ``clip_value``'s statistics use multi-output reductions, which
+need no scalar operand (their derivatives come from the plain formulas).
+Small leaves are concatenated (in chunks of at most ``CHUNK_SIZE`` elements)
+for the tree-wide norm, so that the compiled program does not grow with the
+number of leaves.
 """
 
 from __future__ import annotations
@@ -194,41 +195,17 @@ def _fast_or_plain(fast, plain, x, *args):
   return _with_plain_derivative(fast, plain)(x, *args)
 
 
-def _is_narrow(x: jax.Array) -> bool:
-  """Real floats narrower than float32 (bfloat16, float16)."""
-  return (not jnp.iscomplexobj(x)) and jnp.finfo(x.dtype).bits < 32
-
-
-def _power_sum(x: jax.Array, p: float, axes, dtype):
-  """``sum |x|**p`` over ``axes`` (keepdims) in ``dtype``, one pass.
-
-  Returns the sum and, for narrow floats, ``sum |x|`` from the same pass (0
-  exactly when every element is 0: it tells zeros from underflowed squares),
-  else ``None``.
-  """
-  axes = _reduce_axes(x, axes)
-  if not _is_narrow(x):
-    if p == 2 and not jnp.iscomplexobj(x):
-      a = x.astype(dtype)  # even power: no abs, nothing but x in the pass
-    else:
-      a = magnitude(x, dtype)
-    return jnp.sum(_power(a, p), axis=axes, keepdims=True), None
-
-  # One two-output reduction: XLA fuses the upcast into it, where a plain sum
-  # of the upcast would share it with the optimizer's and write it out.
-  def plain(x):
+def _power_sum(x: jax.Array, p: float, axes, dtype) -> jax.Array:
+  """``sum |x|**p`` over ``axes`` (keepdims) in ``dtype``: the fast path."""
+  # The barrier keeps XLA from merging this pass's upcast and square with the
+  # optimizer's own (Adam squares the same gradient): merged, they are written
+  # out in full, a gradient-sized temporary, instead of fused into the sum.
+  x = jax.lax.optimization_barrier(x)
+  if p == 2 and not jnp.iscomplexobj(x):
+    a = x.astype(dtype)  # even power: no abs, nothing but x in the pass
+  else:
     a = magnitude(x, dtype)
-    return (jnp.sum(_power(a, p), axis=axes, keepdims=True),
-            jnp.sum(a, axis=axes, keepdims=True))
-
-  def fast(x):
-    a = magnitude(x, dtype)
-    zero = jnp.zeros((), dtype)
-    s, l1 = jax.lax.reduce((_power(a, p), a), (zero, zero),
-                           lambda u, v: (u[0] + v[0], u[1] + v[1]), axes)
-    return jnp.expand_dims(s, axes), jnp.expand_dims(l1, axes)
-
-  return _fast_or_plain(fast, plain, x)
+  return jnp.sum(_power(a, p), axis=_reduce_axes(x, axes), keepdims=True)
 
 
 def _scaled_sum(x: jax.Array, p: float, axes, dtype):
@@ -243,7 +220,10 @@ def _scaled_sum(x: jax.Array, p: float, axes, dtype):
 
   def plain(x):
     a = magnitude(x, dtype)
-    m = jnp.max(a, axis=axes, keepdims=True, initial=0)
+    # M is only a scale: the norm M * q**(1/p) is the same for any M > 0, so
+    # its derivative is exact with M held constant (and the derivative of
+    # a / M through M would overflow M**2).
+    m = jax.lax.stop_gradient(jnp.max(a, axis=axes, keepdims=True, initial=0))
     safe = jnp.where(m > 0, m, 1)
     return m, jnp.sum(_power(a / safe, p), axis=axes, keepdims=True)
 
@@ -316,7 +296,7 @@ def unit_norms(
 
   The fast path is one reduction pass per leaf. A unit whose power sum is not
   finite, or too small to trust, sends the call to the exact recompute. A
-  float32 unit whose sum is exactly zero (all zeros, or every square
+  unit whose sum is exactly zero (all zeros, or every square
   underflowed) is settled first by the largest magnitude of each unit, a
   cheaper pass, so that trees with zero units (dead ReLUs, unused
   parameters) pay that pass only, not the recompute.
@@ -339,28 +319,22 @@ def unit_norms(
   flags = _sharded_flags(leaves, sharded)
   p = ord
 
-  def maxima(leaves_, which):
+  def maxima(leaves_):
     return [
         _pmax(jnp.max(magnitude(x), axis=_reduce_axes(x, ax), keepdims=True,
                       initial=0), axis_name if f else None)
-        for i, (x, ax, f) in enumerate(zip(leaves_, axes, flags))
-        if i in which]
+        for x, ax, f in zip(leaves_, axes, flags)]
 
   if math.isinf(p):
-    return maxima(leaves, range(len(leaves)))
+    return maxima(leaves)
 
-  sums, good, zero_sums = [], [], {}
-  for i, (x, ax, f) in enumerate(zip(leaves, axes, flags)):
+  sums, good, zero_sums = [], [], []
+  for x, ax, f in zip(leaves, axes, flags):
     dtype = accumulation_dtype(x.dtype)
-    s, l1 = _power_sum(x, p, ax, dtype)
-    s = _psum_sharded(s, f, axis_name)
+    s = _psum_sharded(_power_sum(x, p, ax, dtype), f, axis_name)
     sums.append(s)
-    ok = jnp.isfinite(s) & (s >= _safe_min(dtype, p))
-    if l1 is None:
-      zero_sums[i] = s == 0  # all zeros, or all underflowed: to be settled
-    else:
-      ok = ok | (_psum_sharded(l1, f, axis_name) == 0)  # all zeros
-    good.append(ok)
+    good.append(jnp.isfinite(s) & (s >= _safe_min(dtype, p)))
+    zero_sums.append(s == 0)  # all zeros, or all squares underflowed
 
   def direct(leaves_):
     del leaves_
@@ -375,16 +349,13 @@ def unit_norms(
 
   def settle_zeros(leaves_):
     # A zero sum is a zero norm when its unit's largest magnitude is 0.
-    zeros = _flat_all([~z | (m == 0) for z, m in zip(
-        zero_sums.values(), maxima(leaves_, zero_sums))])
+    zeros = _flat_all([~z | (m == 0) for z, m in zip(zero_sums,
+                                                      maxima(leaves_))])
     return jax.lax.cond(zeros, direct, exact, leaves_)
 
-  all_good = _flat_all(good)
-  if not zero_sums:
-    return jax.lax.cond(all_good, direct, exact, leaves)
-  only_zero_sums = _flat_all(
-      [g | zero_sums[i] if i in zero_sums else g for i, g in enumerate(good)])
-  index = jnp.where(all_good, 0, jnp.where(only_zero_sums, 1, 2))
+  # 0: every sum trusted; 1: the others are zero sums, to be settled; 2: not.
+  index = jnp.where(_flat_all(good), 0, jnp.where(
+      _flat_all([g | z for g, z in zip(good, zero_sums)]), 1, 2))
   return jax.lax.switch(index, (direct, settle_zeros, exact), leaves)
 
 
@@ -465,7 +436,7 @@ def global_norm(
   total = jnp.zeros((), dtype)
   for f, idx in groups.items():
     if idx:
-      local = sum(_power_sum(arrays[i], p, None, dtype)[0].reshape(())
+      local = sum(_power_sum(arrays[i], p, None, dtype).reshape(())
                   for i in idx)
       total = total + _psum_sharded(local, f, axis_name)
   # A sum at or above this bound cannot hide lost (underflowed) terms that
