@@ -4,11 +4,14 @@ Three rules hold for every norm computed here:
 
 * Accumulation happens in float32, or wider when a leaf is wider, whatever the
   leaf dtype: a bfloat16 sum over millions of elements is useless.
-* Norms are overflow- and underflow-safe. The fast path sums ``|x|**p``
-  directly; when that sum is not finite (float32 overflows at elements near
-  1e19 for p=2) or too small to be trusted, one ``lax.cond`` recomputes
-  ``M * (sum (|x|/M)**p) ** (1/p)`` with ``M`` the largest magnitude, as BLAS
-  ``nrm2`` does. Ordinary steps pay for the fast path alone.
+* Norms are overflow- and underflow-safe. The fast path is one reduction pass
+  that sums ``|x|**p`` directly. When a sum is not finite (float32 overflows at
+  elements near 1e19 for p=2), too small to be trusted, or exactly zero where
+  the elements might be tiny rather than zero, one ``lax.cond`` recomputes the
+  norms exactly, in one more pass that carries ``(M, sum (|x|/M)**p)`` with
+  ``M`` the largest magnitude so far, as BLAS ``nrm2`` does (Blue, 1978;
+  Anderson, "Algorithm 978: Safe scaling in the Level 1 BLAS", 2017).
+  Ordinary steps pay for the fast path alone.
 * Derivatives are finite everywhere: at a zero gradient and exactly on a
   clipping threshold (meta-learning differentiates through ``update``).
 
@@ -16,10 +19,23 @@ Three rules hold for every norm computed here:
 leaves that are sharded over the named axis (or axes) are ``psum``-ed, and the
 maxima ``pmax``-ed, so each device sees the norm of the whole array; leaves
 replicated over the axis are counted once.
+
+Performance notes (XLA on CPU, measured with ``benchmarks/run.py``): a plain
+``sum(x * x)`` is the fastest reduction XLA emits, but any scalar operand in
+it (a threshold, a scale) makes XLA write a broadcast of the scalar to memory,
+and a square (or bfloat16 upcast) of the raw gradient is merged with the
+optimizer's own and then written out in full. Hence the fast path squares the
+leaf behind an ``optimization_barrier`` with no other operand, and the exact
+recompute and ``clip_value``'s statistics use multi-output reductions, which
+need no scalar operand (their derivatives come from the plain formulas).
+Small leaves are concatenated (in chunks of at most ``CHUNK_SIZE`` elements)
+for the tree-wide norm, so that the compiled program does not grow with the
+number of leaves.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional, Sequence, Union
 
@@ -33,6 +49,9 @@ AxisName = Union[None, str, tuple]
 # a tree-wide reduction: one reduction instead of one per leaf keeps compile
 # time flat in the number of leaves, and copying small leaves is cheap.
 SMALL_LEAF_SIZE = 1 << 16
+# The largest concatenated buffer (elements): a bound on the temporary memory
+# that concatenation costs, whatever the number of small leaves.
+CHUNK_SIZE = 1 << 20
 
 
 def accumulation_dtype(dtype: Any) -> np.dtype:
@@ -148,6 +167,123 @@ def _sharded_flags(leaves, sharded) -> list[bool]:
   return [bool(s) for s in sharded]
 
 
+# --------------------------------------------------------------------------
+# Reductions: the fast power sum and the exact (scaled) one
+# --------------------------------------------------------------------------
+
+def _with_plain_derivative(fast, plain):
+  """``fast``'s values with the derivatives of ``plain``, the same function
+  written with differentiable ops (``fast`` uses a multi-output
+  ``lax.reduce``, which JAX cannot differentiate)."""
+  @jax.custom_jvp
+  def fn(*args):
+    return fast(*args)
+
+  @fn.defjvp
+  def fn_jvp(primals, tangents):
+    return fast(*primals), jax.jvp(plain, primals, tangents)[1]
+
+  return fn
+
+
+def _fast_or_plain(fast, plain, x, *args):
+  """``fast(x, *args)`` with ``plain``'s derivatives; ``plain`` itself for a
+  leaf that may span devices: XLA's partitioner does not split a
+  multi-output reduction, it would all-gather the leaf."""
+  if may_span_devices(x):
+    return plain(x, *args)
+  return _with_plain_derivative(fast, plain)(x, *args)
+
+
+def _power_sum(x: jax.Array, p: float, axes, dtype) -> jax.Array:
+  """``sum |x|**p`` over ``axes`` (keepdims) in ``dtype``: the fast path."""
+  # The barrier keeps XLA from merging this pass's upcast and square with the
+  # optimizer's own (Adam squares the same gradient): merged, they are written
+  # out in full, a gradient-sized temporary, instead of fused into the sum.
+  x = jax.lax.optimization_barrier(x)
+  if p == 2 and not jnp.iscomplexobj(x):
+    a = x.astype(dtype)  # even power: no abs, nothing but x in the pass
+  else:
+    a = magnitude(x, dtype)
+  return jnp.sum(_power(a, p), axis=_reduce_axes(x, axes), keepdims=True)
+
+
+def _scaled_sum(x: jax.Array, p: float, axes, dtype):
+  """``(M, sum (|x|/M)**p)`` over ``axes`` (keepdims), ``M = max |x|``.
+
+  One pass, overflow- and underflow-free, with no scalar operand: each
+  partial result carries its own largest magnitude, and two partials are
+  merged by rescaling to the larger. An infinite or NaN element gives an
+  infinite or NaN ``M``.
+  """
+  axes = _reduce_axes(x, axes)
+
+  def plain(x):
+    a = magnitude(x, dtype)
+    # M is only a scale: the norm M * q**(1/p) is the same for any M > 0, so
+    # its derivative is exact with M held constant (and the derivative of
+    # a / M through M would overflow M**2).
+    m = jax.lax.stop_gradient(jnp.max(a, axis=axes, keepdims=True, initial=0))
+    safe = jnp.where(m > 0, m, 1)
+    return m, jnp.sum(_power(a / safe, p), axis=axes, keepdims=True)
+
+  def merge(u, v):
+    (m1, q1), (m2, q2) = u, v
+    m = jnp.maximum(m1, m2)
+    safe = jnp.where(m > 0, m, 1)
+    return m, q1 * _power(m1 / safe, p) + q2 * _power(m2 / safe, p)
+
+  def fast(x):
+    a = magnitude(x, dtype)
+    zero = jnp.zeros((), dtype)
+    m, q = jax.lax.reduce((a, jnp.ones_like(a)), (zero, zero), merge, axes)
+    return jnp.expand_dims(m, axes), jnp.expand_dims(q, axes)
+
+  return _fast_or_plain(fast, plain, x)
+
+
+def _merge_scaled(parts, p: float):
+  """Merges ``(M_i, q_i)`` of disjoint parts (same shapes) into one."""
+  m = parts[0][0]
+  for mi, _ in parts[1:]:
+    m = jnp.maximum(m, mi)
+  safe = jnp.where(m > 0, m, 1)
+  return m, sum(qi * _power(mi / safe, p) for mi, qi in parts)
+
+
+def _across_devices(m, q, p, sharded: bool, axis_name: AxisName):
+  """``(M, q)`` of a leaf sharded over ``axis_name``, merged over devices."""
+  if not (sharded and axis_name):
+    return m, q
+  total_m = jax.lax.pmax(m, axis_name)
+  safe = jnp.where(total_m > 0, total_m, 1)
+  return total_m, jax.lax.psum(q * _power(m / safe, p), axis_name)
+
+
+def _scaled_norm(m, q, p):
+  """``M * q**(1/p)``: infinite for an infinite ``M``, NaN for a NaN one."""
+  return jnp.where(jnp.isinf(m), m, m * safe_root(q, p))
+
+
+def _flat_all(parts) -> jax.Array:
+  """``all`` over boolean arrays of any shapes: one reduction for those that
+  live on one device (concatenated), one each for the others."""
+  local = [jnp.ravel(b) for b in parts if not may_span_devices(b)]
+  result = [jnp.all(b) for b in parts if may_span_devices(b)]
+  if local:
+    result.append(jnp.all(_flat_concat(local)))
+  return functools.reduce(jnp.logical_and, result, jnp.array(True))
+
+
+def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
+  flat = [jnp.ravel(x) for x in xs]
+  return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+
+
+# --------------------------------------------------------------------------
+# Unit norms
+# --------------------------------------------------------------------------
+
 def unit_norms(
     leaves: Sequence[jax.Array],
     ord: float = 2.0,  # pylint: disable=redefined-builtin
@@ -157,6 +293,13 @@ def unit_norms(
     sharded: Optional[Sequence[bool]] = None,
 ) -> list[jax.Array]:
   """The p-norm of each unit of each leaf, with reduced axes kept as size 1.
+
+  The fast path is one reduction pass per leaf. A unit whose power sum is not
+  finite, or too small to trust, sends the call to the exact recompute. A
+  unit whose sum is exactly zero (all zeros, or every square
+  underflowed) is settled first by the largest magnitude of each unit, a
+  cheaper pass, so that trees with zero units (dead ReLUs, unused
+  parameters) pay that pass only, not the recompute.
 
   Args:
     leaves: float or complex arrays.
@@ -174,74 +317,78 @@ def unit_norms(
     return []
   axes = [None] * len(leaves) if axes is None else list(axes)
   flags = _sharded_flags(leaves, sharded)
-  mags = [magnitude(x) for x in leaves]
-  maxima = [
-      _pmax(jnp.max(a, axis=_reduce_axes(a, ax), keepdims=True, initial=0),
-            axis_name if f else None)
-      for a, ax, f in zip(mags, axes, flags)
-  ]
-  if math.isinf(ord):
-    return maxima
-  sums = [
-      _psum_sharded(jnp.sum(_power(a, ord), axis=_reduce_axes(a, ax),
-                            keepdims=True), f, axis_name)
-      for a, ax, f in zip(mags, axes, flags)
-  ]
-  trusted = jnp.array(True)
-  for s, m in zip(sums, maxima):
-    ok = jnp.isfinite(s) & ((m == 0) | (_power(m, ord) >= _safe_min(m.dtype, ord)))
-    trusted = trusted & jnp.all(ok)
+  p = ord
+
+  def maxima(leaves_):
+    return [
+        _pmax(jnp.max(magnitude(x), axis=_reduce_axes(x, ax), keepdims=True,
+                      initial=0), axis_name if f else None)
+        for x, ax, f in zip(leaves_, axes, flags)]
+
+  if math.isinf(p):
+    return maxima(leaves)
+
+  sums, good, zero_sums = [], [], []
+  for x, ax, f in zip(leaves, axes, flags):
+    dtype = accumulation_dtype(x.dtype)
+    s = _psum_sharded(_power_sum(x, p, ax, dtype), f, axis_name)
+    sums.append(s)
+    good.append(jnp.isfinite(s) & (s >= _safe_min(dtype, p)))
+    zero_sums.append(s == 0)  # all zeros, or all squares underflowed
 
   def direct(leaves_):
     del leaves_
-    return [safe_root(s, ord) for s in sums]
+    return [safe_root(s, p) for s in sums]
 
-  def rescaled(leaves_):
+  def exact(leaves_):
     out = []
-    for x, m, ax, f in zip(leaves_, maxima, axes, flags):
-      a = magnitude(x)
-      m_safe = jnp.where(m > 0, m, 1)
-      s = _psum_sharded(
-          jnp.sum(_power(a / m_safe, ord), axis=_reduce_axes(a, ax),
-                  keepdims=True), f, axis_name)
-      out.append(m * safe_root(s, ord))
+    for x, ax, f in zip(leaves_, axes, flags):
+      m, q = _scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
+      out.append(_scaled_norm(*_across_devices(m, q, p, f, axis_name), p))
     return out
 
-  return jax.lax.cond(trusted, direct, rescaled, leaves)
+  def settle_zeros(leaves_):
+    # A zero sum is a zero norm when its unit's largest magnitude is 0.
+    zeros = _flat_all([~z | (m == 0) for z, m in zip(zero_sums,
+                                                      maxima(leaves_))])
+    return jax.lax.cond(zeros, direct, exact, leaves_)
+
+  # 0: every sum trusted; 1: the others are zero sums, to be settled; 2: not.
+  index = jnp.where(_flat_all(good), 0, jnp.where(
+      _flat_all([g | z for g, z in zip(good, zero_sums)]), 1, 2))
+  return jax.lax.switch(index, (direct, settle_zeros, exact), leaves)
 
 
-def _grouped_power_sums(leaves, flags, p, dtype, axis_name, scale=None):
-  """Sum of ``(|x|/scale)**p`` over all leaves, small leaves concatenated."""
-  total = jnp.zeros((), dtype)
-  for is_sharded in (False, True):
-    small = [x for x, f in zip(leaves, flags) if f == is_sharded
-             and _concatenable(x)]
-    large = [x for x, f in zip(leaves, flags) if f == is_sharded
-             and not _concatenable(x)]
-    parts = []
-    if small:
-      flat = jnp.concatenate([magnitude(x, dtype).ravel() for x in small])
-      parts.append(flat)
-    parts.extend(magnitude(x, dtype) for x in large)
-    group = jnp.zeros((), dtype)
-    for a in parts:
-      if scale is not None:
-        a = a / scale
-      group = group + jnp.sum(_power(a, p))
-    total = total + _psum_sharded(group, is_sharded, axis_name)
-  return total
+# --------------------------------------------------------------------------
+# Global norm
+# --------------------------------------------------------------------------
 
+def _pieces(leaves, flags) -> list[tuple[jax.Array, bool]]:
+  """The leaves as ``(array, sharded)`` pieces for a tree-wide reduction.
 
-def _grouped_max(leaves, flags, dtype, axis_name):
-  local = jnp.zeros((), dtype)
-  small = [x for x in leaves if _concatenable(x)]
-  large = [x for x in leaves if not _concatenable(x)]
-  if small:
-    local = jnp.maximum(local, jnp.max(jnp.concatenate(
-        [magnitude(x, dtype).ravel() for x in small]), initial=0))
-  for x in large:
-    local = jnp.maximum(local, jnp.max(magnitude(x, dtype)))
-  return _pmax(local, axis_name if any(flags) else None)
+  Large leaves stay as they are. Small ones are concatenated, per dtype and
+  sharded flag, into chunks of at most ``CHUNK_SIZE`` elements: one
+  reduction (and one fusion to compile) per chunk, not per leaf. Empty
+  leaves are dropped.
+  """
+  pieces, small = [], {}
+  for x, f in zip(leaves, flags):
+    if x.size == 0:
+      continue
+    if _concatenable(x):
+      small.setdefault((f, jnp.dtype(x.dtype)), []).append(x)
+    else:
+      pieces.append((x, f))
+  for (f, _), xs in small.items():
+    chunk, size = [], 0
+    for x in xs:
+      if chunk and size + x.size > CHUNK_SIZE:
+        pieces.append((_flat_concat(chunk), f))
+        chunk, size = [], 0
+      chunk.append(x)
+      size += x.size
+    pieces.append((_flat_concat(chunk), f))
+  return pieces
 
 
 def global_norm(
@@ -253,8 +400,9 @@ def global_norm(
 ) -> jax.Array:
   """The p-norm of all leaves taken together, as one vector.
 
-  The fast path is one reduction pass over the leaves; only when its sum is
-  not finite, or too small to trust, is the norm recomputed with rescaling.
+  The fast path is one reduction pass over the leaves (small ones
+  concatenated); only when its sum is not finite, or too small to trust (or
+  zero), is the norm recomputed exactly, from the same buffers.
 
   Args:
     leaves: float or complex arrays.
@@ -267,27 +415,76 @@ def global_norm(
   """
   leaves = list(leaves)
   dtype = tree_accumulation_dtype(leaves)
-  if not leaves:
-    return jnp.zeros((), dtype)
   flags = _sharded_flags(leaves, sharded)
-  if math.isinf(ord):
-    return _grouped_max(leaves, flags, dtype, axis_name)
-  total = _grouped_power_sums(leaves, flags, ord, dtype, axis_name)
+  pieces = _pieces(leaves, flags)
+  if not pieces:
+    return jnp.zeros((), dtype)
+  p = ord
+  arrays = [a for a, _ in pieces]
+  groups = {f: [i for i, (_, g) in enumerate(pieces) if g == f]
+            for f in (False, True)}
+
+  if math.isinf(p):
+    biggest = jnp.zeros((), dtype)
+    for f, idx in groups.items():
+      if idx:
+        local = functools.reduce(jnp.maximum, [
+            jnp.max(magnitude(arrays[i], dtype), initial=0) for i in idx])
+        biggest = jnp.maximum(biggest, _pmax(local, axis_name if f else None))
+    return biggest
+
+  total = jnp.zeros((), dtype)
+  for f, idx in groups.items():
+    if idx:
+      local = sum(_power_sum(arrays[i], p, None, dtype).reshape(())
+                  for i in idx)
+      total = total + _psum_sharded(local, f, axis_name)
   # A sum at or above this bound cannot hide lost (underflowed) terms that
-  # matter; below it, or when it overflowed, rescale by the largest magnitude.
-  trusted = jnp.isfinite(total) & (total >= _safe_min(dtype, ord))
+  # matter; below it, or when it overflowed, recompute exactly.
+  trusted = jnp.isfinite(total) & (total >= _safe_min(dtype, p))
 
-  def direct(leaves_):
-    del leaves_
-    return safe_root(total, ord)
+  def direct(arrays_):
+    del arrays_
+    return safe_root(total, p)
 
-  def rescaled(leaves_):
-    biggest = _grouped_max(leaves_, flags, dtype, axis_name)
-    scale = jnp.where(biggest > 0, biggest, 1)
-    s = _grouped_power_sums(leaves_, flags, ord, dtype, axis_name, scale)
-    return biggest * safe_root(s, ord)
+  def exact(arrays_):
+    parts = []
+    for f, idx in groups.items():
+      if idx:
+        m, q = _merge_scaled([
+            tuple(v.reshape(()) for v in _scaled_sum(arrays_[i], p, None, dtype))
+            for i in idx], p)
+        parts.append(_across_devices(m, q, p, f, axis_name))
+    return _scaled_norm(*_merge_scaled(parts, p), p)
 
-  return jax.lax.cond(trusted, direct, rescaled, leaves)
+  return jax.lax.cond(trusted, direct, exact, arrays)
+
+
+def largest_and_count_above(x: jax.Array, limit: Any):
+  """``(max |x|, number of elements with |x| > limit)``, in one pass.
+
+  Both float32 scalars (the count as a float, exact up to 2**24). One
+  two-output reduction: a separate count would make XLA write out the
+  comparison (or a broadcast of ``limit``) as a full-size temporary.
+  """
+  dtype = accumulation_dtype(x.dtype)
+  f32 = jnp.float32
+
+  def plain(x, limit):
+    a = magnitude(x, dtype)
+    return (jnp.max(a, initial=0).astype(f32),
+            jnp.sum(a > limit, dtype=f32))
+
+  def fast(x, limit):
+    a = magnitude(x, dtype)
+    over = (a > limit).astype(f32)
+    zero = jnp.zeros((), f32)
+    return jax.lax.reduce(
+        (a.astype(f32), over), (zero, zero),
+        lambda u, v: (jnp.maximum(u[0], v[0]), u[1] + v[1]),
+        tuple(range(x.ndim)))
+
+  return _fast_or_plain(fast, plain, x, jnp.asarray(limit, dtype))
 
 
 def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0) -> jax.Array:  # pylint: disable=redefined-builtin

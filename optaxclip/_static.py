@@ -138,8 +138,10 @@ def clip_value(max_delta: float) -> optax.GradientTransformation:
         out.append(_norms.scale_leaf(x, factor))
       else:
         out.append(jnp.clip(x, -limit, limit).astype(x.dtype))
-      largest = jnp.maximum(largest, jnp.max(mag, initial=0).astype(jnp.float32))
-      clipped = clipped + _norms.count(over)
+      # Both statistics in one pass (see largest_and_count_above).
+      biggest, n_over = _norms.largest_and_count_above(x, limit)
+      largest = jnp.maximum(largest, biggest)
+      clipped = clipped + n_over
       total += x.size
     limit = jnp.asarray(max_delta, jnp.float32)
     new_state = ClipValueState(

@@ -1,0 +1,96 @@
+"""benchmarks/run.py --quick runs and writes a sane report (so it never rots).
+
+Speed itself is not tested here (timings belong to benchmarks/RESULTS.md);
+this checks that every row is measured and every figure is a positive number.
+"""
+
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import optaxclip
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+STEP_ROWS = (
+    "one read pass alone", "adam + read (floor)", "adam + scale (floor)",
+    "clip_global", "clip_global + stats()", "clip_norm", "clip_value",
+    "clip_block_rms", "clip_unitwise")
+OPTAX_TWINS = {
+    "clip_global": "optax.clip_by_global_norm",
+    "clip_value": "optax.clip",
+    "clip_block_rms": "optax.clip_by_block_rms",
+    "clip_unitwise": "optax.adaptive_grad_clip",
+}
+ADAPTIVE_ROWS = {"clip_zscore": "clip_zscore",
+                 "clip_percentile": "clip_percentile",
+                 "clip_relative": "clip_relative", "guard": "guard(adam)"}
+RATIO = re.compile(r"^(\d+\.\d+)x")
+
+
+def _cells(line):
+  return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _ratio(cell):
+  match = RATIO.match(cell)
+  assert match, f"not a ratio: {cell!r}"
+  value = float(match.group(1))
+  assert math.isfinite(value) and 0 < value < 100, cell
+  return value
+
+
+def _tables(text):
+  """{section title: [cells of each body row]} for every markdown table."""
+  tables, title = {}, None
+  for line in text.splitlines():
+    if line.startswith("### "):
+      title = line[4:]
+      tables[title] = []
+    elif line.startswith("|") and title and not line.startswith("|---"):
+      cells = _cells(line)
+      if cells[0] not in ("variant", "step"):
+        tables[title].append(cells)
+  return tables
+
+
+def test_quick_run_writes_a_sane_report(tmp_path):
+  out = tmp_path / "RESULTS.md"
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick",
+       "--out", str(out)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  text = out.read_text(encoding="utf-8")
+  assert text == proc.stdout.rstrip("\n") + "\n"
+  assert "- Machine:" in text and "- Versions:" in text and "- Date:" in text
+  tables = _tables(text)
+  step_tables = [t for t in tables if t.startswith("(")]
+  assert [t[:3] for t in step_tables] == ["(a)", "(b)", "(c)"]
+  expected = list(STEP_ROWS) + [row for name, row in ADAPTIVE_ROWS.items()
+                                if hasattr(optaxclip, name)]
+  for title in step_tables:
+    rows = {cells[0].split(" <sub>")[0]: cells for cells in tables[title]}
+    assert sorted(rows) == sorted(expected), title
+    for name, cells in rows.items():
+      _ratio(cells[1])
+      if name in OPTAX_TWINS:
+        assert cells[4] == OPTAX_TWINS[name]
+        _ratio(cells[5])
+      if name != "one read pass alone":
+        temps = cells[6].split(" / ")
+        assert float(temps[0]) >= 0, cells
+  compile_rows = next(rows for title, rows in tables.items()
+                      if title.startswith("Compile time"))
+  names = [cells[0].split(" (")[0] for cells in compile_rows]
+  assert names == ["adam", "chain(clip_global, adam)",
+                   "chain(optax.clip_by_global_norm, adam)"]
+  for cells in compile_rows:
+    assert float(cells[1]) > 0 and float(cells[2]) > 0
+    _ratio(cells[3])
+  assert _ratio(compile_rows[0][3]) == 1.0
