@@ -6,6 +6,14 @@ optimizer::
     tx = optax.chain(optaxclip.clip_global(5.0), optax.adam(1e-3))
 """
 
+from optaxclip._adaptive import ClipPercentileState
+from optaxclip._adaptive import ClipRelativeState
+from optaxclip._adaptive import ClipZscoreState
+from optaxclip._adaptive import clip_percentile
+from optaxclip._adaptive import clip_relative
+from optaxclip._adaptive import clip_zscore
+from optaxclip._guard import GuardState
+from optaxclip._guard import guard
 from optaxclip._static import ClipBlockRMSState
 from optaxclip._static import ClipGlobalState
 from optaxclip._static import ClipNormState
@@ -26,14 +34,22 @@ __all__ = (
     "ClipBlockRMSState",
     "ClipGlobalState",
     "ClipNormState",
+    "ClipPercentileState",
+    "ClipRelativeState",
     "ClipUnitwiseState",
     "ClipValueState",
+    "ClipZscoreState",
+    "GuardState",
     "clip_block_rms",
     "clip_global",
     "clip_norm",
+    "clip_percentile",
+    "clip_relative",
     "clip_unitwise",
     "clip_value",
+    "clip_zscore",
     "clipped",
     "default_unit_axes",
+    "guard",
     "stats",
 )

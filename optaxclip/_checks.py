@@ -59,6 +59,8 @@ def check_number(
   """
   if value is None and allow_none:
     return
+  if isinstance(value, np.ndarray) and value.ndim == 0:
+    value = value.item()  # a 0-d bool, complex or str array is checked as such.
   if isinstance(value, jax.Array):
     if value.ndim != 0 or not (
         jnp.issubdtype(value.dtype, jnp.floating)
@@ -89,13 +91,27 @@ def check_number(
     raise ValueError(f"{name} must be {bound}; got {value!r}.")
 
 
+# Structural arguments (a norm's order, reduction axes) shape the computation,
+# so they cannot be traced. optax.inject_hyperparams turns every numeric
+# argument -- defaults included -- into an array unless it is named in
+# static_args; this hint says so.
+_STATIC_HINT = ("it shapes the computation and cannot be traced; under "
+                "optax.inject_hyperparams, name it in static_args")
+
+
 def check_ord(name: str, ord: Any) -> float:  # pylint: disable=redefined-builtin
-  """Checks a norm order: any real p >= 1, or inf ('inf' accepted too)."""
+  """Checks a norm order: any real p >= 1, or inf ('inf' accepted too).
+
+  ``None`` stands for 2 (the Euclidean norm), as in ``numpy.linalg.norm``.
+  """
+  if ord is None:
+    return 2.0
   if isinstance(ord, str) and ord.lower() in ("inf", "infinity"):
     return math.inf
-  check_number(name, ord, low=1.0, allow_inf=True)
   if isinstance(ord, jax.Array):
-    raise TypeError(f"{name} must be a Python number, not an array.")
+    raise TypeError(f"{name} must be a Python number, not an array: "
+                    f"{_STATIC_HINT}=({name!r},).")
+  check_number(name, ord, low=1.0, allow_inf=True)
   return float(ord)
 
 
@@ -103,6 +119,9 @@ def check_axis(name: str, axis: Any) -> Optional[tuple[int, ...]]:
   """Normalises ``axis`` (None, an int or a sequence of ints) to a tuple."""
   if axis is None:
     return None
+  if isinstance(axis, jax.Array):
+    raise TypeError(f"{name} must be None, an int or a tuple of ints, not an "
+                    f"array: {_STATIC_HINT}=({name!r},).")
   if isinstance(axis, (bool, np.bool_)):
     raise TypeError(f"{name} must be None, an int or a tuple of ints; got {axis!r}.")
   if isinstance(axis, (numbers.Integral, np.integer)):

@@ -93,6 +93,53 @@ def _pmax(value, axis_name: AxisName):
   return jax.lax.pmax(value, axis_name) if axis_name else value
 
 
+def axis_size(axis_name: AxisName) -> int:
+  """The number of devices along the mapped axis (or axes); 1 for ``None``."""
+  if not axis_name:
+    return 1
+  size = getattr(jax.lax, "axis_size", None)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if size is None:  # older jax: psum of a Python constant is concrete.
+    return int(jax.lax.psum(1, names))
+  return math.prod(int(size(n)) for n in names)
+
+
+def may_span_devices(x: jax.Array) -> bool:
+  """Whether ``x`` may be split across devices, as far as its type tells.
+
+  True when its mesh has an ``Auto`` axis of more than one device (the
+  partitioner decides later, so it may be split) or an ``Explicit`` axis that
+  its spec uses. Such leaves are reduced on their own: concatenating them
+  with others would make XLA all-gather them (``Auto``) or fail with a
+  ``ShardingTypeError`` (``Explicit``). Leaves on one device, replicated on an
+  ``Explicit`` mesh, or local shards inside ``shard_map``/``pmap`` (``Manual``
+  axes) are safe to concatenate.
+  """
+  typeof = getattr(jax, "typeof", None)
+  if typeof is None:  # an older jax: no mesh in the type, jit sees one device.
+    return False
+  sharding = getattr(typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty:
+    return False
+  used = set()
+  for entry in sharding.spec:
+    used.update(entry if isinstance(entry, tuple) else (entry,))
+  types = getattr(mesh, "axis_types", None) or (None,) * len(mesh.axis_names)
+  for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, types):
+    kind = getattr(kind, "name", str(kind))
+    if size == 1 or kind == "Manual":
+      continue
+    if kind == "Explicit" and name not in used:
+      continue
+    return True
+  return False
+
+
+def _concatenable(x: jax.Array) -> bool:
+  return x.size <= SMALL_LEAF_SIZE and not may_span_devices(x)
+
+
 def _sharded_flags(leaves, sharded) -> list[bool]:
   if sharded is None:
     return [True] * len(leaves)
@@ -168,9 +215,9 @@ def _grouped_power_sums(leaves, flags, p, dtype, axis_name, scale=None):
   total = jnp.zeros((), dtype)
   for is_sharded in (False, True):
     small = [x for x, f in zip(leaves, flags) if f == is_sharded
-             and x.size <= SMALL_LEAF_SIZE]
+             and _concatenable(x)]
     large = [x for x, f in zip(leaves, flags) if f == is_sharded
-             and x.size > SMALL_LEAF_SIZE]
+             and not _concatenable(x)]
     parts = []
     if small:
       flat = jnp.concatenate([magnitude(x, dtype).ravel() for x in small])
@@ -187,8 +234,8 @@ def _grouped_power_sums(leaves, flags, p, dtype, axis_name, scale=None):
 
 def _grouped_max(leaves, flags, dtype, axis_name):
   local = jnp.zeros((), dtype)
-  small = [x for x in leaves if x.size <= SMALL_LEAF_SIZE]
-  large = [x for x in leaves if x.size > SMALL_LEAF_SIZE]
+  small = [x for x in leaves if _concatenable(x)]
+  large = [x for x in leaves if not _concatenable(x)]
   if small:
     local = jnp.maximum(local, jnp.max(jnp.concatenate(
         [magnitude(x, dtype).ravel() for x in small]), initial=0))
@@ -248,15 +295,24 @@ def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0) -> jax.Array:  #
 
   Used for statistics: it costs a pass over the (small) norm arrays only.
   """
-  norms = [jnp.ravel(n) for n in norms]
   if not norms:
     return jnp.zeros((), jnp.float32)
-  flat = jnp.concatenate(norms) if len(norms) > 1 else norms[0]
+  # Norms that may be split across devices are reduced on their own (no
+  # all-gather, no ShardingTypeError); the others are concatenated.
+  local = [jnp.ravel(n) for n in norms if not may_span_devices(n)]
+  parts = [n for n in norms if may_span_devices(n)]
+  if local:
+    parts.append(jnp.concatenate(local) if len(local) > 1 else local[0])
+  biggest = parts[0].max(initial=0)
+  for part in parts[1:]:
+    biggest = jnp.maximum(biggest, part.max(initial=0))
   if math.isinf(ord):
-    return jnp.max(flat, initial=0)
-  biggest = jnp.max(flat, initial=0)
-  scale = jnp.where(biggest > 0, biggest, 1)
-  return biggest * safe_root(jnp.sum(_power(flat / scale, ord)), ord)
+    return biggest
+  # An infinite unit norm makes the whole infinite (inf / inf would be NaN).
+  scale = jnp.where((biggest > 0) & jnp.isfinite(biggest), biggest, 1)
+  total = sum(jnp.sum(_power(part / scale, ord)) for part in parts)
+  return jnp.where(jnp.isinf(biggest), biggest,
+                   biggest * safe_root(total, ord))
 
 
 def clip_factor(norm: jax.Array, limit: Any) -> jax.Array:

@@ -55,7 +55,8 @@ def _init_stats(state_cls):
 def _flatten(updates, who: str):
   leaves, treedef = jax.tree.flatten(updates)
   _checks.check_float_leaves(updates, f"{who}: updates")
-  return leaves, treedef
+  # Python or NumPy scalars are valid leaves too (optax accepts them).
+  return [jnp.asarray(x) for x in leaves], treedef
 
 
 def _fraction(numerator, denominator) -> jax.Array:
@@ -118,8 +119,8 @@ def clip_value(max_delta: float) -> optax.GradientTransformation:
     >>> clipped, state = tx.update(g, tx.init(g))
     >>> clipped["w"]
     Array([-1. ,  0.5,  1. ], dtype=float32)
-    >>> float(state.clip_fraction)
-    0.6666666865348206
+    >>> round(float(state.clip_fraction), 4)
+    0.6667
   """
   _checks.check_number("max_delta", max_delta, low=0.0, allow_inf=True)
 
@@ -156,11 +157,15 @@ def _leaf_axes(x: jax.Array, axis: Optional[tuple[int, ...]], path: str,
   if axis is None:
     return None
   try:
-    return tuple(sorted(a % x.ndim if -x.ndim <= a < x.ndim else _raise()
+    axes = tuple(sorted(a % x.ndim if -x.ndim <= a < x.ndim else _raise()
                         for a in axis))
   except (ValueError, ZeroDivisionError):
     raise ValueError(f"{who}: axis {axis} does not fit the leaf {path} of "
                      f"shape {x.shape}.") from None
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"{who}: axis {axis} names the same axis twice for the "
+                     f"leaf {path} of shape {x.shape}.")
+  return axes
 
 
 def _raise():
@@ -186,7 +191,7 @@ def _per_unit_clip(leaves, norms, limits, ord):  # pylint: disable=redefined-bui
 def clip_norm(
     max_norm: float,
     *,
-    ord: Union[float, str] = 2,  # pylint: disable=redefined-builtin
+    ord: Union[float, str, None] = None,  # pylint: disable=redefined-builtin
     axis: Axis = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     sharded: Sharded = True,
@@ -201,14 +206,20 @@ def clip_norm(
 
   Args:
     max_norm: the largest norm a leaf (or slice) may keep (>= 0).
-    ord: the norm's order: any p >= 1, or ``inf`` (the largest magnitude).
+    ord: the norm's order: any p >= 1, or ``inf`` (the largest magnitude);
+      ``None`` (the default) means 2, the Euclidean norm, as in
+      ``numpy.linalg.norm``. Not a traceable hyperparameter: with
+      ``optax.inject_hyperparams``, name it in ``static_args``.
     axis: the axis or axes a norm spans; ``None`` for the whole leaf. Every
-      leaf must have these axes.
+      leaf must have these axes. Not traceable either (``static_args``).
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
-      which sharded leaves are split; their norms are summed across devices.
-      Only with ``axis=None``.
-    sharded: which leaves are split over ``axis_name`` (the others are
-      replicated and counted once): a bool, a pytree prefix of bools or a
+      which sharded leaves are split; their partial norms are summed across
+      devices, so every device clips with the norm of the whole leaf.
+    sharded: which leaves are split over ``axis_name`` along an axis a norm
+      spans (with ``axis=None``: split at all); the others are replicated,
+      or split only along axes a norm does not span (each device then holds
+      whole slices, clipped exactly, but the statistics count the local
+      slices only), and need no sum. A bool, a pytree prefix of bools or a
       callable ``(path, leaf) -> bool``.
 
   Returns:
@@ -233,8 +244,6 @@ def clip_norm(
   p = _checks.check_ord("ord", ord)
   axis = _checks.check_axis("axis", axis)
   axis_name = _check_axis_name(axis_name, "clip_norm")
-  if axis_name is not None and axis is not None:
-    raise ValueError("clip_norm: axis_name works with axis=None only.")
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -254,7 +263,7 @@ def clip_norm(
 def clip_global(
     max_norm: float,
     *,
-    ord: Union[float, str] = 2,  # pylint: disable=redefined-builtin
+    ord: Union[float, str, None] = None,  # pylint: disable=redefined-builtin
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
@@ -271,6 +280,9 @@ def clip_global(
   Args:
     max_norm: the largest global norm the update may keep (>= 0).
     ord: the norm's order: any p >= 1, or ``inf``; torch's ``norm_type``.
+      ``None`` (the default) means 2, the Euclidean norm, as in
+      ``numpy.linalg.norm``. Not a traceable hyperparameter: with
+      ``optax.inject_hyperparams``, name it in ``static_args``.
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
       which sharded leaves are split; partial norms are summed across them.
     sharded: which leaves are split over ``axis_name`` (the others are
@@ -317,7 +329,12 @@ def clip_global(
   return optax.GradientTransformation(_init_stats(ClipGlobalState), update_fn)
 
 
-def clip_block_rms(threshold: float) -> optax.GradientTransformation:
+def clip_block_rms(
+    threshold: float,
+    *,
+    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    sharded: Sharded = True,
+) -> optax.GradientTransformation:
   """Clips each leaf to a root-mean-square of at most ``threshold``.
 
   The same numbers as ``optax.clip_by_block_rms``: a leaf of RMS ``r`` is
@@ -326,6 +343,13 @@ def clip_block_rms(threshold: float) -> optax.GradientTransformation:
 
   Args:
     threshold: the largest RMS a leaf may keep (>= 0).
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves are split: their squared norms are summed and
+      their element counts multiplied by the number of devices, so each
+      shard is clipped by the RMS of the whole leaf.
+    sharded: which leaves are split over ``axis_name`` (the others are
+      replicated and counted once): a bool, a pytree prefix of bools or a
+      callable ``(path, leaf) -> bool``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -345,13 +369,17 @@ def clip_block_rms(threshold: float) -> optax.GradientTransformation:
     Array([ 1., -1.,  1., -1.], dtype=float32)
   """
   _checks.check_number("threshold", threshold, low=0.0, allow_inf=True)
+  axis_name = _check_axis_name(axis_name, "clip_block_rms")
 
   def update_fn(updates, state, params=None):
     del params, state
     leaves, treedef = _flatten(updates, "clip_block_rms")
-    norms = _norms.unit_norms(leaves, 2.0)
-    limits = [jnp.asarray(threshold, n.dtype) * math.sqrt(max(x.size, 1))
-              for x, n in zip(leaves, norms)]
+    flags = sharded_flags(updates, sharded, "clip_block_rms")
+    norms = _norms.unit_norms(leaves, 2.0, axis_name=axis_name, sharded=flags)
+    devices = _norms.axis_size(axis_name)
+    sizes = [x.size * (devices if f else 1) for x, f in zip(leaves, flags)]
+    limits = [jnp.asarray(threshold, n.dtype) * math.sqrt(max(size, 1))
+              for size, n in zip(sizes, norms)]
     out, stats = _per_unit_clip(leaves, norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipBlockRMSState(*stats)
 
@@ -361,15 +389,25 @@ def clip_block_rms(threshold: float) -> optax.GradientTransformation:
 def default_unit_axes(x: jax.Array) -> Optional[tuple[int, ...]]:
   """The axes a unit spans for AGC, by the leaf's rank (as optax 0.2.8).
 
-  Scalars and vectors (also after squeezing): the whole leaf; rank 2: axis 0
-  (a Dense kernel's inputs, one unit per output); rank 3 or 4: axes (0, 1, 2);
-  rank 5 and up: every axis but the last.
+  Scalars and vectors (also after squeezing): the whole leaf; rank 2 or 3:
+  axis 0 (a Dense kernel's inputs, one unit per output; a multi-head kernel's
+  inputs, one unit per head and output); rank 4: axes (0, 1, 2) (a conv
+  kernel, HWIO); rank 5 and up: every axis but the last (optax stops at 5).
+
+  Example:
+    >>> import jax.numpy as jnp, optaxclip
+    >>> optaxclip.default_unit_axes(jnp.zeros((1, 8))) is None
+    True
+    >>> optaxclip.default_unit_axes(jnp.zeros((8, 4, 2)))
+    (0,)
+    >>> optaxclip.default_unit_axes(jnp.zeros((3, 3, 8, 16)))
+    (0, 1, 2)
   """
   if sum(d != 1 for d in x.shape) <= 1:
     return None
-  if x.ndim == 2:
+  if x.ndim in (2, 3):
     return (0,)
-  if x.ndim in (3, 4):
+  if x.ndim == 4:
     return (0, 1, 2)
   return tuple(range(x.ndim - 1))
 
@@ -379,6 +417,8 @@ def clip_unitwise(
     *,
     eps: float = 1e-3,
     axis: Axis = None,
+    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Adaptive gradient clipping (AGC): ``||g_u|| <= clipping * max(||w_u||, eps)``.
 
@@ -393,6 +433,16 @@ def clip_unitwise(
     eps: parameter norms below it count as ``eps``, so zero-initialised
       parameters still move (>= 0).
     axis: the axes a unit spans, for every leaf; ``None`` picks them by rank.
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves (and their params) are split: partial unit norms
+      of gradient and parameters are summed across devices.
+    sharded: which leaves are split over ``axis_name`` along an axis their
+      units span (e.g. FSDP's split of a Dense kernel's input axis). Leaves
+      that are replicated, or split only along the other axes (a kernel's
+      output axis: each device holds whole units), need no sum: mark them
+      False; they are clipped exactly, but for those split ones the
+      statistics count the local units only. A bool, a pytree prefix of
+      bools or a callable ``(path, leaf) -> bool``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -417,19 +467,27 @@ def clip_unitwise(
   _checks.check_number("clipping", clipping, low=0.0, allow_inf=True)
   _checks.check_number("eps", eps, low=0.0)
   axis = _checks.check_axis("axis", axis)
+  axis_name = _check_axis_name(axis_name, "clip_unitwise")
 
   def update_fn(updates, state, params=None):
     del state
     _checks.check_same_structure(updates, params, "clip_unitwise")
     leaves, treedef = _flatten(updates, "clip_unitwise")
-    param_leaves = treedef.flatten_up_to(params)
+    try:
+      param_leaves = [jnp.asarray(w) for w in treedef.flatten_up_to(params)]
+    except (ValueError, TypeError) as err:
+      raise ValueError("clip_unitwise: params do not have the structure of "
+                       f"the updates: {err}") from None
     _checks.check_float_leaves(params, "clip_unitwise: params")
     paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
     axes = [default_unit_axes(x) if axis is None
             else _leaf_axes(x, axis, path, "clip_unitwise")
             for x, path in zip(leaves, paths)]
-    g_norms = _norms.unit_norms(leaves, 2.0, axes)
-    w_norms = _norms.unit_norms(param_leaves, 2.0, axes)
+    flags = sharded_flags(updates, sharded, "clip_unitwise")
+    g_norms = _norms.unit_norms(leaves, 2.0, axes, axis_name=axis_name,
+                                sharded=flags)
+    w_norms = _norms.unit_norms(param_leaves, 2.0, axes, axis_name=axis_name,
+                                sharded=flags)
     limits = [clipping * jnp.maximum(w, jnp.asarray(eps, w.dtype))
               for w in w_norms]
     out, stats = _per_unit_clip(leaves, g_norms, limits, 2.0)

@@ -22,8 +22,10 @@ _REGISTRY: dict[str, tuple[type, str, tuple[str, ...]]] = {}
 
 
 def _short_name(class_name: str) -> str:
+  """``ClipBlockRMSState`` -> ``clip_block_rms``: the function's name."""
   base = class_name[:-len("State")] if class_name.endswith("State") else class_name
-  return re.sub(r"(?<!^)(?=[A-Z][a-z])", "_", base).lower()
+  return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_",
+                base).lower()
 
 
 def make_state(
@@ -72,8 +74,10 @@ def _unwrap(value: Any) -> Any:
   """The array inside an ``nnx`` Variable, or the value itself."""
   if isinstance(value, jax.Array):
     return value
-  inner = getattr(value, "value", value)
-  return inner
+  get_value = getattr(value, "get_value", None)  # flax >= 0.12: .value is
+  if callable(get_value):                         # deprecated.
+    return get_value()
+  return getattr(value, "value", value)
 
 
 def stats(opt_state: Any) -> dict[str, jax.Array]:

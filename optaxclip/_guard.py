@@ -1,0 +1,169 @@
+"""``guard``: skip a whole optimizer step on a NaN/Inf or spiking gradient."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optaxclip import _adaptive
+from optaxclip import _checks
+from optaxclip import _norms
+from optaxclip import _stats
+
+_F32 = jnp.float32
+
+GuardState = _stats.make_state(
+    "GuardState",
+    ("norm", "threshold", "skipped", "nonfinite", "consecutive_skips"),
+    ("count", "mean", "var", "inner_state"),
+    doc="State of :func:`guard`. Statistics: ``norm`` (this step's global L2 "
+    "gradient norm, float32), ``threshold`` (the largest norm that passed "
+    "this step: ``max_norm`` and, after warm-up, the spike bound; +inf when "
+    "neither applies), and int32 counters: ``skipped`` (steps skipped so "
+    "far), ``nonfinite`` (steps with a NaN/Inf norm so far) and "
+    "``consecutive_skips`` (skipped steps in a row, ending with this one: 0 "
+    "when this step went through). Memory: ``count`` (finite norms gathered "
+    "for the warm-up, at most ``warmup_steps``), ``mean`` and ``var`` of the "
+    "norm (the warm-up's plain mean and variance, then EMAs), and "
+    "``inner_state``.")
+
+
+def guard(
+    inner: optax.GradientTransformation,
+    *,
+    skip_nonfinite: bool = True,
+    spike_z: Optional[float] = None,
+    max_norm: Optional[float] = None,
+    alpha: float = 0.97,
+    warmup_steps: int = 25,
+) -> optax.GradientTransformationExtraArgs:
+  """Skips the whole ``inner`` update when the gradient is NaN/Inf or spikes.
+
+  A skipped step returns zero updates and leaves ``inner``'s state exactly
+  as it was (its step count included), as if the batch never happened. A
+  step is skipped when its global L2 gradient norm ``g`` is
+
+  * NaN or infinite (with ``skip_nonfinite``), or
+  * above ``max_norm`` (if given), or
+  * once ``warmup_steps`` finite norms have been seen, above
+    ``m + spike_z * s`` (if ``spike_z`` is given), with ``m`` and ``s`` the
+    EMA mean and standard deviation of the norm.
+
+  The statistics start as the plain mean and variance of the first
+  ``warmup_steps`` finite norms and then follow every finite norm,
+  ``m <- alpha m + (1 - alpha) g`` then ``v <- alpha v + (1 - alpha)
+  (g - m)^2`` (the update order of ZClip, :func:`clip_zscore`). Skipped
+  spikes enter them too, so a lasting rise in the norm is absorbed within
+  a few steps instead of stalling training; NaN/Inf norms never do.
+
+  Unlike ``optax.apply_if_finite``, it also catches spikes, counts what it
+  skipped, and never gives up and applies a non-finite update (watch
+  ``consecutive_skips`` to detect a run that has diverged). It is the
+  skip-the-batch remedy PaLM used for loss spikes, inside the optimizer.
+
+  Args:
+    inner: the transformation to guard (usually the whole optimizer chain).
+    skip_nonfinite: skip steps whose gradient norm is NaN or infinite.
+    spike_z: skip steps more than this many standard deviations above the
+      EMA mean of the norm (> 0); ``None`` to skip no spikes.
+    max_norm: skip steps whose norm is above it (>= 0); ``None`` for none.
+    alpha: EMA smoothing of the norm's mean and variance, in (0, 1).
+    warmup_steps: finite norms to gather before spikes are detected (>= 1).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`GuardState` holding ``inner``'s state.
+
+  References:
+    Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
+    <https://arxiv.org/abs/2204.02311>`_, 2022 (skipping batches around
+    loss spikes); ``optax.apply_if_finite``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optaxclip
+    >>> tx = optaxclip.guard(optax.sgd(1.0), max_norm=10.0)
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state)
+    >>> updates["w"], int(state.skipped), int(state.nonfinite)
+    (Array([0., 0.], dtype=float32), 1, 1)
+    >>> updates, state = tx.update({"w": jnp.array([30.0, 40.0])}, state)
+    >>> updates["w"], int(state.skipped)
+    (Array([0., 0.], dtype=float32), 2)
+    >>> updates, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
+    >>> updates["w"], int(state.consecutive_skips)
+    (Array([-3., -4.], dtype=float32), 0)
+  """
+  who = "guard"
+  if not (callable(getattr(inner, "init", None))
+          and callable(getattr(inner, "update", None))):
+    raise TypeError(f"{who}: inner must be an optax.GradientTransformation; "
+                    f"got {type(inner).__name__}.")
+  if not isinstance(skip_nonfinite, bool):
+    raise TypeError(f"{who}: skip_nonfinite must be a bool; got "
+                    f"{skip_nonfinite!r}.")
+  _checks.check_number(f"{who}: spike_z", spike_z, low=0.0, low_open=True,
+                       allow_none=True)
+  _checks.check_number(f"{who}: max_norm", max_norm, low=0.0, allow_inf=True,
+                       allow_none=True)
+  _checks.check_probability(f"{who}: alpha", alpha)
+  _checks.check_number(f"{who}: warmup_steps", warmup_steps, low=1,
+                       integer=True)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    zero = jnp.zeros((), jnp.int32)
+    return GuardState(
+        norm=jnp.zeros((), _F32), threshold=jnp.full((), jnp.inf, _F32),
+        skipped=zero, nonfinite=zero, consecutive_skips=zero, count=zero,
+        mean=jnp.zeros((), _F32), var=jnp.zeros((), _F32),
+        inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    _checks.check_float_leaves(updates, f"{who}: updates")
+    norm = jax.lax.stop_gradient(
+        _norms.global_norm(jax.tree.leaves(updates))).astype(_F32)
+    finite = jnp.isfinite(norm)
+    warming = state.count < warmup_steps
+
+    threshold = jnp.full((), jnp.inf, _F32)
+    if max_norm is not None:
+      threshold = jnp.minimum(threshold, max_norm)
+    if spike_z is not None:
+      bound = state.mean + spike_z * jnp.sqrt(state.var)
+      threshold = jnp.where(warming, threshold, jnp.minimum(threshold, bound))
+    skip = norm > threshold
+    if skip_nonfinite:
+      skip = skip | ~finite
+
+    new_updates, new_inner = inner.update(updates, state.inner_state, params,
+                                          **extra_args)
+    new_updates = jax.tree.map(
+        lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
+    new_inner = jax.tree.map(lambda n, o: jnp.where(skip, o, n), new_inner,
+                             state.inner_state)
+
+    warm_mean, warm_var = _adaptive.welford(state.count, state.mean,
+                                            state.var, norm)
+    ema_mean, ema_var = _adaptive.ema_mean_var(alpha, state.mean, state.var,
+                                               norm)
+    count = jnp.where(finite, jnp.minimum(state.count + 1, warmup_steps),
+                      state.count)
+    mean = jnp.where(finite, jnp.where(warming, warm_mean, ema_mean),
+                     state.mean)
+    var = jnp.where(finite, jnp.where(warming, warm_var, ema_var), state.var)
+    return new_updates, GuardState(
+        norm=norm, threshold=_stats.as_stat(threshold),
+        skipped=jnp.where(skip, optax.safe_increment(state.skipped),
+                          state.skipped),
+        nonfinite=jnp.where(finite, state.nonfinite,
+                            optax.safe_increment(state.nonfinite)),
+        consecutive_skips=jnp.where(
+            skip, optax.safe_increment(state.consecutive_skips), 0),
+        count=count.astype(jnp.int32), mean=mean.astype(_F32),
+        var=var.astype(_F32), inner_state=new_inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,127 @@
+"""Reference formulas in plain NumPy (float64), written from each library's docs.
+
+TensorFlow, Keras and PyTorch are not test dependencies: each function below
+encodes the formula that library documents, so the tests can compare against
+it. Inputs are lists of arrays; outputs are float64 NumPy arrays.
+"""
+
+import math
+
+import numpy as np
+
+
+def f64(x):
+  """An array as float64 (complex128 for complex input)."""
+  x = np.asarray(x)
+  return x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)
+
+
+def pnorm(values, ord):  # pylint: disable=redefined-builtin
+  """The p-norm of a flat array of magnitudes (|x|, so complex uses |x|^2)."""
+  a = np.abs(f64(values)).ravel()
+  if a.size == 0:
+    return 0.0
+  if math.isinf(ord):
+    return float(a.max())
+  return float(np.sum(a ** ord) ** (1.0 / ord))
+
+
+def tree_norm(leaves, ord=2.0):  # pylint: disable=redefined-builtin
+  """The global p-norm of a list of arrays."""
+  flat = [np.abs(f64(x)).ravel() for x in leaves]
+  return pnorm(np.concatenate(flat) if flat else np.zeros(0), ord)
+
+
+# --- TensorFlow -------------------------------------------------------------
+
+def tf_clip_by_value(t, clip_min, clip_max):
+  """tf.clip_by_value: element-wise into [clip_min, clip_max]."""
+  return np.clip(f64(t), clip_min, clip_max)
+
+
+def tf_clip_by_norm(t, clip_norm, axes=None):
+  """tf.clip_by_norm: ``t * clip_norm / max(l2norm(t, axes), clip_norm)``."""
+  t = f64(t)
+  l2 = np.sqrt(np.sum(np.abs(t) ** 2, axis=axes, keepdims=True))
+  return t * clip_norm / np.maximum(l2, clip_norm)
+
+
+def tf_clip_by_global_norm(ts, clip_norm):
+  """tf.clip_by_global_norm: ``t * clip_norm / max(global_norm, clip_norm)``.
+
+  Returns the clipped list and the global norm, as TF does.
+  """
+  gn = tree_norm(ts, 2.0)
+  return [f64(t) * clip_norm / max(gn, clip_norm) for t in ts], gn
+
+
+# --- Keras 3 (Optimizer arguments) ------------------------------------------
+
+def keras_clipvalue(grads, value):
+  return [np.clip(f64(g), -value, value) for g in grads]
+
+
+def keras_clipnorm(grads, norm):
+  """Keras 3 ``clipnorm``: each variable's gradient on its own."""
+  return [tf_clip_by_norm(g, norm) for g in grads]
+
+
+def keras_global_clipnorm(grads, norm):
+  return tf_clip_by_global_norm(grads, norm)[0]
+
+
+# --- PyTorch ----------------------------------------------------------------
+
+def torch_clip_grad_norm(grads, max_norm, norm_type=2.0):
+  """torch.nn.utils.clip_grad_norm_: returns the clipped grads and total norm.
+
+  total = norm of the per-tensor norms (max for inf); the coefficient
+  ``max_norm / (total + 1e-6)`` is clamped to 1.
+  """
+  per = [pnorm(g, norm_type) for g in grads]
+  total = pnorm(np.array(per), norm_type)
+  coef = min(max_norm / (total + 1e-6), 1.0)
+  return [f64(g) * coef for g in grads], total
+
+
+def torch_clip_grad_value(grads, clip_value):
+  return [np.clip(f64(g), -clip_value, clip_value) for g in grads]
+
+
+# --- optax (from its documented formulas) -------------------------------------
+
+def block_rms(u, threshold):
+  """optax.clip_by_block_rms: ``u / max(1, rms(u) / threshold)``."""
+  u = f64(u)
+  rms = np.sqrt(np.mean(np.abs(u) ** 2)) if u.size else 0.0
+  return u / max(1.0, rms / threshold) if threshold > 0 else u * 0.0
+
+
+def unit_axes(x):
+  """optax 0.2.8's unit axes for AGC, by rank."""
+  x = np.asarray(x)
+  if np.squeeze(x).ndim <= 1:
+    return None
+  if x.ndim in (2, 3):
+    return (0,)
+  if x.ndim == 4:
+    return (0, 1, 2)
+  return tuple(range(x.ndim - 1))
+
+
+def agc(g, w, clipping, eps=1e-3, axes="default"):
+  """Adaptive gradient clipping (Brock et al. 2021), unit-wise."""
+  g, w = f64(g), f64(w)
+  axes = unit_axes(g) if axes == "default" else axes
+  gn = np.sqrt(np.sum(np.abs(g) ** 2, axis=axes, keepdims=True))
+  wn = np.sqrt(np.sum(np.abs(w) ** 2, axis=axes, keepdims=True))
+  limit = clipping * np.maximum(wn, eps)
+  factor = np.where(gn > limit, limit / np.where(gn > 0, gn, 1), 1.0)
+  return g * factor, gn, factor
+
+
+def clip_value_complex(x, limit):
+  """Complex elements keep their phase; the modulus is clipped."""
+  x = f64(x)
+  m = np.abs(x)
+  return np.where(m > limit, x * limit / np.where(m > 0, m, 1), x)

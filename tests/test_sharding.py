@@ -1,0 +1,292 @@
+"""Clippers on many devices: sharded params under jit, and axis_name inside
+shard_map / pmap.
+
+The root conftest.py gives the CPU eight devices before jax is imported. Each
+test compiles one program that runs every clipper side by side (compiling one
+program per clipper would take minutes on a small CI machine).
+"""
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import optaxclip
+
+# Every clipper checked on sharded trees, by name: a factory of the clipper
+# that is chained before adam. A new clipper is checked by adding it here.
+CLIPPERS = {
+    "clip_value": lambda: optaxclip.clip_value(0.5),
+    "clip_norm": lambda: optaxclip.clip_norm(1.0),
+    "clip_norm_axis0": lambda: optaxclip.clip_norm(1.0, axis=0),
+    "clip_global": lambda: optaxclip.clip_global(2.0),
+    "clip_global_inf": lambda: optaxclip.clip_global(0.5, ord="inf"),
+    "clip_block_rms": lambda: optaxclip.clip_block_rms(0.5),
+    "clip_unitwise": lambda: optaxclip.clip_unitwise(0.1),
+    "clipped": lambda: optaxclip.clipped(optax.identity(), clipnorm=1.0),
+}
+
+# A small FSDP-style layout: kernels split along one axis or the other, and a
+# replicated bias. Every leaf is a matrix so that clip_norm's axis=0 fits all.
+LAYOUT = {
+    "kernel_in": ((16, 8), P("d", None)),
+    "kernel_out": ((8, 24), P(None, "d")),
+    "bias": ((1, 3), P()),
+}
+STEP_SCALES = (1.0, 5.0, 0.2)  # three steps: the adaptive clippers move.
+TOL = 1e-5
+# Test programs are run once: cheap code generation saves compile time.
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
+                    "xla_llvm_disable_expensive_passes": True}
+
+
+def _is_layout_leaf(x):
+  return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], P)
+
+
+def _tree(seed, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda leaf: (scale * rng.normal(size=leaf[0])).astype(np.float32),
+      LAYOUT, is_leaf=_is_layout_leaf)
+
+
+def _specs():
+  return jax.tree.map(lambda leaf: leaf[1], LAYOUT, is_leaf=_is_layout_leaf)
+
+
+def _mesh(kind):
+  assert jax.device_count() >= 8, "conftest.py must set 8 host devices"
+  if kind == "auto":
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  return jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+
+
+def _put(tree, mesh):
+  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+                      tree, _specs())
+
+
+def collectives(hlo_text):
+  """(all-reduce instructions, their result types, all-gather mentions)."""
+  reduces = re.findall(r"= (\S+|\([^)]*\)) all-reduce(?:-start)?\(", hlo_text)
+  return len(reduces), reduces, hlo_text.count("all-gather")
+
+
+def _optimizers():
+  return {name: optax.chain(make(), optax.adam(1e-2))
+          for name, make in CLIPPERS.items()}
+
+
+def _run(params, grads_per_step):
+  """Every optimizer, len(grads_per_step) steps, in one compiled program.
+
+  The steps run in a ``lax.scan`` (compiled once), starting from states made
+  in the same program: the state's shardings are those the step gives them.
+  """
+  txs = _optimizers()
+
+  def train(params, stacked_grads):
+    def step(states, grads):
+      outs = {}
+      for name, tx in txs.items():
+        updates, state = tx.update(grads, states[name], params)
+        outs[name] = (updates, optax.apply_updates(params, updates), state)
+      return {name: out[2] for name, out in outs.items()}, outs
+    states = {name: tx.init(params) for name, tx in txs.items()}
+    _, outs = jax.lax.scan(step, states, stacked_grads)
+    return jax.tree.map(lambda x: x[-1], outs)
+
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *grads_per_step)
+  compiled = jax.jit(train).lower(params, stacked).compile(COMPILER_OPTIONS)
+  return compiled(params, stacked), compiled.as_text()
+
+
+def _compiled(fn, *args):
+  """``jax.jit(fn)(*args)``, compiled with cheap code generation (faster)."""
+  return jax.jit(fn).lower(*args).compile(COMPILER_OPTIONS)(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _single_device_result():
+  params = _tree(0)
+  grads = [_tree(1, s) for s in STEP_SCALES]
+  return _run(params, grads)[0]
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_every_clipper_on_an_fsdp_tree(kind):
+  mesh = _mesh(kind)
+  params = _put(_tree(0), mesh)
+  grads = [_put(_tree(1, s), mesh) for s in STEP_SCALES]
+  with jax.set_mesh(mesh):
+    outs, hlo = _run(params, grads)
+  n_reduce, _, n_gather = collectives(hlo)
+  assert n_gather == 0, "a clipper gathers sharded leaves"
+  assert n_reduce > 0  # norms and statistics are reduced across devices.
+  reference = _single_device_result()
+  for name, (updates, new_params, state) in outs.items():
+    ref_updates, ref_params, ref_state = reference[name]
+    np.testing.assert_allclose(
+        np.concatenate([np.ravel(x) for x in jax.tree.leaves(updates)]),
+        np.concatenate([np.ravel(x) for x in jax.tree.leaves(ref_updates)]),
+        rtol=TOL, atol=TOL, err_msg=name)
+    got, want = optaxclip.stats(state), optaxclip.stats(ref_state)
+    assert got.keys() == want.keys() and got, name
+    for key in got:
+      np.testing.assert_allclose(got[key], want[key], rtol=TOL, atol=TOL,
+                                 err_msg=f"{name}: {key}")
+    for tree in (updates, new_params):
+      for out, inp in zip(jax.tree.leaves(tree), jax.tree.leaves(params)):
+        assert out.sharding.is_equivalent_to(inp.sharding, inp.ndim), (
+            name, out.sharding, inp.sharding)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_clip_global_sends_scalars_only(kind):
+  mesh = _mesh(kind)
+  grads = _put(_tree(1), mesh)
+  tx = optaxclip.clip_global(1.0)
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(tx.update).lower(grads, tx.init(grads)).compile()
+  hlo = compiled.as_text()
+  n_reduce, types, n_gather = collectives(hlo)
+  assert n_gather == 0
+  assert all(re.fullmatch(r"\(?(f32\[\](, )?)+\)?", t) for t in types), types
+  # The ordinary step runs the entry computation; the rescaling fallback,
+  # taken only on overflow or underflow, lives in a conditional branch.
+  entry = hlo[hlo.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  assert collectives(entry)[0] == 1, entry
+  assert n_reduce >= 1
+
+
+# ---------------------------------------------------------------- shard_map
+
+# Inside shard_map each device holds a local shard. `sharded` says which
+# leaves are split along an axis their norm spans; the rest are replicated
+# (or, for unit-wise clipping, split along the units' other axis).
+SHARD_SPECS = {"w_in": P("d", None), "w_out": P(None, "d"), "b": P()}
+
+
+def _shard_map_cases():
+  by_path = lambda path, leaf: path[0].key != "b"
+  return {
+      "clip_global": (lambda **kw: optaxclip.clip_global(2.0, **kw),
+                      {"sharded": {"w_in": True, "w_out": True, "b": False}}),
+      "clip_global_inf": (lambda **kw: optaxclip.clip_global(0.5, ord="inf", **kw),
+                          {"sharded": by_path}),
+      "clip_norm": (lambda **kw: optaxclip.clip_norm(1.0, **kw),
+                    {"sharded": by_path}),
+      "clip_norm_axis0": (lambda **kw: optaxclip.clip_norm(1.0, axis=0, **kw),
+                          {"sharded": {"w_in": True, "w_out": False, "b": False}}),
+      "clip_block_rms": (lambda **kw: optaxclip.clip_block_rms(0.5, **kw),
+                         {"sharded": by_path}),
+      # Dense kernels: units span axis 0, so w_out holds whole units.
+      "clip_unitwise": (lambda **kw: optaxclip.clip_unitwise(0.1, **kw),
+                        {"sharded": {"w_in": True, "w_out": False, "b": False}}),
+  }
+
+
+def _shard_tree(seed, scale=1.0):
+  rng = np.random.default_rng(seed)
+  shapes = {"w_in": (16, 4), "w_out": (4, 16), "b": (1, 3)}
+  return {k: (scale * rng.normal(size=s)).astype(np.float32)
+          for k, s in shapes.items()}
+
+
+def test_axis_name_inside_shard_map_matches_one_device():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  cases = _shard_map_cases()
+  params, grads = _shard_tree(0), _shard_tree(1, 3.0)
+  # Statistics that only count local units (see clip_unitwise's docstring).
+  local_stats = {"clip_unitwise", "clip_norm_axis0"}
+
+  def run(grads, params, mapped):
+    out = {}
+    for name, (make, kwargs) in cases.items():
+      tx = make(axis_name="d", **kwargs) if mapped else make()
+      updates, state = tx.update(grads, tx.init(params), params)
+      if name in local_stats and mapped:
+        state = None
+      out[name] = (updates, state)
+    return out
+
+  want = _compiled(functools.partial(run, mapped=False), grads, params)
+  out_specs = {name: (SHARD_SPECS, None if name in local_stats else P())
+               for name in cases}
+  mapped = jax.shard_map(
+      functools.partial(run, mapped=True), mesh=mesh,
+      in_specs=(SHARD_SPECS, SHARD_SPECS), out_specs=out_specs)
+  put = lambda t: jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, SHARD_SPECS)
+  got = _compiled(mapped, put(grads), put(params))
+  for name in cases:
+    for key in grads:
+      np.testing.assert_allclose(got[name][0][key], want[name][0][key],
+                                 rtol=TOL, atol=TOL, err_msg=f"{name}: {key}")
+    if name not in local_stats:
+      for field in ("norm", "clipped_norm", "clip_fraction"):
+        np.testing.assert_allclose(
+            getattr(got[name][1], field), getattr(want[name][1], field),
+            rtol=TOL, atol=TOL, err_msg=f"{name}: {field}")
+    # The clipping changes something in every case (not a vacuous check).
+    assert not np.allclose(want[name][0]["w_in"], grads["w_in"]), name
+
+
+def test_replicated_leaves_are_counted_once():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  b = np.full((3,), 4.0, np.float32)  # norm sqrt(48) on every device.
+
+  def norm(sharded):
+    tx = optaxclip.clip_global(1.0, axis_name="d", sharded=sharded)
+    f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[1].norm, mesh=mesh,
+                      in_specs=(P(),), out_specs=P(), check_vma=False)
+    return float(jax.jit(f)({"b": b}))
+
+  np.testing.assert_allclose(norm(False), math.sqrt(48), rtol=TOL)
+  np.testing.assert_allclose(norm(True), math.sqrt(8 * 48), rtol=TOL)
+
+
+def test_tuple_axis_name_and_pmap():
+  g = _shard_tree(1, 3.0)
+  want, want_state = jax.jit(optaxclip.clip_global(2.0).update)(
+      g, optaxclip.clip_global(2.0).init(g))
+  # A 2x4 mesh, the kernel split over both axes at once.
+  mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+  specs = {"w_in": P(("a", "b"), None), "w_out": P(None, ("a", "b")), "b": P()}
+  tx = optaxclip.clip_global(2.0, axis_name=("a", "b"),
+                             sharded={"w_in": True, "w_out": True, "b": False})
+  f = jax.jit(jax.shard_map(lambda g: tx.update(g, tx.init(g)), mesh=mesh,
+                            in_specs=(specs,), out_specs=(specs, P())))
+  got, state = f(jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), g, specs))
+  for key in g:
+    np.testing.assert_allclose(got[key], want[key], rtol=TOL, atol=TOL)
+  np.testing.assert_allclose(state.norm, want_state.norm, rtol=TOL)
+  # pmap: the leading axis of w_in split over 8 devices, b replicated.
+  tx = optaxclip.clip_global(2.0, axis_name="i",
+                             sharded={"w_in": True, "b": False})
+  local = {"w_in": g["w_in"].reshape(8, 2, 4),
+           "b": np.broadcast_to(g["b"], (8, 1, 3))}
+  out, state = jax.pmap(lambda g: tx.update(g, tx.init(g)), axis_name="i")(local)
+  ref_tx = optaxclip.clip_global(2.0)
+  ref, ref_state = ref_tx.update({"w_in": g["w_in"], "b": g["b"]},
+                                 ref_tx.init(g))
+  np.testing.assert_allclose(out["w_in"].reshape(16, 4), ref["w_in"],
+                             rtol=TOL, atol=TOL)
+  np.testing.assert_allclose(out["b"][3], ref["b"], rtol=TOL, atol=TOL)
+  np.testing.assert_allclose(state.norm, np.full(8, ref_state.norm), rtol=TOL)
+
+
+def test_axis_name_is_checked():
+  with pytest.raises(TypeError, match="axis_name"):
+    optaxclip.clip_global(1.0, axis_name=3)
+  with pytest.raises(TypeError, match="axis_name"):
+    optaxclip.clip_block_rms(1.0, axis_name=("a", 1))
