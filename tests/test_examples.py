@@ -1,0 +1,98 @@
+"""The examples and the README's code run, at tiny sizes, so they never rot."""
+
+import importlib.util
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import optaxclip
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _run_script(path, *args, cwd):
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+  env["JAX_PLATFORMS"] = "cpu"
+  result = subprocess.run(
+      [sys.executable, str(ROOT / path), *args], cwd=cwd, env=env,
+      capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stdout + result.stderr
+  return result.stdout
+
+
+def _load(path):
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
+  out = tmp_path / "plots" / "lstm.png"
+  stdout = _run_script("examples/lstm_exploding.py", "--steps", "20",
+                       "--out", str(out), cwd=tmp_path)
+  header = re.search(r"^variant +final loss +best loss +max pre-clip norm "
+                     r"+steps clipped +diverged +learned$", stdout, re.M)
+  assert header, stdout
+  variants = _load(ROOT / "examples" / "lstm_exploding.py").VARIANTS
+  rows = {}
+  for name in variants:
+    row = re.search(rf"^{name} +(\S+) +(\S+) +(\S+) +(\d+)% +(yes|no) +(yes|no)$",
+                    stdout, re.M)
+    assert row, f"no row for {name}:\n{stdout}"
+    rows[name] = row.groups()
+  for name, (final, best, norm, _, diverged, _) in rows.items():
+    assert math.isfinite(float(final)) and diverged == "no", (name, stdout)
+    assert 0 < float(best) <= float(final), (name, stdout)
+    assert float(norm) > 0, (name, stdout)
+  # The unclipped run logs its norm through clip_global(inf): it clips nothing.
+  assert rows["none"][3] == "0"
+  assert int(rows["clip_global"][3]) > 0
+  assert f"plot: {out}" in stdout
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nnx_quickstart_prints_the_pre_clip_norm(tmp_path):
+  stdout = _run_script("examples/nnx_quickstart.py", "--steps", "5",
+                       "--seq-len", "10", cwd=tmp_path)
+  norms = re.findall(r"pre-clip norm +(\S+) +clipped (yes|no)", stdout)
+  assert len(norms) == 5, stdout
+  assert all(math.isfinite(float(n)) and float(n) > 0 for n, _ in norms)
+
+
+def _python_blocks(markdown):
+  return re.findall(r"^```python\n(.*?)^```", markdown, re.M | re.S)
+
+
+def test_readme_python_blocks_run(capsys):
+  blocks = _python_blocks(README)
+  assert len(blocks) >= 2
+  for i, code in enumerate(blocks):
+    namespace = {"__name__": f"readme_block_{i}"}
+    exec(compile(code, f"README.md python block {i}", "exec"), namespace)  # pylint: disable=exec-used
+  capsys.readouterr()
+
+
+def test_readme_has_the_two_setup_commands_verbatim():
+  lines = README.splitlines()
+  assert ('python -m pip install -e ".[examples]" && '
+          "python examples/lstm_exploding.py") in lines
+  assert 'python -m pip install -e ".[test]" && python -m pytest' in lines
+
+
+def test_readme_documents_every_public_name():
+  missing = [name for name in optaxclip.__all__
+             if not re.search(rf"`{name}[`(]", README)]
+  assert not missing, f"README.md does not document {missing}"
+
+
+def test_readme_names_only_what_exists():
+  named = set(re.findall(r"\boptaxclip\.([A-Za-z_]\w*)", README))
+  unknown = sorted(n for n in named if not hasattr(optaxclip, n))
+  assert not unknown, f"README.md names optaxclip.{unknown}, which do not exist"
