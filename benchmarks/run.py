@@ -83,6 +83,9 @@ class Sizes:
   compile_leaves: int = 1000
   compile_size: int = 100
   rounds: Optional[int] = None  # None: fitted to the time budget (3 to 15)
+  # XLA options for the timed steps; quick runs compile cheaply (the figures
+  # of a quick run only check that everything runs).
+  compiler_options: Optional[dict[str, Any]] = None
   compile_repeats: int = 2
   optax_compile: bool = True
 
@@ -90,7 +93,9 @@ class Sizes:
   def quick(cls) -> "Sizes":
     return cls(many_leaves=4, many_size=1024, blocks=1, width=32, vocab=64,
                context=16, compile_leaves=20, compile_size=100, rounds=3,
-               compile_repeats=1, optax_compile=True)
+               compile_repeats=1, optax_compile=True,
+               compiler_options={"xla_backend_optimization_level": 0,
+                                 "xla_llvm_disable_expensive_passes": True})
 
 
 def many_leaves(n: int, size: int) -> dict[str, tuple[int, ...]]:
@@ -269,7 +274,8 @@ def _put_adam(state, adam_state):
 class Stepper:
   """A jitted, donating step of one variant, sharing params and Adam state."""
 
-  def __init__(self, tx, params, grads, with_stats=False):
+  def __init__(self, tx, params, grads, with_stats=False,
+               compiler_options=None):
     def step(p, s, g):
       u, s = tx.update(g, s, p)
       p = optax.apply_updates(p, u)
@@ -282,7 +288,7 @@ class Stepper:
     self.shares_adam = _take_adam(self.state) is not None
     lowered = jax.jit(step, donate_argnums=(0, 1)).lower(
         params, self.state, grads)
-    self.compiled = lowered.compile()
+    self.compiled = lowered.compile(compiler_options)
     self.temp_bytes = _temp_bytes(self.compiled)
 
   def run(self, shared, grads, iters: int) -> None:
@@ -320,15 +326,16 @@ class Result:
 def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
                   rounds: Optional[int], budget_s: float,
                   extra: Optional[dict[str, Callable[[], None]]] = None,
-                  log=print, seed: int = 0) -> dict[str, Result]:
+                  log=print, seed: int = 0,
+                  compiler_options=None) -> dict[str, Result]:
   """Step time of each variant over ``adam``'s, in adjacent pairs.
 
   ``variants`` maps names to ``(make_tx, with_stats)``; ``adam`` must be one
   of them. ``extra`` maps names to argument-less callables timed the same way
   (blocking inside). Each round visits the variants in a new random order,
-  and times every variant's step right after an adam step: the ratio of the
-  two is that round's figure, so load that comes and goes on a shared
-  machine hits both sides of a ratio alike. ``rounds=None`` fits the rounds
+  and times two steps of each variant between two adam steps (adam, variant,
+  variant, adam): the ratio of the two sums is that round's figure, so load
+  that comes and goes on a shared machine hits both sides of a ratio alike. ``rounds=None`` fits the rounds
   (3 to 15) to ``budget_s`` seconds of timed steps.
   """
   shared = {"params": jax.tree.map(jnp.copy, params)}
@@ -336,7 +343,8 @@ def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
   steppers, results = {}, {}
   for name, (make_tx, with_stats) in variants.items():
     try:
-      steppers[name] = Stepper(make_tx(), shared["params"], grads, with_stats)
+      steppers[name] = Stepper(make_tx(), shared["params"], grads, with_stats,
+                               compiler_options)
       results[name] = Result([], [], steppers[name].temp_bytes)
     except Exception as err:  # pylint: disable=broad-except
       results[name] = Result([], [], None, f"{type(err).__name__}: {err}")
@@ -360,21 +368,24 @@ def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
   base()
   one = time.perf_counter() - t0
   if rounds is None:
-    rounds = int(min(15, max(3, budget_s / (2 * one * max(len(runners), 1)))))
+    rounds = int(min(15, max(3, budget_s / (4 * one * max(len(runners), 1)))))
   order = list(runners)
   rng = np.random.default_rng(seed)
   for _ in range(rounds):
     rng.shuffle(order)
     for name in order:
-      t0 = time.perf_counter()
-      base()
-      t1 = time.perf_counter()
-      runners[name]()
-      t2 = time.perf_counter()
-      results[name].ratios.append((t2 - t1) / (t1 - t0))
-      results[name].ms.append((t2 - t1) * 1e3)
+      # adam, variant, variant, adam: drift and the order within a pair
+      # cancel out of the ratio.
+      fn, t = runners[name], [time.perf_counter()]
+      for step in (base, fn, fn, base):
+        step()
+        t.append(time.perf_counter())
+      t_base = (t[1] - t[0]) + (t[4] - t[3])
+      t_var = t[3] - t[1]
+      results[name].ratios.append(t_var / t_base)
+      results[name].ms.append(t_var / 2 * 1e3)
       results["adam"].ratios.append(1.0)
-      results["adam"].ms.append((t1 - t0) * 1e3)
+      results["adam"].ms.append(t_base / 2 * 1e3)
   return results
 
 
@@ -565,7 +576,8 @@ def run_tree(title, shapes, dtype, sizes: Sizes, budget_s: float, log):
       f"{len(jax.tree.leaves(params))} leaves, {len(variants)} variants")
   t0 = time.perf_counter()
   results = time_variants(variants, params, grads, sizes.rounds, budget_s,
-                          extra={"read": read_pass_fn(grads)}, log=log)
+                          extra={"read": read_pass_fn(grads)}, log=log,
+                          compiler_options=sizes.compiler_options)
   torch_line = None
   if importlib.util.find_spec("torch") is not None:
     try:
@@ -660,8 +672,8 @@ def main(argv: Optional[list[str]] = None) -> int:
       f"- Command: `{command}`" + (" (quick sizes: not for quoting)"
                                    if args.quick else ""),
       "",
-      "Each step ratio is the median over rounds of (variant step time / "
-      "the step time of adam run just before it); every round visits the "
+      "Each step ratio is the median over rounds of (two variant steps / the "
+      "two adam steps around them: adam, variant, variant, adam); every round visits the "
       "variants in a new random order; the interquartile range is in "
       "parentheses. Steps donate params and state, as a training loop does. "
       "Floors: `one read pass alone` is a jitted float32 sum of squares of "
