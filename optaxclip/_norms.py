@@ -364,18 +364,14 @@ def unit_norms(
       out.append(_scaled_norm(*_across_devices(m, q, p, f, axis_name), p))
     return out
 
-  def zero_sums_are_zeros(leaves_):
-    # A zero sum is a zero norm when its unit's largest magnitude is 0.
-    return _all([~z | (m == 0)
-                 for z, m in zip(zero, _flat_parts(maxima(leaves_)))])
+  def fallback(leaves_):
+    # Zero sums are zero norms when their units' largest magnitude is 0 and
+    # every other sum is trusted (one max pass); otherwise recompute.
+    settled = _all([g | (z & (m == 0)) for g, z, m in zip(
+        good, zero, _flat_parts(maxima(leaves_)))])
+    return jax.lax.cond(settled, direct, exact, leaves_)
 
-  all_good = _all(good)
-  # Only when every other sum is trusted are the zero sums settled (one max
-  # pass); otherwise, or when a zero sum hides tiny values, recompute.
-  settle = ~all_good & _all([g | z for g, z in zip(good, zero)])
-  settled = jax.lax.cond(settle, zero_sums_are_zeros,
-                         lambda _: jnp.array(False), leaves)
-  return jax.lax.cond(all_good | settled, direct, exact, leaves)
+  return jax.lax.cond(_all(good), direct, fallback, leaves)
 
 
 # --------------------------------------------------------------------------
