@@ -38,6 +38,7 @@ It prints a markdown report and writes it to ``benchmarks/RESULTS.md``
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import functools
@@ -82,7 +83,7 @@ class Sizes:
   context: int = 1024
   compile_leaves: int = 1000
   compile_size: int = 100
-  rounds: Optional[int] = None  # None: fitted to the time budget (3 to 15)
+  rounds: Optional[int] = None  # None: fitted to the time budget (5 to 15)
   # XLA options for the timed steps; quick runs compile cheaply (the figures
   # of a quick run only check that everything runs).
   compiler_options: Optional[dict[str, Any]] = None
@@ -341,14 +342,24 @@ def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
   shared = {"params": jax.tree.map(jnp.copy, params)}
   shared["adam"] = _take_adam(adam().init(shared["params"]))
   steppers, results = {}, {}
-  for name, (make_tx, with_stats) in variants.items():
+
+  def build(item):
+    name, (make_tx, with_stats) = item
     try:
-      steppers[name] = Stepper(make_tx(), shared["params"], grads, with_stats,
-                               compiler_options)
-      results[name] = Result([], [], steppers[name].temp_bytes)
+      return name, Stepper(make_tx(), shared["params"], grads, with_stats,
+                           compiler_options), ""
     except Exception as err:  # pylint: disable=broad-except
-      results[name] = Result([], [], None, f"{type(err).__name__}: {err}")
-      log(f"  {name}: failed to build: {results[name].error[:200]}")
+      return name, None, f"{type(err).__name__}: {err}"
+
+  # Two at a time: XLA compiles outside the GIL, tracing does not.
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    for name, stepper, error in pool.map(build, variants.items()):
+      if stepper is None:
+        results[name] = Result([], [], None, error)
+        log(f"  {name}: failed to build: {error[:200]}")
+      else:
+        steppers[name] = stepper
+        results[name] = Result([], [], stepper.temp_bytes)
   runners = {name: functools.partial(stepper.run, shared, grads, 1)
              for name, stepper in steppers.items()}
   for name, fn in (extra or {}).items():
@@ -368,24 +379,29 @@ def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
   base()
   one = time.perf_counter() - t0
   if rounds is None:
-    rounds = int(min(15, max(3, budget_s / (4 * one * max(len(runners), 1)))))
+    rounds = int(min(15, max(5, budget_s / (2 * one * max(len(runners), 1)))))
   order = list(runners)
   rng = np.random.default_rng(seed)
   for _ in range(rounds):
     rng.shuffle(order)
+    # adam, v1, adam, v2, adam, ...: each variant's step against the mean of
+    # the two adam steps around it, so that load that comes and goes on a
+    # shared machine hits both sides of a ratio alike.
+    t = [time.perf_counter()]
+    base()
+    t.append(time.perf_counter())
     for name in order:
-      # adam, variant, variant, adam: drift and the order within a pair
-      # cancel out of the ratio.
-      fn, t = runners[name], [time.perf_counter()]
-      for step in (base, fn, fn, base):
+      for step in (runners[name], base):
         step()
         t.append(time.perf_counter())
-      t_base = (t[1] - t[0]) + (t[4] - t[3])
-      t_var = t[3] - t[1]
-      results[name].ratios.append(t_var / t_base)
-      results[name].ms.append(t_var / 2 * 1e3)
-      results["adam"].ratios.append(1.0)
-      results["adam"].ms.append(t_base / 2 * 1e3)
+    for i, name in enumerate(order):
+      before, mine, after = (t[2 * i + 1] - t[2 * i], t[2 * i + 2] - t[2 * i + 1],
+                             t[2 * i + 3] - t[2 * i + 2])
+      results[name].ratios.append(2 * mine / (before + after))
+      results[name].ms.append(mine * 1e3)
+    results["adam"].ms.extend((t[2 * i + 1] - t[2 * i]) * 1e3
+                              for i in range(len(order) + 1))
+    results["adam"].ratios.append(1.0)
   return results
 
 
@@ -647,7 +663,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="where to write the markdown report")
   parser.add_argument("--rounds", type=int, default=None,
                       help="timing rounds per tree (default: fitted to about "
-                      "a minute of timed steps per tree, 3 to 15; quick 3)")
+                      "40 s of timed steps per tree, 5 to 15; quick 3)")
   parser.add_argument("--only", default="a,b,c,compile",
                       help="comma-separated sections: a, b, c, compile")
   parser.add_argument("--no-optax-compile", action="store_true",
@@ -660,7 +676,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   if args.no_optax_compile:
     sizes.optax_compile = False
   sections = set(args.only.split(","))
-  budget = 2.0 if args.quick else 60.0  # seconds of timed steps per tree
+  budget = 2.0 if args.quick else 40.0  # seconds of timed steps per tree
 
   def log(msg):
     print(msg, file=sys.stderr, flush=True)
@@ -670,9 +686,10 @@ def main(argv: Optional[list[str]] = None) -> int:
       f"- Command: `{command}`" + (" (quick sizes: not for quoting)"
                                    if args.quick else ""),
       "",
-      "Each step ratio is the median over rounds of (two variant steps / the "
-      "two adam steps around them: adam, variant, variant, adam); every round visits the "
-      "variants in a new random order; the interquartile range is in "
+      "Each step ratio is the median over rounds of (the variant's step time "
+      "/ the mean of the two adam steps around it: each round runs adam, v1, "
+      "adam, v2, adam, ... with the variants in a new random order); the "
+      "interquartile range is in "
       "parentheses. Steps donate params and state, as a training loop does. "
       "Floors: `one read pass alone` is a jitted float32 sum of squares of "
       "the gradients on its own (1 + its time over adam's); `adam + read` "
