@@ -38,6 +38,7 @@ It prints a markdown report and writes it to ``benchmarks/RESULTS.md``
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import functools
@@ -82,7 +83,7 @@ class Sizes:
   context: int = 1024
   compile_leaves: int = 1000
   compile_size: int = 100
-  rounds: Optional[int] = None  # None: fitted to the time budget (3 to 15)
+  rounds: Optional[int] = None  # None: fitted to the time budget (5 to 15)
   # XLA options for the timed steps; quick runs compile cheaply (the figures
   # of a quick run only check that everything runs).
   compiler_options: Optional[dict[str, Any]] = None
@@ -341,14 +342,24 @@ def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
   shared = {"params": jax.tree.map(jnp.copy, params)}
   shared["adam"] = _take_adam(adam().init(shared["params"]))
   steppers, results = {}, {}
-  for name, (make_tx, with_stats) in variants.items():
+
+  def build(item):
+    name, (make_tx, with_stats) = item
     try:
-      steppers[name] = Stepper(make_tx(), shared["params"], grads, with_stats,
-                               compiler_options)
-      results[name] = Result([], [], steppers[name].temp_bytes)
+      return name, Stepper(make_tx(), shared["params"], grads, with_stats,
+                           compiler_options), ""
     except Exception as err:  # pylint: disable=broad-except
-      results[name] = Result([], [], None, f"{type(err).__name__}: {err}")
-      log(f"  {name}: failed to build: {results[name].error[:200]}")
+      return name, None, f"{type(err).__name__}: {err}"
+
+  # Two at a time: XLA compiles outside the GIL, tracing does not.
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    for name, stepper, error in pool.map(build, variants.items()):
+      if stepper is None:
+        results[name] = Result([], [], None, error)
+        log(f"  {name}: failed to build: {error[:200]}")
+      else:
+        steppers[name] = stepper
+        results[name] = Result([], [], stepper.temp_bytes)
   runners = {name: functools.partial(stepper.run, shared, grads, 1)
              for name, stepper in steppers.items()}
   for name, fn in (extra or {}).items():
@@ -368,24 +379,29 @@ def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
   base()
   one = time.perf_counter() - t0
   if rounds is None:
-    rounds = int(min(15, max(3, budget_s / (4 * one * max(len(runners), 1)))))
+    rounds = int(min(15, max(5, budget_s / (2 * one * max(len(runners), 1)))))
   order = list(runners)
   rng = np.random.default_rng(seed)
   for _ in range(rounds):
     rng.shuffle(order)
+    # adam, v1, adam, v2, adam, ...: each variant's step against the mean of
+    # the two adam steps around it, so that load that comes and goes on a
+    # shared machine hits both sides of a ratio alike.
+    t = [time.perf_counter()]
+    base()
+    t.append(time.perf_counter())
     for name in order:
-      # adam, variant, variant, adam: drift and the order within a pair
-      # cancel out of the ratio.
-      fn, t = runners[name], [time.perf_counter()]
-      for step in (base, fn, fn, base):
+      for step in (runners[name], base):
         step()
         t.append(time.perf_counter())
-      t_base = (t[1] - t[0]) + (t[4] - t[3])
-      t_var = t[3] - t[1]
-      results[name].ratios.append(t_var / t_base)
-      results[name].ms.append(t_var / 2 * 1e3)
-      results["adam"].ratios.append(1.0)
-      results["adam"].ms.append(t_base / 2 * 1e3)
+    for i, name in enumerate(order):
+      before, mine, after = (t[2 * i + 1] - t[2 * i], t[2 * i + 2] - t[2 * i + 1],
+                             t[2 * i + 3] - t[2 * i + 2])
+      results[name].ratios.append(2 * mine / (before + after))
+      results[name].ms.append(mine * 1e3)
+    results["adam"].ms.extend((t[2 * i + 1] - t[2 * i]) * 1e3
+                              for i in range(len(order) + 1))
+    results["adam"].ratios.append(1.0)
   return results
 
 
@@ -400,7 +416,7 @@ def read_pass_fn(grads) -> Callable[[], None]:
 # PyTorch reference (optional)
 # --------------------------------------------------------------------------
 
-def torch_reference(params, grads, rounds: int, budget_s: float):
+def torch_reference(params, grads, rounds: int):
   """Median ratio of clip_grad_norm_(foreach) + Adam over Adam, in torch."""
   import torch  # pylint: disable=import-outside-toplevel
 
@@ -420,25 +436,23 @@ def torch_reference(params, grads, rounds: int, budget_s: float):
     opt.step()
 
   def clipped():
-    torch.nn.utils.clip_grad_norm_(tp, 1.0, foreach=True)
+    # torch multiplies by the clamped coefficient whether or not it clips; a
+    # limit above the norm keeps the stored gradients from shrinking towards
+    # subnormals over the rounds (same work).
+    torch.nn.utils.clip_grad_norm_(tp, 1e9, foreach=True)
     opt.step()
 
-  for fn in (plain, clipped, plain, clipped):
+  for fn in (plain, clipped, plain, clipped):  # warm-up
     fn()
-  t0 = time.perf_counter()
-  plain()
-  one = time.perf_counter() - t0
-  iters = int(max(1, min(5, budget_s / rounds / max(2 * one, 1e-9))))
   ratios, ms = [], []
   for _ in range(rounds):
-    t = {}
-    for name, fn in (("plain", plain), ("clipped", clipped)):
-      t0 = time.perf_counter()
-      for _ in range(iters):
-        fn()
-      t[name] = (time.perf_counter() - t0) / iters
-    ratios.append(t["clipped"] / t["plain"])
-    ms.append(t["plain"] * 1e3)
+    t = [time.perf_counter()]
+    for fn in (plain, clipped, clipped, plain):  # as for the jax variants
+      fn()
+      t.append(time.perf_counter())
+    t_plain = (t[1] - t[0]) + (t[4] - t[3])
+    ratios.append((t[3] - t[1]) / t_plain)
+    ms.append(t_plain / 2 * 1e3)
   return statistics.median(ratios), statistics.median(ms), torch.__version__
 
 
@@ -581,8 +595,8 @@ def run_tree(title, shapes, dtype, sizes: Sizes, budget_s: float, log):
   torch_line = None
   if importlib.util.find_spec("torch") is not None:
     try:
-      ratio, ms, version = torch_reference(params, grads, sizes.rounds or 5,
-                                           budget_s / 4)
+      ratio, ms, version = torch_reference(params, grads,
+                                           max(sizes.rounds or 0, 5))
       torch_line = (f"| torch {version}: clip_grad_norm_(foreach=True) + "
                     f"Adam(foreach=True) / Adam ({ms:.1f} ms) | "
                     f"{ratio:.3f}x | | | | | |")
@@ -649,7 +663,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="where to write the markdown report")
   parser.add_argument("--rounds", type=int, default=None,
                       help="timing rounds per tree (default: fitted to about "
-                      "a minute of timed steps per tree, 3 to 15; quick 3)")
+                      "40 s of timed steps per tree, 5 to 15; quick 3)")
   parser.add_argument("--only", default="a,b,c,compile",
                       help="comma-separated sections: a, b, c, compile")
   parser.add_argument("--no-optax-compile", action="store_true",
@@ -662,7 +676,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   if args.no_optax_compile:
     sizes.optax_compile = False
   sections = set(args.only.split(","))
-  budget = 2.0 if args.quick else 60.0  # seconds of timed steps per tree
+  budget = 2.0 if args.quick else 40.0  # seconds of timed steps per tree
 
   def log(msg):
     print(msg, file=sys.stderr, flush=True)
@@ -672,9 +686,10 @@ def main(argv: Optional[list[str]] = None) -> int:
       f"- Command: `{command}`" + (" (quick sizes: not for quoting)"
                                    if args.quick else ""),
       "",
-      "Each step ratio is the median over rounds of (two variant steps / the "
-      "two adam steps around them: adam, variant, variant, adam); every round visits the "
-      "variants in a new random order; the interquartile range is in "
+      "Each step ratio is the median over rounds of (the variant's step time "
+      "/ the mean of the two adam steps around it: each round runs adam, v1, "
+      "adam, v2, adam, ... with the variants in a new random order); the "
+      "interquartile range is in "
       "parentheses. Steps donate params and state, as a training loop does. "
       "Floors: `one read pass alone` is a jitted float32 sum of squares of "
       "the gradients on its own (1 + its time over adam's); `adam + read` "

@@ -171,28 +171,25 @@ def _sharded_flags(leaves, sharded) -> list[bool]:
 # Reductions: the fast power sum and the exact (scaled) one
 # --------------------------------------------------------------------------
 
-def _with_plain_derivative(fast, plain):
-  """``fast``'s values with the derivatives of ``plain``, the same function
-  written with differentiable ops (``fast`` uses a multi-output
-  ``lax.reduce``, which JAX cannot differentiate)."""
-  @jax.custom_jvp
+def _with_plain_derivative(fast, plain, n_args: int, n_static: int):
+  """A function with ``fast``'s values and ``plain``'s derivatives.
+
+  ``plain`` is the same function written with differentiable ops; ``fast``
+  uses a multi-output ``lax.reduce``, which JAX cannot differentiate. Of the
+  ``n_args`` arguments, the last ``n_static`` are static (hashable).
+  """
+  @functools.partial(jax.custom_jvp, nondiff_argnums=tuple(
+      range(n_args - n_static, n_args)))
   def fn(*args):
     return fast(*args)
 
   @fn.defjvp
-  def fn_jvp(primals, tangents):
-    return fast(*primals), jax.jvp(plain, primals, tangents)[1]
+  def fn_jvp(*args):
+    static, (primals, tangents) = args[:-2], args[-2:]
+    return fast(*primals, *static), jax.jvp(
+        lambda *xs: plain(*xs, *static), primals, tangents)[1]
 
   return fn
-
-
-def _fast_or_plain(fast, plain, x, *args):
-  """``fast(x, *args)`` with ``plain``'s derivatives; ``plain`` itself for a
-  leaf that may span devices: XLA's partitioner does not split a
-  multi-output reduction, it would all-gather the leaf."""
-  if may_span_devices(x):
-    return plain(x, *args)
-  return _with_plain_derivative(fast, plain)(x, *args)
 
 
 def _power_sum(x: jax.Array, p: float, axes, dtype) -> jax.Array:
@@ -208,38 +205,48 @@ def _power_sum(x: jax.Array, p: float, axes, dtype) -> jax.Array:
   return jnp.sum(_power(a, p), axis=_reduce_axes(x, axes), keepdims=True)
 
 
-def _scaled_sum(x: jax.Array, p: float, axes, dtype):
-  """``(M, sum (|x|/M)**p)`` over ``axes`` (keepdims), ``M = max |x|``.
+def _scaled_sum_plain(x, p, axes, dtype):
+  a = magnitude(x, dtype)
+  # M is only a scale: the norm M * q**(1/p) is the same for any M > 0, so
+  # its derivative is exact with M held constant (and the derivative of
+  # a / M through M would overflow M**2).
+  m = jax.lax.stop_gradient(jnp.max(a, axis=axes, keepdims=True, initial=0))
+  safe = jnp.where(m > 0, m, 1)
+  return m, jnp.sum(_power(a / safe, p), axis=axes, keepdims=True)
 
-  One pass, overflow- and underflow-free, with no scalar operand: each
-  partial result carries its own largest magnitude, and two partials are
-  merged by rescaling to the larger. An infinite or NaN element gives an
-  infinite or NaN ``M``.
-  """
-  axes = _reduce_axes(x, axes)
 
-  def plain(x):
-    a = magnitude(x, dtype)
-    # M is only a scale: the norm M * q**(1/p) is the same for any M > 0, so
-    # its derivative is exact with M held constant (and the derivative of
-    # a / M through M would overflow M**2).
-    m = jax.lax.stop_gradient(jnp.max(a, axis=axes, keepdims=True, initial=0))
-    safe = jnp.where(m > 0, m, 1)
-    return m, jnp.sum(_power(a / safe, p), axis=axes, keepdims=True)
-
+def _scaled_sum_fast(x, p, axes, dtype):
   def merge(u, v):
     (m1, q1), (m2, q2) = u, v
     m = jnp.maximum(m1, m2)
     safe = jnp.where(m > 0, m, 1)
     return m, q1 * _power(m1 / safe, p) + q2 * _power(m2 / safe, p)
 
-  def fast(x):
-    a = magnitude(x, dtype)
-    zero = jnp.zeros((), dtype)
-    m, q = jax.lax.reduce((a, jnp.ones_like(a)), (zero, zero), merge, axes)
-    return jnp.expand_dims(m, axes), jnp.expand_dims(q, axes)
+  a = magnitude(x, dtype)
+  zero = jnp.zeros((), dtype)
+  m, q = jax.lax.reduce((a, jnp.ones_like(a)), (zero, zero), merge, axes)
+  return jnp.expand_dims(m, axes), jnp.expand_dims(q, axes)
 
-  return _fast_or_plain(fast, plain, x)
+
+_scaled_sum_custom = _with_plain_derivative(
+    _scaled_sum_fast, _scaled_sum_plain, n_args=4, n_static=3)
+
+
+def _scaled_sum(x: jax.Array, p: float, axes, dtype):
+  """``(M, sum (|x|/M)**p)`` over ``axes`` (keepdims), ``M = max |x|``.
+
+  One pass, overflow- and underflow-free, with no scalar operand: each
+  partial result carries its own largest magnitude, and two partials are
+  merged by rescaling to the larger. An infinite or NaN element gives an
+  infinite or NaN ``M``. A leaf that may span devices takes two plain passes
+  instead: XLA's partitioner does not split a multi-output reduction, it
+  would all-gather the leaf.
+  """
+  axes = _reduce_axes(x, axes)
+  dtype = np.dtype(dtype)
+  if may_span_devices(x):
+    return _scaled_sum_plain(x, p, axes, dtype)
+  return _scaled_sum_custom(x, p, axes, dtype)
 
 
 def _merge_scaled(parts, p: float):
@@ -265,14 +272,20 @@ def _scaled_norm(m, q, p):
   return jnp.where(jnp.isinf(m), m, m * safe_root(q, p))
 
 
-def _flat_all(parts) -> jax.Array:
-  """``all`` over boolean arrays of any shapes: one reduction for those that
-  live on one device (concatenated), one each for the others."""
-  local = [jnp.ravel(b) for b in parts if not may_span_devices(b)]
-  result = [jnp.all(b) for b in parts if may_span_devices(b)]
+def _flat_parts(arrays) -> list[jax.Array]:
+  """The arrays as 1-D parts: those on one device concatenated into one, the
+  others (that may span devices: no all-gather) raveled on their own. Same
+  shapes in, same partition out."""
+  local = [jnp.ravel(a) for a in arrays if not may_span_devices(a)]
+  parts = [jnp.ravel(a) for a in arrays if may_span_devices(a)]
   if local:
-    result.append(jnp.all(_flat_concat(local)))
-  return functools.reduce(jnp.logical_and, result, jnp.array(True))
+    parts.append(_flat_concat(local))
+  return parts
+
+
+def _all(parts) -> jax.Array:
+  return functools.reduce(jnp.logical_and, [jnp.all(v) for v in parts],
+                          jnp.array(True))
 
 
 def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
@@ -328,13 +341,17 @@ def unit_norms(
   if math.isinf(p):
     return maxima(leaves)
 
-  sums, good, zero_sums = [], [], []
-  for x, ax, f in zip(leaves, axes, flags):
-    dtype = accumulation_dtype(x.dtype)
-    s = _psum_sharded(_power_sum(x, p, ax, dtype), f, axis_name)
-    sums.append(s)
-    good.append(jnp.isfinite(s) & (s >= _safe_min(dtype, p)))
-    zero_sums.append(s == 0)  # all zeros, or all squares underflowed
+  sums = [_psum_sharded(_power_sum(x, p, ax, accumulation_dtype(x.dtype)), f,
+                        axis_name)
+          for x, ax, f in zip(leaves, axes, flags)]
+  # The checks run on all sums at once (one concatenation: the compiled
+  # program does not grow with three checks per leaf). The bound of the
+  # narrowest accumulation dtype serves all: a stricter bound only sends
+  # more sums to the exact recompute.
+  safe_min = max(_safe_min(s.dtype, p) for s in sums)
+  flat = _flat_parts(sums)
+  good = [jnp.isfinite(v) & (v >= safe_min) for v in flat]
+  zero = [v == 0 for v in flat]  # all zeros, or all squares underflowed
 
   def direct(leaves_):
     del leaves_
@@ -347,16 +364,14 @@ def unit_norms(
       out.append(_scaled_norm(*_across_devices(m, q, p, f, axis_name), p))
     return out
 
-  def settle_zeros(leaves_):
-    # A zero sum is a zero norm when its unit's largest magnitude is 0.
-    zeros = _flat_all([~z | (m == 0) for z, m in zip(zero_sums,
-                                                      maxima(leaves_))])
-    return jax.lax.cond(zeros, direct, exact, leaves_)
+  def fallback(leaves_):
+    # Zero sums are zero norms when their units' largest magnitude is 0 and
+    # every other sum is trusted (one max pass); otherwise recompute.
+    settled = _all([g | (z & (m == 0)) for g, z, m in zip(
+        good, zero, _flat_parts(maxima(leaves_)))])
+    return jax.lax.cond(settled, direct, exact, leaves_)
 
-  # 0: every sum trusted; 1: the others are zero sums, to be settled; 2: not.
-  index = jnp.where(_flat_all(good), 0, jnp.where(
-      _flat_all([g | z for g, z in zip(good, zero_sums)]), 1, 2))
-  return jax.lax.switch(index, (direct, settle_zeros, exact), leaves)
+  return jax.lax.cond(_all(good), direct, fallback, leaves)
 
 
 # --------------------------------------------------------------------------
@@ -460,6 +475,25 @@ def global_norm(
   return jax.lax.cond(trusted, direct, exact, arrays)
 
 
+def _largest_and_count_plain(x, limit, dtype):
+  a = magnitude(x, dtype)
+  return (jnp.max(a, initial=0).astype(jnp.float32),
+          jnp.sum(a > limit, dtype=jnp.float32))
+
+
+def _largest_and_count_fast(x, limit, dtype):
+  a = magnitude(x, dtype)
+  zero = jnp.zeros((), jnp.float32)
+  return jax.lax.reduce(
+      (a.astype(jnp.float32), (a > limit).astype(jnp.float32)), (zero, zero),
+      lambda u, v: (jnp.maximum(u[0], v[0]), u[1] + v[1]),
+      tuple(range(x.ndim)))
+
+
+_largest_and_count_custom = _with_plain_derivative(
+    _largest_and_count_fast, _largest_and_count_plain, n_args=3, n_static=1)
+
+
 def largest_and_count_above(x: jax.Array, limit: Any):
   """``(max |x|, number of elements with |x| > limit)``, in one pass.
 
@@ -467,24 +501,11 @@ def largest_and_count_above(x: jax.Array, limit: Any):
   two-output reduction: a separate count would make XLA write out the
   comparison (or a broadcast of ``limit``) as a full-size temporary.
   """
-  dtype = accumulation_dtype(x.dtype)
-  f32 = jnp.float32
-
-  def plain(x, limit):
-    a = magnitude(x, dtype)
-    return (jnp.max(a, initial=0).astype(f32),
-            jnp.sum(a > limit, dtype=f32))
-
-  def fast(x, limit):
-    a = magnitude(x, dtype)
-    over = (a > limit).astype(f32)
-    zero = jnp.zeros((), f32)
-    return jax.lax.reduce(
-        (a.astype(f32), over), (zero, zero),
-        lambda u, v: (jnp.maximum(u[0], v[0]), u[1] + v[1]),
-        tuple(range(x.ndim)))
-
-  return _fast_or_plain(fast, plain, x, jnp.asarray(limit, dtype))
+  dtype = np.dtype(accumulation_dtype(x.dtype))
+  limit = jnp.asarray(limit, dtype)
+  if may_span_devices(x):
+    return _largest_and_count_plain(x, limit, dtype)
+  return _largest_and_count_custom(x, limit, dtype)
 
 
 def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0) -> jax.Array:  # pylint: disable=redefined-builtin

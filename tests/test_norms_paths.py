@@ -6,6 +6,7 @@ against x / ||x||; and the compiled steps keep no leaf-sized temporary (the
 reason the paths are written as they are: see the module docstring).
 """
 
+import functools
 import math
 
 from absl.testing import parameterized
@@ -38,8 +39,7 @@ def _leaves(scale, dtype=jnp.float32, seed=0):
 
 class NormPathsTest(parameterized.TestCase):
 
-  @parameterized.product(scale=[1.0, 1e30, 1e-30, 1e-20],
-                         p=[1.0, 2.0, 3.0, math.inf])
+  @parameterized.product(scale=[1.0, 1e30, 1e-30], p=[1.0, 2.0, 3.0, math.inf])
   def test_global_and_unit_norms_match_numpy(self, scale, p):
     leaves = _leaves(scale)
     axes = [None, None, (0,), (1,)]
@@ -112,6 +112,20 @@ class NormPathsTest(parameterized.TestCase):
     np.testing.assert_array_equal(grad, [[-1.0, 0.0], [0.0, 0.0]])
 
 
+def _leaves_for_memory(dtype):
+  # Leaves above SMALL_LEAF_SIZE: nothing is concatenated.
+  n = 2 * _norms.SMALL_LEAF_SIZE
+  rng = np.random.default_rng(0)
+  return [jnp.asarray(rng.normal(size=(n // 256, 256)), dtype)
+          for _ in range(2)]
+
+
+@functools.lru_cache(maxsize=None)
+def _scale_floor_bytes(dtype):
+  return _temp_bytes(optax.chain(_scale_by_state(), optax.adam(1e-3)),
+                     _leaves_for_memory(dtype))
+
+
 def _temp_bytes(tx, leaves):
   grads = {f"w{i}": x for i, x in enumerate(leaves)}
 
@@ -152,11 +166,7 @@ class TemporaryMemoryTest(parameterized.TestCase):
                "clip_unitwise"],
       dtype=["float32", "bfloat16"])
   def test_no_leaf_sized_temporary(self, clipper, dtype):
-    # Leaves above SMALL_LEAF_SIZE: nothing is concatenated.
-    n = 2 * _norms.SMALL_LEAF_SIZE
-    rng = np.random.default_rng(0)
-    leaves = [jnp.asarray(rng.normal(size=(n // 256, 256)), dtype)
-              for _ in range(2)]
+    leaves = _leaves_for_memory(dtype)
     adam = optax.adam(1e-3)
     tx = {
         "clip_global": lambda: optax.chain(optaxclip.clip_global(1.0), adam),
@@ -167,8 +177,8 @@ class TemporaryMemoryTest(parameterized.TestCase):
         "clip_unitwise": lambda: optax.chain(
             optaxclip.clip_unitwise(0.01), adam),
     }[clipper]()
-    floor = _temp_bytes(optax.chain(_scale_by_state(), adam), leaves)
-    self.assertLess(_temp_bytes(tx, leaves), floor + leaves[0].nbytes // 4)
+    self.assertLess(_temp_bytes(tx, leaves),
+                    _scale_floor_bytes(dtype) + leaves[0].nbytes // 4)
 
   def test_raw_gradient_norm_is_not_merged_with_adams_square(self):
     # A norm of the raw gradient next to adam's own g * g (as guard does).
