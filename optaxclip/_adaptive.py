@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import _checks
+from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _stats
 
@@ -321,7 +322,8 @@ def clip_zscore(
         (state.count, state.mean, state.var))
     return new_updates, ClipZscoreState(*stats, *memory)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(
+      init_fn, _compiled.jit_update(update_fn))
 
 
 # --- AutoClip ----------------------------------------------------------------
@@ -420,7 +422,8 @@ def clip_percentile(
         *stats, filled=filled.astype(jnp.int32), index=index.astype(jnp.int32),
         history=recorded)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(
+      init_fn, _compiled.jit_update(update_fn))
 
 
 # --- AdaGC -------------------------------------------------------------------
@@ -512,4 +515,5 @@ def clip_relative(
     return new_updates, ClipRelativeState(
         *stats[:3], _stats.as_stat(threshold), count=count, gamma=gamma)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(
+      init_fn, _compiled.jit_update(update_fn))

@@ -10,6 +10,7 @@ import optax
 
 from optaxclip import _adaptive
 from optaxclip import _checks
+from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _stats
 
@@ -190,4 +191,5 @@ def guard(
         count=count.astype(jnp.int32), mean=mean.astype(_F32),
         var=var.astype(_F32), inner_state=new_inner)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+      init_fn, _compiled.jit_update(update_fn))

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from optaxclip import _checks
+from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _static
 from optaxclip import _stats
@@ -325,4 +326,5 @@ def clip_per_example(
         key=key)
     return jax.tree.unflatten(treedef, out), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(
+      init_fn, _compiled.jit_update(update_fn))

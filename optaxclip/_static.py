@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import _checks
+from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _stats
 
@@ -150,7 +151,8 @@ def clip_value(max_delta: float) -> optax.GradientTransformation:
         clip_fraction=_fraction(clipped, total))
     return jax.tree.unflatten(treedef, out), new_state
 
-  return optax.GradientTransformation(_init_stats(ClipValueState), update_fn)
+  return optax.GradientTransformation(
+      _init_stats(ClipValueState), _compiled.jit_update(update_fn))
 
 
 def _leaf_axes(x: jax.Array, axis: Optional[tuple[int, ...]], path: str,
@@ -259,7 +261,8 @@ def clip_norm(
     out, stats = _per_unit_clip(leaves, norms, [max_norm] * len(leaves), p)
     return jax.tree.unflatten(treedef, out), ClipNormState(*stats)
 
-  return optax.GradientTransformation(_init_stats(ClipNormState), update_fn)
+  return optax.GradientTransformation(
+      _init_stats(ClipNormState), _compiled.jit_update(update_fn))
 
 
 def clip_global(
@@ -328,7 +331,8 @@ def clip_global(
         clip_fraction=_stats.as_stat(factor < 1))
     return jax.tree.unflatten(treedef, out), new_state
 
-  return optax.GradientTransformation(_init_stats(ClipGlobalState), update_fn)
+  return optax.GradientTransformation(
+      _init_stats(ClipGlobalState), _compiled.jit_update(update_fn))
 
 
 def clip_block_rms(
@@ -385,7 +389,8 @@ def clip_block_rms(
     out, stats = _per_unit_clip(leaves, norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipBlockRMSState(*stats)
 
-  return optax.GradientTransformation(_init_stats(ClipBlockRMSState), update_fn)
+  return optax.GradientTransformation(
+      _init_stats(ClipBlockRMSState), _compiled.jit_update(update_fn))
 
 
 def default_unit_axes(x: jax.Array) -> Optional[tuple[int, ...]]:
@@ -495,4 +500,5 @@ def clip_unitwise(
     out, stats = _per_unit_clip(leaves, g_norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(*stats)
 
-  return optax.GradientTransformation(_init_stats(ClipUnitwiseState), update_fn)
+  return optax.GradientTransformation(
+      _init_stats(ClipUnitwiseState), _compiled.jit_update(update_fn))

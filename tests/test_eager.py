@@ -1,0 +1,96 @@
+"""Called outside jit, an update compiles once per transformation.
+
+Every clipper's update runs under its own ``jax.jit`` (optaxclip/_compiled.py):
+inside a user's jitted step that is inlined; called eagerly, the second call
+must reuse the compiled program rather than trace and compile the norms'
+``lax.cond`` branches again.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxclip
+
+GRADS = {"w": jnp.array([[3.0, -4.0], [0.5, 2.0]]), "b": jnp.array([0.1, -0.2])}
+
+TRANSFORMATIONS = {
+    "clip_value": lambda: optaxclip.clip_value(0.5),
+    "clip_norm": lambda: optaxclip.clip_norm(1.0),
+    "clip_global": lambda: optaxclip.clip_global(1.0),
+    "clip_block_rms": lambda: optaxclip.clip_block_rms(0.3),
+    "clip_unitwise": lambda: optaxclip.clip_unitwise(0.1),
+    "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=1),
+    "clip_percentile": lambda: optaxclip.clip_percentile(10.0),
+    "clip_relative": lambda: optaxclip.clip_relative(),
+    "guard": lambda: optaxclip.guard(optax.adam(1e-2)),
+    "clipped": lambda: optaxclip.clipped(optax.adam(1e-2), global_clipnorm=1.0),
+    "clip_per_example": lambda: optaxclip.clip_per_example(
+        1.0, noise_multiplier=0.2, target_quantile=0.5),
+}
+
+
+def _gradients(name, scale):
+  grads = jax.tree.map(lambda x: x * scale, GRADS)
+  if name == "clip_per_example":  # a batch of 3 examples along axis 0
+    return jax.tree.map(lambda x: jnp.stack([x, -x, 2 * x]), grads)
+  return grads
+
+
+def _compile_messages(records):
+  return [r.getMessage() for r in records
+          if r.getMessage().startswith("Compiling")]
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+def test_second_eager_update_does_not_compile(name, caplog):
+  tx = TRANSFORMATIONS[name]()
+  state = tx.init(GRADS)
+  later = [_gradients(name, scale) for scale in (2.0, 0.5)]
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+    first, state = tx.update(_gradients(name, 1.0), state, GRADS)
+    # The log does show compilations: the first call has some.
+    assert _compile_messages(caplog.records)
+    caplog.clear()
+    for grads in later:
+      updates, state = tx.update(grads, state, GRADS)
+      jax.block_until_ready(updates)
+  assert not _compile_messages(caplog.records), _compile_messages(
+      caplog.records)
+  assert jax.tree.structure(updates) == jax.tree.structure(first)
+  for leaf in jax.tree.leaves(updates):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+def test_eager_and_jitted_updates_agree():
+  tx = optaxclip.clip_global(1.0)
+  state = tx.init(GRADS)
+  eager, eager_state = tx.update(GRADS, state)
+  jitted, jitted_state = jax.jit(tx.update)(GRADS, state)
+  np.testing.assert_allclose(eager["w"], jitted["w"], rtol=1e-6)
+  assert float(eager_state.norm) == pytest.approx(float(jitted_state.norm))
+
+
+def test_eager_update_with_a_function_in_extra_args():
+  """Extra arguments may hold functions (optax's line searches take
+  ``value_fn``); jit cannot take those, so such a call runs as written."""
+  calls = []
+
+  def value_fn(params):
+    calls.append(1)
+    return jnp.sum(params["w"] ** 2)
+
+  inner = optax.GradientTransformationExtraArgs(
+      lambda params: optax.EmptyState(),
+      lambda updates, state, params=None, *, value_fn=None, **_: (
+          jax.tree.map(lambda g: g * value_fn(params), updates), state))
+  tx = optaxclip.guard(inner)
+  state = tx.init(GRADS)
+  updates, state = tx.update(GRADS, state, GRADS, value_fn=value_fn)
+  expected = float(jnp.sum(GRADS["w"] ** 2))
+  np.testing.assert_allclose(updates["b"], GRADS["b"] * expected, rtol=1e-6)
+  assert calls
