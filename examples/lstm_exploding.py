@@ -28,7 +28,7 @@ logs its norm too: it chains ``clip_global(inf)``, which clips nothing but
 records the norm, as ``torch.nn.utils.clip_grad_norm_(params, inf)`` returns
 it.
 
-Run: ``python examples/lstm_exploding.py`` (about 100 s on 2 CPU cores);
+Run: ``python examples/lstm_exploding.py`` (about 80 s on 2 CPU cores);
 ``--steps 20`` for a smoke test.
 """
 
