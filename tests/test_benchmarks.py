@@ -1,9 +1,11 @@
-"""benchmarks/run.py --quick runs and writes a sane report (so it never rots).
+"""benchmarks/run.py --quick and floors.py run and write sane reports (so they
+never rot).
 
 Speed itself is not tested here (timings belong to benchmarks/RESULTS.md);
 this checks that every row is measured and every figure is a positive number.
 """
 
+import importlib
 import math
 import os
 import pathlib
@@ -94,3 +96,24 @@ def test_quick_run_writes_a_sane_report(tmp_path):
     assert float(cells[1]) > 0 and float(cells[2]) > 0
     _ratio(cells[3])
   assert _ratio(compile_rows[0][3]) == 1.0
+
+
+def test_floors_runs_at_a_tiny_size():
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "benchmarks" / "floors.py"), "--rounds",
+       "2", "--leaves", "3", "--size", "1000"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [_cells(line) for line in proc.stdout.splitlines()
+          if line.startswith("| ") and not line.startswith("| variant")]
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  try:
+    floors = importlib.import_module("floors")
+  finally:
+    sys.path.remove(str(ROOT / "benchmarks"))
+  assert [cells[0] for cells in rows] == list(floors.VARIANTS)
+  for cells in rows:
+    _ratio(cells[1])
+    assert float(cells[2]) >= 0, cells

@@ -1,0 +1,141 @@
+"""What the clippers' step times are made of: floors and ablations.
+
+``benchmarks/run.py`` compares each clipper with adam; this script explains
+the gaps to the targets, on tree (a) of run.py (64 float32 leaves of 400k),
+timed the same way (adam between every two variant steps, median of
+per-round ratios, one process). Each ablation is written here, in plain JAX,
+as the same clipper without one of its parts:
+
+* ``read``: adam plus one float32 sum-of-squares pass over the gradients
+  whose result is not used (the cost of reading the gradients once);
+* ``global, no overflow check``: the global-norm clip as one plain pass,
+  ``g * min(1, c / sqrt(sum g**2))``, without optaxclip's overflow/underflow
+  check (a ``lax.cond`` that recomputes the norm exactly when the fast sum
+  is not finite or too small): the price of that safety;
+* ``per-leaf norms, no check``: the same for ``clip_norm``. Without the check,
+  each leaf's clip waits only for its own reduction and XLA overlaps it with
+  the other leaves' adam arithmetic, so the read pass disappears; with the
+  check (one ``lax.cond`` for the tree), every leaf waits for all;
+* ``clip_value`` statistics: the element clip alone (as ``optax.clip``), with
+  ``max |g|`` only, and with ``max |g|`` and the count of clipped elements
+  (what optaxclip records; one two-output reduction).
+
+Usage: ``python benchmarks/floors.py [--rounds N]`` (about 2 minutes on 2
+CPU cores). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "benchmarks"):
+  if str(path) not in sys.path:
+    sys.path.insert(0, str(path))
+
+import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import optax  # pylint: disable=wrong-import-position
+
+import optaxclip  # pylint: disable=wrong-import-position
+import run  # pylint: disable=wrong-import-position
+
+MAX_NORM = 1.0  # the global norm of the gradients below is ~5: always clipped
+MAX_LEAF_NORM = 0.1  # each leaf's norm is ~0.63
+MAX_DELTA = 1e-3  # the gradients are N(0, 1e-3): about a third is clipped
+
+
+def _stateless(update):
+  return optax.GradientTransformation(
+      lambda params: jnp.zeros((), jnp.float32), update)
+
+
+def global_without_check():
+  def update(updates, state, params=None):
+    del state, params
+    leaves = jax.tree.leaves(updates)
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in leaves))
+    factor = jnp.where(norm > MAX_NORM, MAX_NORM / norm, 1.0)
+    return jax.tree.map(lambda x: x * factor, updates), norm
+  return _stateless(update)
+
+
+def per_leaf_without_check():
+  def update(updates, state, params=None):
+    del state, params
+
+    def clip(x):
+      norm = jnp.sqrt(jnp.sum(jnp.square(x)))
+      return x * jnp.where(norm > MAX_LEAF_NORM, MAX_LEAF_NORM / norm, 1.0)
+
+    return jax.tree.map(clip, updates), jnp.zeros((), jnp.float32)
+  return _stateless(update)
+
+
+def value_clip(stats: str):
+  """The element clip with no statistics, ``max |g|``, or max and count."""
+  def update(updates, state, params=None):
+    del state, params
+    leaves = jax.tree.leaves(updates)
+    largest = jnp.zeros((), jnp.float32)
+    count = jnp.zeros((), jnp.float32)
+    for x in leaves:
+      if stats == "max":
+        largest = jnp.maximum(largest, jnp.max(jnp.abs(x)))
+      elif stats == "max+count":
+        biggest, over = optaxclip._norms.largest_and_count_above(x, MAX_DELTA)  # pylint: disable=protected-access
+        largest, count = jnp.maximum(largest, biggest), count + over
+    clipped = jax.tree.map(lambda x: jnp.clip(x, -MAX_DELTA, MAX_DELTA),
+                           updates)
+    return clipped, largest + count
+  return _stateless(update)
+
+
+VARIANTS = {
+    "adam + read (floor)": run.chained(run.read_only),
+    "global, no overflow check": run.chained(global_without_check),
+    "optaxclip.clip_global": run.chained(
+        lambda: optaxclip.clip_global(MAX_NORM)),
+    "per-leaf norms, no check": run.chained(per_leaf_without_check),
+    "optaxclip.clip_norm": run.chained(
+        lambda: optaxclip.clip_norm(MAX_LEAF_NORM)),
+    "element clip, no statistics": run.chained(lambda: value_clip("none")),
+    "element clip + max(abs(g))": run.chained(lambda: value_clip("max")),
+    "element clip + max(abs(g)) + count": run.chained(
+        lambda: value_clip("max+count")),
+    "optaxclip.clip_value": run.chained(
+        lambda: optaxclip.clip_value(MAX_DELTA)),
+    "optax.clip": run.chained(lambda: optax.clip(MAX_DELTA)),
+}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--rounds", type=int, default=11)
+  parser.add_argument("--leaves", type=int, default=64)
+  parser.add_argument("--size", type=int, default=400_000)
+  args = parser.parse_args(argv)
+  shapes = run.many_leaves(args.leaves, args.size)
+  params = run.make_arrays(shapes, jnp.float32, 0.02, seed=0)
+  grads = run.make_arrays(shapes, jnp.float32, run.GRAD_SCALE, seed=1)
+  variants = {"adam": (run.adam, False)}
+  variants.update({name: (make, False) for name, make in VARIANTS.items()})
+  results = run.time_variants(variants, params, grads, args.rounds,
+                              budget_s=30.0,
+                              log=lambda m: print(m, file=sys.stderr))
+  print("\n".join(run.machine_lines()))
+  print(f"- Command: `python benchmarks/floors.py --rounds {args.rounds} "
+        f"--leaves {args.leaves} --size {args.size}`")
+  print()
+  print("| variant | step / adam (median, IQR) | temp MiB |")
+  print("|---|---|---|")
+  for name in VARIANTS:
+    res = results[name]
+    print(f"| {name} | {run.fmt_ratio(res)} | {run.fmt_mb(res.temp_bytes)} |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
