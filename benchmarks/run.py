@@ -28,7 +28,7 @@ does not grow with the number of variants.
 
 Usage::
 
-  python benchmarks/run.py            # ~10 min on 2 CPU cores
+  python benchmarks/run.py            # ~17 min on 2 CPU cores, 11 GB
   python benchmarks/run.py --quick    # tiny sizes, seconds: checks it runs
 
 It prints a markdown report and writes it to ``benchmarks/RESULTS.md``
@@ -44,6 +44,7 @@ import datetime
 import functools
 import importlib.util
 import math
+import multiprocessing
 import os
 import pathlib
 import platform
@@ -655,6 +656,26 @@ def run_compile(sizes: Sizes, log) -> tuple[list[str], dict[str, Any]]:
   return lines, summary
 
 
+def log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def run_section(key: str, sizes: Sizes, budget: float) -> list[str]:
+  """The table lines of one section: a tree (a, b, c) or compile."""
+  if key == "compile":
+    return run_compile(sizes, log)[0]
+  if key == "a":
+    title = f"(a) {sizes.many_leaves} x {sizes.many_size} float32"
+    shapes, dtype = many_leaves(sizes.many_leaves, sizes.many_size), jnp.float32
+  else:
+    dtype = jnp.float32 if key == "b" else jnp.bfloat16
+    title = (f"({key}) transformer, {sizes.blocks} blocks of width "
+             f"{sizes.width}, {jnp.dtype(dtype).name}")
+    shapes = transformer(sizes.blocks, sizes.width, sizes.vocab,
+                         sizes.context)
+  return run_tree(title, shapes, dtype, sizes, budget, log)[0]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true",
@@ -678,9 +699,6 @@ def main(argv: Optional[list[str]] = None) -> int:
   sections = set(args.only.split(","))
   budget = 2.0 if args.quick else 40.0  # seconds of timed steps per tree
 
-  def log(msg):
-    print(msg, file=sys.stderr, flush=True)
-
   command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
   lines = ["# optaxclip benchmarks", ""] + machine_lines() + [
       f"- Command: `{command}`" + (" (quick sizes: not for quoting)"
@@ -702,23 +720,19 @@ def main(argv: Optional[list[str]] = None) -> int:
       "## Step time over adam's own step",
       "",
   ]
-  model_shapes = transformer(sizes.blocks, sizes.width, sizes.vocab,
-                             sizes.context)
-  trees = [
-      ("a", f"(a) {sizes.many_leaves} x {sizes.many_size} float32",
-       many_leaves(sizes.many_leaves, sizes.many_size), jnp.float32),
-      ("b", f"(b) transformer, {sizes.blocks} blocks of width {sizes.width}, "
-       "float32", model_shapes, jnp.float32),
-      ("c", f"(c) transformer, {sizes.blocks} blocks of width {sizes.width}, "
-       "bfloat16", model_shapes, jnp.bfloat16),
-  ]
-  for key, title, shapes, dtype in trees:
-    if key in sections:
-      table, _ = run_tree(title, shapes, dtype, sizes, budget, log)
-      lines += table
-  if "compile" in sections:
-    table, _ = run_compile(sizes, log)
-    lines += table
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  # Each section runs in a fresh process: XLA's CPU allocator keeps what a
+  # section used, and (a) to (c) in one process need more memory than 24 GB.
+  spawn = multiprocessing.get_context("spawn")
+  for key in ("a", "b", "c", "compile"):
+    if key not in sections:
+      continue
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+      lines += pool.submit(run_section, key, sizes, budget).result()
+    # A crash or a kill late in the run keeps the tables so far.
+    out.write_text("\n".join(lines + ["(run in progress)"]) + "\n",
+                   encoding="utf-8")
   missing = [n for n in ADAPTIVE if not hasattr(optaxclip, n)]
   if missing:
     lines.append(f"Not in this checkout (rows appear once they exist): "
@@ -727,8 +741,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     lines.append("PyTorch is not installed: no cross-framework row.")
   text = "\n".join(lines).rstrip() + "\n"
   print(text)
-  out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(text, encoding="utf-8")
   log(f"written to {out}")
   return 0
