@@ -28,7 +28,7 @@ does not grow with the number of variants.
 
 Usage::
 
-  python benchmarks/run.py            # ~17 min on 2 CPU cores, 11 GB
+  python benchmarks/run.py            # ~9 min on 2 CPU cores, up to 19 GB
   python benchmarks/run.py --quick    # tiny sizes, seconds: checks it runs
 
 It prints a markdown report and writes it to ``benchmarks/RESULTS.md``
