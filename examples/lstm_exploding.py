@@ -19,8 +19,8 @@ hundreds to tens of thousands, against ~0.3 once training settles
 Adam does not diverge on such a gradient -- its step is bounded by the
 learning rate -- but its second-moment estimate keeps the exploded squares
 for thousands of steps (b2 = 0.999), and divides every later step by them:
-the unclipped run stalls at the loss of predicting the mean. Clipped before
-Adam, the first gradients stay at the scale of the later ones.
+the unclipped run stalls, at the loss of predicting the mean on most seeds.
+Clipped before Adam, the first gradients stay at the scale of the later ones.
 
 The script prints a table read from ``optaxclip.stats()`` and writes a PNG of
 the loss and the pre-clip gradient norm of every variant. The unclipped run
