@@ -12,7 +12,7 @@ statistics for the rest of training (use :func:`guard` to skip such steps).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,31 +27,74 @@ _F32 = jnp.float32
 ADAPTIVE_FIELDS = (*_stats.CLIP_FIELDS, "threshold")
 SCOPES = ("global", "leaf")
 
-ClipZscoreState = _stats.make_state(
-    "ClipZscoreState", ADAPTIVE_FIELDS, ("count", "mean", "var"),
-    doc="State of :func:`clip_zscore`. Statistics: the global L2 norm "
-    "before (``norm``) and after (``clipped_norm``) clipping, the share of "
-    "clipping units (the tree, or each leaf) scaled down (``clip_fraction``) "
-    "and ``threshold``, the norm above which a step counts as a spike, capped "
-    "by ``max_norm`` (during warm-up: ``max_norm``, or +inf without one; with "
-    "``scope='leaf'``: the L2 norm of the per-leaf thresholds). Memory: ``count`` (warm-up norms gathered, int32, at most "
-    "``warmup_steps``), and ``mean``/``var`` of the norm (scalars, or one per "
-    "leaf), the warm-up's plain mean and variance until it ends, then EMAs.")
-ClipPercentileState = _stats.make_state(
-    "ClipPercentileState", ADAPTIVE_FIELDS, ("filled", "index", "history"),
-    doc="State of :func:`clip_percentile`. Statistics as for every clipper, "
-    "``threshold`` being the percentile of the recent norms (with "
-    "``scope='leaf'``, the L2 norm of the per-leaf thresholds). Memory: a "
-    "ring buffer ``history`` of the last norms (``(history,)`` or "
-    "``(history, n_leaves)``, float32), ``filled`` (how many entries hold a "
-    "norm) and ``index`` (the slot the next norm goes to), both int32.")
-ClipRelativeState = _stats.make_state(
-    "ClipRelativeState", ADAPTIVE_FIELDS, ("count", "gamma"),
-    doc="State of :func:`clip_relative`. Statistics as for every clipper, "
-    "``threshold`` being ``warmup_max_norm`` during warm-up, then the L2 norm "
-    "of the per-leaf limits ``factor * gamma_i``. Memory: ``count`` (steps "
-    "with a finite norm, int32, at most ``warmup_steps``) and ``gamma`` (one float32 per "
-    "leaf, +inf before the first step).")
+@_stats.register("clip_zscore", ADAPTIVE_FIELDS)
+class ClipZscoreState(NamedTuple):
+  """State of :func:`clip_zscore`.
+
+  Attributes:
+    norm: the global L2 norm before clipping.
+    clipped_norm: the global L2 norm after clipping.
+    clip_fraction: the share of clipping units (the tree, or each leaf)
+      scaled down.
+    threshold: the norm above which a step counts as a spike, capped by
+      ``max_norm`` (during warm-up: ``max_norm``, or +inf without one; with
+      ``scope='leaf'``: the L2 norm of the per-leaf thresholds).
+    count: warm-up norms gathered, at most ``warmup_steps``.
+    mean: the mean of the norm: the warm-up's plain mean until it ends, then
+      an EMA.
+    var: the variance of the norm, likewise.
+  """
+  norm: jax.Array  # float32 scalar
+  clipped_norm: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar
+  threshold: jax.Array  # float32 scalar
+  count: jax.Array  # int32 scalar
+  mean: jax.Array  # float32: scalar, or (n_leaves,) with scope="leaf"
+  var: jax.Array  # float32: as mean
+
+
+@_stats.register("clip_percentile", ADAPTIVE_FIELDS)
+class ClipPercentileState(NamedTuple):
+  """State of :func:`clip_percentile`.
+
+  Attributes:
+    norm: the global L2 norm before clipping.
+    clipped_norm: the global L2 norm after clipping.
+    clip_fraction: the share of clipping units scaled down.
+    threshold: the percentile of the recent norms (with ``scope='leaf'``,
+      the L2 norm of the per-leaf thresholds).
+    filled: how many entries of ``history`` hold a norm.
+    index: the slot the next norm goes to.
+    history: a ring buffer of the last norms.
+  """
+  norm: jax.Array  # float32 scalar
+  clipped_norm: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar
+  threshold: jax.Array  # float32 scalar
+  filled: jax.Array  # int32 scalar
+  index: jax.Array  # int32 scalar
+  history: jax.Array  # float32, (history,) or (history, n_leaves)
+
+
+@_stats.register("clip_relative", ADAPTIVE_FIELDS)
+class ClipRelativeState(NamedTuple):
+  """State of :func:`clip_relative`.
+
+  Attributes:
+    norm: the global L2 norm before clipping.
+    clipped_norm: the global L2 norm after clipping.
+    clip_fraction: the share of leaves scaled down.
+    threshold: ``warmup_max_norm`` during warm-up, then the L2 norm of the
+      per-leaf limits ``factor * gamma_i``.
+    count: steps with a finite norm, at most ``warmup_steps``.
+    gamma: the EMA of each leaf's clipped norm (+inf before the first step).
+  """
+  norm: jax.Array  # float32 scalar
+  clipped_norm: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar
+  threshold: jax.Array  # float32 scalar
+  count: jax.Array  # int32 scalar
+  gamma: jax.Array  # float32, (n_leaves,)
 
 
 # --- Shared pieces ------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -16,20 +16,33 @@ from optaxclip import _stats
 
 _F32 = jnp.float32
 
-GuardState = _stats.make_state(
-    "GuardState",
-    ("norm", "threshold", "skipped", "nonfinite", "consecutive_skips"),
-    ("count", "mean", "var", "inner_state"),
-    doc="State of :func:`guard`. Statistics: ``norm`` (this step's global L2 "
-    "gradient norm, float32), ``threshold`` (the largest norm that passed "
-    "this step: ``max_norm`` and, after warm-up, the spike bound; +inf when "
-    "neither applies), and int32 counters: ``skipped`` (steps skipped so "
-    "far), ``nonfinite`` (steps with a NaN/Inf norm so far) and "
-    "``consecutive_skips`` (skipped steps in a row, ending with this one: 0 "
-    "when this step went through). Memory: ``count`` (finite norms gathered "
-    "for the warm-up, at most ``warmup_steps``), ``mean`` and ``var`` of the "
-    "norm (the warm-up's plain mean and variance, then EMAs), and "
-    "``inner_state``.")
+@_stats.register(
+    "guard", ("norm", "threshold", "skipped", "nonfinite", "consecutive_skips"))
+class GuardState(NamedTuple):
+  """State of :func:`guard`.
+
+  Attributes:
+    norm: this step's global L2 gradient norm.
+    threshold: the largest norm that passed this step: ``max_norm`` and,
+      after warm-up, the spike bound; +inf when neither applies.
+    skipped: steps skipped so far.
+    nonfinite: steps with a NaN/Inf norm so far.
+    consecutive_skips: skipped steps in a row, ending with this one (0 when
+      this step went through).
+    count: finite norms gathered for the warm-up, at most ``warmup_steps``.
+    mean: the mean of the norm (the warm-up's plain mean, then an EMA).
+    var: the variance of the norm, likewise.
+    inner_state: the state of the guarded transformation.
+  """
+  norm: jax.Array  # float32 scalar
+  threshold: jax.Array  # float32 scalar
+  skipped: jax.Array  # int32 scalar
+  nonfinite: jax.Array  # int32 scalar
+  consecutive_skips: jax.Array  # int32 scalar
+  count: jax.Array  # int32 scalar
+  mean: jax.Array  # float32 scalar
+  var: jax.Array  # float32 scalar
+  inner_state: Any
 
 
 def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> jax.Array:

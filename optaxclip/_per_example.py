@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -17,15 +17,25 @@ from optaxclip import _norms
 from optaxclip import _static
 from optaxclip import _stats
 
-ClipPerExampleState = _stats.make_state(
-    "ClipPerExampleState",
-    stat_fields=("norm", "clipped_norm", "clip_fraction", "clip_norm"),
-    other_fields=("key",),
-    doc="State of :func:`clip_per_example`: the mean per-example global L2 "
-    "norm before (``norm``) and after (``clipped_norm``) clipping, the share "
-    "of examples scaled down (``clip_fraction``), the clip norm the next step "
-    "will use (``clip_norm``: ``l2_clip`` at the start, adapted after each "
-    "step when ``target_quantile`` is set) and the random key of the noise.")
+@_stats.register(
+    "clip_per_example", ("norm", "clipped_norm", "clip_fraction", "clip_norm"))
+class ClipPerExampleState(NamedTuple):
+  """State of :func:`clip_per_example`.
+
+  Attributes:
+    norm: the mean per-example global L2 norm before clipping.
+    clipped_norm: the mean per-example global L2 norm after clipping.
+    clip_fraction: the share of examples scaled down.
+    clip_norm: the clip norm the next step will use: ``l2_clip`` at the
+      start, adapted after each step when ``target_quantile`` is set.
+    key: the random key of the noise.
+  """
+  norm: jax.Array  # float32 scalar
+  clipped_norm: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar
+  clip_norm: jax.Array  # float32 scalar
+  key: jax.Array  # a PRNG key
+
 
 # Andrew et al. 2021 recommend noising the unclipped count with a standard
 # deviation of the expected number of examples per step over 20.

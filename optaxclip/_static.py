@@ -4,7 +4,7 @@ block RMS and unit-wise (AGC)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -17,31 +17,75 @@ from optaxclip import _stats
 
 Axis = Optional[Union[int, Sequence[int]]]
 
-ClipValueState = _stats.make_state(
-    "ClipValueState",
-    doc="State of :func:`clip_value`: ``norm`` is the largest pre-clip |g| "
-    "(the inf-norm), ``clipped_norm`` the largest after clipping and "
-    "``clip_fraction`` the share of elements clipped.")
-ClipNormState = _stats.make_state(
-    "ClipNormState",
-    doc="State of :func:`clip_norm`: the global ``ord``-norm before "
-    "(``norm``) and after (``clipped_norm``) clipping, and the share of "
-    "units (leaves or slices) scaled down (``clip_fraction``).")
-ClipGlobalState = _stats.make_state(
-    "ClipGlobalState",
-    doc="State of :func:`clip_global`: the global ``ord``-norm before "
-    "(``norm``) and after (``clipped_norm``) clipping, and ``clip_fraction`` "
-    "1.0 when the tree was scaled down, else 0.0.")
-ClipBlockRMSState = _stats.make_state(
-    "ClipBlockRMSState",
-    doc="State of :func:`clip_block_rms`: the global L2 norm before "
-    "(``norm``) and after (``clipped_norm``) clipping, and the share of "
-    "leaves scaled down (``clip_fraction``).")
-ClipUnitwiseState = _stats.make_state(
-    "ClipUnitwiseState",
-    doc="State of :func:`clip_unitwise`: the global L2 norm of the gradient "
-    "before (``norm``) and after (``clipped_norm``) clipping, and the share "
-    "of units scaled down (``clip_fraction``).")
+@_stats.register("clip_value")
+class ClipValueState(NamedTuple):
+  """State of :func:`clip_value`: this step's statistics.
+
+  Attributes:
+    norm: the largest pre-clip magnitude ``max |g|`` (the inf-norm).
+    clipped_norm: the largest magnitude after clipping.
+    clip_fraction: the share of elements clipped.
+  """
+  norm: jax.Array  # float32 scalar
+  clipped_norm: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar in [0, 1]
+
+
+@_stats.register("clip_norm")
+class ClipNormState(NamedTuple):
+  """State of :func:`clip_norm`: this step's statistics.
+
+  Attributes:
+    norm: the ``ord``-norm of the whole tree before clipping.
+    clipped_norm: the same norm after clipping.
+    clip_fraction: the share of units (leaves or slices) scaled down.
+  """
+  norm: jax.Array  # float32 scalar
+  clipped_norm: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar in [0, 1]
+
+
+@_stats.register("clip_global")
+class ClipGlobalState(NamedTuple):
+  """State of :func:`clip_global`: this step's statistics.
+
+  Attributes:
+    norm: the global ``ord``-norm before clipping.
+    clipped_norm: the global ``ord``-norm after clipping.
+    clip_fraction: 1.0 when the tree was scaled down, else 0.0.
+  """
+  norm: jax.Array  # float32 scalar
+  clipped_norm: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar in [0, 1]
+
+
+@_stats.register("clip_block_rms")
+class ClipBlockRMSState(NamedTuple):
+  """State of :func:`clip_block_rms`: this step's statistics.
+
+  Attributes:
+    norm: the global L2 norm before clipping.
+    clipped_norm: the global L2 norm after clipping.
+    clip_fraction: the share of leaves scaled down.
+  """
+  norm: jax.Array  # float32 scalar
+  clipped_norm: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar in [0, 1]
+
+
+@_stats.register("clip_unitwise")
+class ClipUnitwiseState(NamedTuple):
+  """State of :func:`clip_unitwise`: this step's statistics.
+
+  Attributes:
+    norm: the global L2 norm of the gradient before clipping.
+    clipped_norm: the global L2 norm after clipping.
+    clip_fraction: the share of units scaled down.
+  """
+  norm: jax.Array  # float32 scalar
+  clipped_norm: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar in [0, 1]
+
 
 Sharded = Union[bool, Any, Callable[[Any, jax.Array], bool]]
 

@@ -1,14 +1,14 @@
 """Clipper states that carry their statistics, and ``stats()`` to read them.
 
-Every clipper's state is a NamedTuple of float32 scalars made by
-:func:`make_state`, which also registers it, so that :func:`stats` can find it
-anywhere in a nested optimizer state.
+Every clipper's state is a NamedTuple declared next to its transformation and
+registered with :func:`register`, so that :func:`stats` can find it anywhere
+in a nested optimizer state.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,36 +21,26 @@ CLIP_FIELDS = ("norm", "clipped_norm", "clip_fraction")
 _REGISTRY: dict[str, tuple[type, str, tuple[str, ...]]] = {}
 
 
-def _short_name(class_name: str) -> str:
-  """``ClipBlockRMSState`` -> ``clip_block_rms``: the function's name."""
-  base = class_name[:-len("State")] if class_name.endswith("State") else class_name
-  return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_",
-                base).lower()
-
-
-def make_state(
-    name: str,
-    stat_fields: tuple[str, ...] = CLIP_FIELDS,
-    other_fields: tuple[str, ...] = (),
-    doc: str = "",
-) -> type:
-  """Builds and registers a NamedTuple state class.
+def register(short: str, stat_fields: tuple[str, ...] = CLIP_FIELDS):
+  """Class decorator: registers a clipper's state class for :func:`stats`.
 
   Args:
-    name: the class name, ending in ``State`` (``ClipGlobalState``).
-    stat_fields: fields reported by :func:`stats` (scalars).
-    other_fields: further fields the clipper keeps (not reported).
-    doc: the class docstring.
+    short: the name used in stats keys, the transformation's name
+      (``"clip_global"``).
+    stat_fields: the fields :func:`stats` reports (scalars).
 
   Returns:
-    The new NamedTuple class, whose fields are all ``jax.Array``.
+    The decorator, which returns the class unchanged (but for its
+    ``__module__``, set to ``optaxclip``, where the class is public).
   """
-  fields = [(f, jax.Array) for f in (*stat_fields, *other_fields)]
-  cls = NamedTuple(name, fields)
-  cls.__doc__ = doc or f"State of a clipper: {', '.join(stat_fields)}."
-  cls.__module__ = "optaxclip"
-  _REGISTRY[name] = (cls, _short_name(name), tuple(stat_fields))
-  return cls
+  def decorate(cls: type) -> type:
+    missing = [f for f in stat_fields if f not in cls._fields]
+    if missing:
+      raise TypeError(f"{cls.__name__} lacks the stat fields {missing}.")
+    cls.__module__ = "optaxclip"
+    _REGISTRY[cls.__name__] = (cls, short, tuple(stat_fields))
+    return cls
+  return decorate
 
 
 def zeros(n: int = len(CLIP_FIELDS)) -> tuple[jax.Array, ...]:
