@@ -8,9 +8,10 @@ unchecked: reading their value would need a host transfer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import math
 import numbers
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +72,8 @@ def check_number(
           f" and dtype {value.dtype}."
       )
     return  # traced or injected: accepted as is.
-  if isinstance(value, (bool, np.bool_)) or not is_concrete_number(value):
+  if (value is None or isinstance(value, (bool, np.bool_))
+      or not is_concrete_number(value)):
     raise TypeError(f"{name} must be a real number; got {value!r}.")
   if isinstance(value, (complex, np.complexfloating)):
     raise TypeError(f"{name} must be a real number; got complex {value!r}.")
@@ -99,7 +101,7 @@ _STATIC_HINT = ("it shapes the computation and cannot be traced; under "
                 "optax.inject_hyperparams, name it in static_args")
 
 
-def check_ord(name: str, ord: Any) -> float:  # pylint: disable=redefined-builtin
+def check_ord(name: str, ord: Any) -> float:
   """Checks a norm order: any real p >= 1, or inf ('inf' accepted too).
 
   ``None`` stands for 2 (the Euclidean norm), as in ``numpy.linalg.norm``.
@@ -123,16 +125,18 @@ def check_axis(name: str, axis: Any) -> Optional[tuple[int, ...]]:
     raise TypeError(f"{name} must be None, an int or a tuple of ints, not an "
                     f"array: {_STATIC_HINT}=({name!r},).")
   if isinstance(axis, (bool, np.bool_)):
-    raise TypeError(f"{name} must be None, an int or a tuple of ints; got {axis!r}.")
+    raise TypeError(
+        f"{name} must be None, an int or a tuple of ints; got {axis!r}.")
   if isinstance(axis, (numbers.Integral, np.integer)):
     return (int(axis),)
   if isinstance(axis, Sequence) and all(
       isinstance(a, (numbers.Integral, np.integer))
       and not isinstance(a, (bool, np.bool_)) for a in axis):
-    if len(set(int(a) for a in axis)) != len(axis):
+    if len({int(a) for a in axis}) != len(axis):
       raise ValueError(f"{name} has repeated axes: {axis!r}.")
     return tuple(int(a) for a in axis)
-  raise TypeError(f"{name} must be None, an int or a tuple of ints; got {axis!r}.")
+  raise TypeError(
+      f"{name} must be None, an int or a tuple of ints; got {axis!r}.")
 
 
 def check_probability(name: str, value: Any, *, open_low=True, open_high=True):
@@ -148,7 +152,7 @@ def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
 
 
 def check_float_leaves(tree: Any, what: str = "updates") -> None:
-  """Raises TypeError naming the first leaf that is not a float or complex array."""
+  """Raises TypeError naming the first leaf that is not a float or complex."""
   for path, leaf in leaves_with_paths(tree):
     dtype = getattr(leaf, "dtype", None)
     if dtype is None:
@@ -162,7 +166,7 @@ def check_float_leaves(tree: Any, what: str = "updates") -> None:
 
 
 def check_same_structure(updates: Any, params: Any, who: str) -> None:
-  """Raises ValueError naming the leaf where ``params`` differs from ``updates``."""
+  """Raises ValueError naming the leaf where params and updates differ."""
   if params is None:
     raise ValueError(
         f"{who} needs the parameters: call update(updates, state, params).")

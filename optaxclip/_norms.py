@@ -35,9 +35,10 @@ number of leaves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import functools
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -139,14 +140,14 @@ def may_span_devices(x: jax.Array) -> bool:
     return False
   sharding = getattr(typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty:
+  if sharding is None or mesh is None or mesh.empty:
     return False
   used = set()
   for entry in sharding.spec:
     used.update(entry if isinstance(entry, tuple) else (entry,))
   types = getattr(mesh, "axis_types", None) or (None,) * len(mesh.axis_names)
-  for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, types):
-    kind = getattr(kind, "name", str(kind))
+  for name, size, axis_type in zip(mesh.axis_names, mesh.axis_sizes, types):
+    kind = getattr(axis_type, "name", str(axis_type))
     if size == 1 or kind == "Manual":
       continue
     if kind == "Explicit" and name not in used:
@@ -275,7 +276,8 @@ def _scaled_norm(m, q, p):
 def _flat_parts(arrays) -> list[jax.Array]:
   """The arrays as 1-D parts: those on one device concatenated into one, the
   others (that may span devices: no all-gather) raveled on their own. Same
-  shapes in, same partition out."""
+  shapes in, same partition out.
+  """
   local = [jnp.ravel(a) for a in arrays if not may_span_devices(a)]
   parts = [jnp.ravel(a) for a in arrays if may_span_devices(a)]
   if local:
@@ -299,7 +301,7 @@ def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
 
 def unit_norms(
     leaves: Sequence[jax.Array],
-    ord: float = 2.0,  # pylint: disable=redefined-builtin
+    ord: float = 2.0,
     axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
     *,
     axis_name: AxisName = None,
@@ -408,7 +410,7 @@ def _pieces(leaves, flags) -> list[tuple[jax.Array, bool]]:
 
 def global_norm(
     leaves: Sequence[jax.Array],
-    ord: float = 2.0,  # pylint: disable=redefined-builtin
+    ord: float = 2.0,
     *,
     axis_name: AxisName = None,
     sharded: Optional[Sequence[bool]] = None,
@@ -467,7 +469,8 @@ def global_norm(
     for f, idx in groups.items():
       if idx:
         m, q = _merge_scaled([
-            tuple(v.reshape(()) for v in _scaled_sum(arrays_[i], p, None, dtype))
+            tuple(v.reshape(())
+                  for v in _scaled_sum(arrays_[i], p, None, dtype))
             for i in idx], p)
         parts.append(_across_devices(m, q, p, f, axis_name))
     return _scaled_norm(*_merge_scaled(parts, p), p)
@@ -508,7 +511,7 @@ def largest_and_count_above(x: jax.Array, limit: Any):
   return _largest_and_count_custom(x, limit, dtype)
 
 
-def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0) -> jax.Array:  # pylint: disable=redefined-builtin
+def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0) -> jax.Array:
   """The p-norm of a set of unit norms: the norm of the whole they partition.
 
   Used for statistics: it costs a pass over the (small) norm arrays only.
@@ -528,7 +531,8 @@ def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0) -> jax.Array:  #
     return biggest
   # An infinite unit norm makes the whole infinite (inf / inf would be NaN).
   scale = jnp.where((biggest > 0) & jnp.isfinite(biggest), biggest, 1)
-  total = sum(jnp.sum(_power(part / scale, ord)) for part in parts)
+  total = sum((jnp.sum(_power(part / scale, ord)) for part in parts),
+              jnp.zeros((), scale.dtype))
   return jnp.where(jnp.isinf(biggest), biggest,
                    biggest * safe_root(total, ord))
 
@@ -541,11 +545,12 @@ def clip_factor(norm: jax.Array, limit: Any) -> jax.Array:
   """
   limit = jnp.asarray(limit, norm.dtype)
   above = norm > limit
-  return jnp.where(above, limit / jnp.where(above, norm, 1), 1).astype(norm.dtype)
+  return jnp.where(above, limit / jnp.where(above, norm, 1),
+                   1).astype(norm.dtype)
 
 
 def scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-  """``x * factor`` computed in the accumulation dtype, returned in x's dtype."""
+  """``x * factor`` computed in the accumulation dtype, in ``x``'s dtype."""
   return (x * factor.astype(accumulation_dtype(x.dtype))).astype(x.dtype)
 
 

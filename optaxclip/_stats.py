@@ -95,7 +95,8 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     >>> state = tx.init(params)
     >>> _, state = tx.update({"w": jnp.full(4, 2.0)}, state, params)
     >>> {k: round(float(v), 3) for k, v in optaxclip.stats(state).items()}
-    {'clip_global/norm': 4.0, 'clip_global/clipped_norm': 1.0, 'clip_global/clip_fraction': 1.0}
+    {'clip_global/norm': 4.0, 'clip_global/clipped_norm': 1.0,
+     'clip_global/clip_fraction': 1.0}
   """
   found = []
   for class_name, (_, short, fields) in _REGISTRY.items():

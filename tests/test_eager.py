@@ -26,7 +26,7 @@ TRANSFORMATIONS = {
     "clip_unitwise": lambda: optaxclip.clip_unitwise(0.1),
     "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=1),
     "clip_percentile": lambda: optaxclip.clip_percentile(10.0),
-    "clip_relative": lambda: optaxclip.clip_relative(),
+    "clip_relative": optaxclip.clip_relative,
     "guard": lambda: optaxclip.guard(optax.adam(1e-2)),
     "clipped": lambda: optaxclip.clipped(optax.adam(1e-2), global_clipnorm=1.0),
     "clip_per_example": lambda: optaxclip.clip_per_example(
@@ -77,7 +77,8 @@ def test_eager_and_jitted_updates_agree():
 
 def test_eager_update_with_a_function_in_extra_args():
   """Extra arguments may hold functions (optax's line searches take
-  ``value_fn``); jit cannot take those, so such a call runs as written."""
+  ``value_fn``); jit cannot take those, so such a call runs as written.
+  """
   calls = []
 
   def value_fn(params):

@@ -43,8 +43,9 @@ def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
   variants = _load(ROOT / "examples" / "lstm_exploding.py").VARIANTS
   rows = {}
   for name in variants:
-    row = re.search(rf"^{name} +(\S+) +(\S+) +(\S+) +(\d+)% +(yes|no) +(yes|no)$",
-                    stdout, re.M)
+    row = re.search(
+        rf"^{name} +(\S+) +(\S+) +(\S+) +(\d+)% +(yes|no) +(yes|no)$",
+        stdout, re.M)
     assert row, f"no row for {name}:\n{stdout}"
     rows[name] = row.groups()
   for name, (final, best, norm, _, diverged, _) in rows.items():
@@ -76,7 +77,7 @@ def test_readme_python_blocks_run(capsys):
   assert len(blocks) >= 4
   for i, code in enumerate(blocks):
     namespace = {"__name__": f"readme_block_{i}"}
-    exec(compile(code, f"README.md python block {i}", "exec"), namespace)  # pylint: disable=exec-used
+    exec(compile(code, f"README.md python block {i}", "exec"), namespace)  # noqa: S102
   printed = capsys.readouterr().out
   # The quickstarts print the pre-clip norm they read with stats().
   assert len(re.findall(r"pre-clip norm \d", printed)) >= 6, printed
