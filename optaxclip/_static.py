@@ -138,6 +138,7 @@ def _check_axis_name(axis_name, who):
   return axis_name
 
 
+@_compiled.compiled_once
 def clip_value(max_delta: float) -> optax.GradientTransformation:
   """Clips each element of the updates into ``[-max_delta, max_delta]``.
 
@@ -236,6 +237,7 @@ def _per_unit_clip(leaves, norms, limits, ord):  # pylint: disable=redefined-bui
   return out, stats
 
 
+@_compiled.compiled_once
 def clip_norm(
     max_norm: float,
     *,
@@ -309,6 +311,7 @@ def clip_norm(
       _init_stats(ClipNormState), _compiled.jit_update(update_fn))
 
 
+@_compiled.compiled_once
 def clip_global(
     max_norm: float,
     *,
@@ -379,6 +382,7 @@ def clip_global(
       _init_stats(ClipGlobalState), _compiled.jit_update(update_fn))
 
 
+@_compiled.compiled_once
 def clip_block_rms(
     threshold: float,
     *,
@@ -463,6 +467,7 @@ def default_unit_axes(x: jax.Array) -> Optional[tuple[int, ...]]:
   return tuple(range(x.ndim - 1))
 
 
+@_compiled.compiled_once
 def clip_unitwise(
     clipping: float = 0.01,
     *,
