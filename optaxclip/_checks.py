@@ -180,3 +180,120 @@ def check_same_structure(updates: Any, params: Any, who: str) -> None:
     if path not in u:
       raise ValueError(f"{who}: updates have no leaf at {path}, which the "
                        "params have.")
+
+
+def axis_names(axis_name: Any) -> tuple[str, ...]:
+  """The names in ``axis_name`` (a name, a tuple of names or ``None``)."""
+  if axis_name is None:
+    return ()
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def check_axis_name(who: str, axis_name: Any) -> Any:
+  """Checks ``axis_name``: ``None``, a non-empty string or a non-empty tuple
+  of distinct non-empty strings. Returns it unchanged."""
+  if axis_name is None:
+    return None
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if not names or not all(isinstance(n, str) for n in names):
+    raise TypeError(f"{who}: axis_name must be a string or a tuple of strings;"
+                    f" got {axis_name!r}.")
+  if not all(names):
+    raise ValueError(f"{who}: axis_name must not be or contain an empty "
+                     f"name; got {axis_name!r}.")
+  if len(set(names)) != len(names):
+    raise ValueError(f"{who}: axis_name must name each axis once; got "
+                     f"{axis_name!r}.")
+  return axis_name
+
+
+def is_shard_spec(value: Any) -> bool:
+  """Whether ``value`` is one leaf's entry of ``sharded`` rather than a node
+  of a pytree prefix: a bool, ``None``, a ``PartitionSpec``, a string (an
+  error, caught by :func:`shard_spec`) or a tuple/list of strings."""
+  if isinstance(value, (bool, np.bool_, str, jax.sharding.PartitionSpec)):
+    return True
+  if value is None:
+    return True
+  return (isinstance(value, (tuple, list)) and bool(value)
+          and all(isinstance(v, str) for v in value))
+
+
+def shard_spec(who: str, spec: Any, axis_name: Any, where: str = "",
+               ndim: Optional[int] = None):
+  """One leaf's ``sharded`` entry, checked and normalised.
+
+  Args:
+    who: the clipper, for messages.
+    spec: ``True`` (split over every axis of ``axis_name``), ``False`` or
+      ``None`` (not split), a tuple of axis names, or a
+      ``jax.sharding.PartitionSpec`` (which array dimension each name splits).
+    axis_name: the clipper's ``axis_name``.
+    where: the leaf's path, for messages.
+    ndim: the leaf's rank, when known (a PartitionSpec must fit it).
+
+  Returns:
+    ``(axes, dims)``: the names the leaf is split over, in ``axis_name``'s
+    order, and for a PartitionSpec the names splitting each dimension (one
+    tuple per dimension, ``ndim`` of them when known), else ``None``.
+  """
+  names = axis_names(axis_name)
+  at = f" for the leaf {where}" if where else ""
+  if isinstance(spec, (bool, np.bool_)):
+    return (names if spec else ()), None
+  if spec is None:
+    return (), None
+  if isinstance(spec, str):
+    raise TypeError(
+        f"{who}: sharded must be a bool, a tuple of axis names or a "
+        f"PartitionSpec{at}; got the string {spec!r} (write ({spec!r},) for "
+        "one axis).")
+  if isinstance(spec, jax.sharding.PartitionSpec):
+    dims = []
+    for entry in spec:
+      if entry is None:
+        dims.append(())
+      elif isinstance(entry, str):
+        dims.append((entry,))
+      elif isinstance(entry, tuple) and all(isinstance(e, str) for e in entry):
+        dims.append(entry)
+      else:
+        raise TypeError(f"{who}: sharded{at} must be a PartitionSpec of axis "
+                        f"names; got {spec!r}.")
+    if ndim is not None:
+      if len(dims) > ndim:
+        raise ValueError(f"{who}: sharded{at} must have at most the leaf's "
+                         f"rank ({ndim}) entries; got {spec!r}.")
+      dims += [()] * (ndim - len(dims))
+    used = [n for d in dims for n in d]
+  elif (isinstance(spec, (tuple, list))
+        and all(isinstance(s, str) for s in spec)):
+    dims, used = None, list(spec)
+  else:
+    raise TypeError(f"{who}: sharded{at} must be a bool, a tuple of axis "
+                    f"names or a PartitionSpec; got {spec!r}.")
+  if len(set(used)) != len(used):
+    raise ValueError(f"{who}: sharded{at} must name each axis once; got "
+                     f"{spec!r}.")
+  unknown = [n for n in used if n not in names]
+  if unknown:
+    raise ValueError(f"{who}: sharded{at} must name axes of axis_name "
+                     f"{axis_name!r}; got {spec!r}.")
+  axes = tuple(n for n in names if n in used)
+  return axes, (None if dims is None else tuple(dims))
+
+
+def check_sharded(who: str, sharded: Any, axis_name: Any) -> None:
+  """Checks what can be checked of ``sharded`` before the updates are seen:
+  every entry of a pytree prefix (a callable is checked per leaf later)."""
+  if callable(sharded) and not is_shard_spec(sharded):
+    return
+  entries = jax.tree_util.tree_leaves(sharded, is_leaf=is_shard_spec)
+  if not entries and not is_shard_spec(sharded):
+    return  # an empty prefix: fits an empty tree.
+  for entry in ([sharded] if is_shard_spec(sharded) else entries):
+    if not is_shard_spec(entry):
+      raise TypeError(f"{who}: sharded must be a bool, a tuple of axis names, "
+                      "a PartitionSpec, a pytree prefix of those or a "
+                      f"callable; got an entry {entry!r}.")
+    shard_spec(who, entry, axis_name)

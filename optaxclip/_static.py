@@ -128,13 +128,10 @@ def sharded_flags(updates: Any, sharded: Sharded, who: str) -> list[bool]:
   return [bool(f) for f in jax.tree.leaves(flags)]
 
 
-def _check_axis_name(axis_name, who):
-  if axis_name is None:
-    return None
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if not names or not all(isinstance(n, str) for n in names):
-    raise TypeError(f"{who}: axis_name must be a string or a tuple of strings;"
-                    f" got {axis_name!r}.")
+def _check_axis_name(axis_name, who, sharded: Sharded = True):
+  """Checks ``axis_name`` and what can be checked of ``sharded`` now."""
+  _checks.check_axis_name(who, axis_name)
+  _checks.check_sharded(who, sharded, axis_name)
   return axis_name
 
 
@@ -293,7 +290,7 @@ def clip_norm(
   _checks.check_number("max_norm", max_norm, low=0.0, allow_inf=True)
   p = _checks.check_ord("ord", ord)
   axis = _checks.check_axis("axis", axis)
-  axis_name = _check_axis_name(axis_name, "clip_norm")
+  axis_name = _check_axis_name(axis_name, "clip_norm", sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -362,7 +359,7 @@ def clip_global(
   """
   _checks.check_number("max_norm", max_norm, low=0.0, allow_inf=True)
   p = _checks.check_ord("ord", ord)
-  axis_name = _check_axis_name(axis_name, "clip_global")
+  axis_name = _check_axis_name(axis_name, "clip_global", sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -423,7 +420,7 @@ def clip_block_rms(
     Array([ 1., -1.,  1., -1.], dtype=float32)
   """
   _checks.check_number("threshold", threshold, low=0.0, allow_inf=True)
-  axis_name = _check_axis_name(axis_name, "clip_block_rms")
+  axis_name = _check_axis_name(axis_name, "clip_block_rms", sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -523,7 +520,7 @@ def clip_unitwise(
   _checks.check_number("clipping", clipping, low=0.0, allow_inf=True)
   _checks.check_number("eps", eps, low=0.0)
   axis = _checks.check_axis("axis", axis)
-  axis_name = _check_axis_name(axis_name, "clip_unitwise")
+  axis_name = _check_axis_name(axis_name, "clip_unitwise", sharded)
 
   def update_fn(updates, state, params=None):
     del state

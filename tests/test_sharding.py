@@ -294,3 +294,21 @@ def test_axis_name_is_checked():
     optaxclip.clip_global(1.0, axis_name=3)
   with pytest.raises(TypeError, match="axis_name"):
     optaxclip.clip_block_rms(1.0, axis_name=("a", 1))
+  with pytest.raises(ValueError, match="clip_norm: axis_name must not be"):
+    optaxclip.clip_norm(1.0, axis_name="")
+  with pytest.raises(ValueError, match="axis_name must name each axis once"):
+    optaxclip.clip_global(1.0, axis_name=("a", "a"))
+
+
+@pytest.mark.parametrize("bad, error", [
+    ("no", TypeError),  # a truthy string is not True
+    ({"w": "yes"}, TypeError),
+    ({"w": 1}, TypeError),
+    (("fsdp",), ValueError),  # not an axis of axis_name
+    (P("d", "d"), ValueError),
+])
+def test_sharded_is_checked_when_built(bad, error):
+  for make in (optaxclip.clip_global, optaxclip.clip_norm,
+               optaxclip.clip_block_rms, optaxclip.clip_unitwise):
+    with pytest.raises(error, match=f"{make.__name__}: sharded"):
+      make(1.0, axis_name="d", sharded=bad)
