@@ -140,6 +140,7 @@ def _standard_normals(key, leaves, extra: int) -> tuple[list, jax.Array]:
   return out, flat[start:]
 
 
+@_compiled.compiled_once
 def clip_per_example(
     l2_clip: float,
     *,

@@ -129,6 +129,7 @@ def _check_axis_name(axis_name, who, sharded: Sharded = True):
   return axis_name
 
 
+@_compiled.compiled_once
 def clip_value(max_delta: float) -> optax.GradientTransformation:
   """Clips each element of the updates into ``[-max_delta, max_delta]``.
 
@@ -237,6 +238,7 @@ def _per_unit_clip(leaves, norms, limits, ord, across=None):  # pylint: disable=
   return out, stats
 
 
+@_compiled.compiled_once
 def clip_norm(
     max_norm: float,
     *,
@@ -317,6 +319,7 @@ def clip_norm(
       _init_stats(ClipNormState), _compiled.jit_update(update_fn))
 
 
+@_compiled.compiled_once
 def clip_global(
     max_norm: float,
     *,
@@ -391,6 +394,7 @@ def clip_global(
       _init_stats(ClipGlobalState), _compiled.jit_update(update_fn))
 
 
+@_compiled.compiled_once
 def clip_block_rms(
     threshold: float,
     *,
@@ -503,6 +507,7 @@ def _global_unit_axes(x, split: _sharding.LeafSharding, path: str):
   return _unit_axes_of_shape(shape)
 
 
+@_compiled.compiled_once
 def clip_unitwise(
     clipping: float = 0.01,
     *,
