@@ -174,7 +174,7 @@ class PropertyTest(parameterized.TestCase):
       for key, x, out, m, lim, om in zip(sorted(g), g_leaves, _leaves(once),
                                          measures, lims, out_measures):
         msg = f"{key}, limit {limit}"
-        lim = np.broadcast_to(lim, m.shape)  # noqa: PLW2901
+        lim = np.broadcast_to(lim, m.shape)
         # 1. The result is within the limit.
         self.assertTrue(np.all(om <= lim * (1 + TOL)),
                         f"{msg}: {om.max()} > {np.max(lim)}")

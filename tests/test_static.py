@@ -522,7 +522,7 @@ class MetaGradientTest(parameterized.TestCase):
       values = grads(jnp.float32(scale))
       for (name, _, base, params), weight, value in zip(
           _META_CASES, weights, values):
-        value = float(value)  # noqa: PLW2901
+        value = float(value)
         self.assertTrue(np.isfinite(value), f"{name} at scale {scale}")
 
         def f(c, name=name, base=base, params=params, weight=weight):
