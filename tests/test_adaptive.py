@@ -84,13 +84,16 @@ class ZClipRule:
   mean and population variance start the EMAs. Then: detect a spike, pick
   the clip value, take min with max_norm, scale by limit / (norm + 1e-6), and
   update mean then variance (with the new mean) with the clip value on a
-  spike, the norm otherwise -- unless skip_update_on_spike on a spike.
+  spike, the norm otherwise -- unless skip_update_on_spike on a spike. Not
+  in the reference (this package's restarts): a spike after ``patience``
+  spikes in a row, or against a variance of 0, is a new level.
   """
 
   def __init__(self, alpha=0.97, z_thresh=2.5, max_norm=None, eps=1e-6,
                warmup_steps=25, mode="zscore", clip_option="adaptive_scaling",
-               clip_factor=1.0, skip_update_on_spike=False):
+               clip_factor=1.0, skip_update_on_spike=False, patience=25):
     self.alpha, self.z, self.max_norm, self.eps = alpha, z_thresh, max_norm, eps
+    self.patience, self.run, self.restarts = patience, 0, 0
     self.warmup_steps, self.mode, self.option = warmup_steps, mode, clip_option
     self.factor, self.skip = clip_factor, skip_update_on_spike
     self.gathered = []
@@ -124,6 +127,17 @@ class ZClipRule:
         else:
           clip = self.mean
     self.margins.append(abs(g - boundary) / boundary)
+    if clip is not None and (self.run >= self.patience
+                             or self.var == 0):
+      # This package's restart: a new level, taken in as such.
+      self.restarts += 1
+      self.run = 0
+      self.var = (self.alpha * self.var
+                  + (1 - self.alpha) * (g - self.mean) ** 2)
+      self.mean = g
+      factor = cap / g if g > cap else 1.0
+      return factor, min(boundary, cap)
+    self.run = self.run + 1 if clip is not None else 0
     limit = min(clip if clip is not None else g, cap)
     factor = limit / (g + 1e-6) if g > limit else 1.0
     if not (clip is not None and self.skip):
@@ -150,18 +164,32 @@ def autoclip_rule(norms, percentile, history):
   return out
 
 
-def adagc_rule(leaf_norms, factor, beta, warmup_steps, warmup_max_norm):
-  """Per step: per-leaf scale factors and gamma after the step (issue 4)."""
+def adagc_rule(leaf_norms, factor, beta, warmup_steps, warmup_max_norm,
+               patience=25):
+  """Per step: per-leaf scale factors and gamma after the step (issue 4).
+
+  With this package's two changes: a zero norm leaves gamma as it was (an
+  infinite gamma takes the first nonzero norm), and the clip after
+  ``patience`` clipped steps in a row is a restart (unclipped, gamma = norm).
+  """
   gamma = np.full(leaf_norms.shape[1], np.inf)
+  run = np.zeros(leaf_norms.shape[1], int)
   out = []
   for t, norms in enumerate(leaf_norms):
     if t < warmup_steps:
       h = min(1.0, warmup_max_norm / np.linalg.norm(norms))
       factors = np.full_like(norms, h)
-      gamma = np.minimum(gamma, norms * h)
+      new = np.minimum(gamma, norms * h)
     else:
-      factors = np.minimum(1.0, factor * gamma / norms)
-      gamma = beta * gamma + (1 - beta) * norms * factors
+      over = norms > factor * gamma
+      restart = over & (run >= patience)
+      over &= ~restart
+      factors = np.where(over, factor * gamma / norms, 1.0)
+      clipped = norms * factors
+      new = np.where(np.isinf(gamma) | restart, clipped,
+                     beta * gamma + (1 - beta) * clipped)
+      run = np.where(over, run + 1, 0)
+    gamma = np.where(norms > 0, new, gamma)
     out.append((factors, gamma.copy()))
   return out
 
@@ -454,8 +482,10 @@ def test_one_trace_no_host_transfer_in_a_jitted_loop(name):
   # stats() names the clipper's four statistics, read from the state.
   short = "_".join(("clip", name.split("_")[0]))
   stats = optaxclip.stats(state)
+  restarts = ("restarts",) if short != "clip_percentile" else ()
   assert list(stats) == [f"{short}/{f}" for f in
-                         ("norm", "clipped_norm", "clip_fraction", "threshold")]
+                         ("norm", "clipped_norm", "clip_fraction", "threshold",
+                          *restarts)]
   np.testing.assert_allclose(float(stats[f"{short}/norm"]), norms[-1],
                              rtol=RTOL)
 

@@ -43,13 +43,16 @@ class GuardRule:
   Skip a step whose norm is NaN/Inf, above max_norm, or (after the warm-up
   of finite norms) above mean + spike_z * std; the statistics take in every
   finite norm, clamped at that spike bound, mean first, then the variance
-  with the new mean.
+  with the new mean. A spike after ``patience`` skipped spikes in a row, or
+  against a variance of 0, is a restart instead: not a spike, the
+  mean moves to the norm and the variance takes in the jump.
   """
 
   def __init__(self, skip_nonfinite=True, spike_z=None, max_norm=None,
-               alpha=0.97, warmup_steps=25):
+               alpha=0.97, warmup_steps=25, patience=25):
     self.skip_nonfinite, self.z, self.cap = skip_nonfinite, spike_z, max_norm
     self.alpha, self.warmup_steps = alpha, warmup_steps
+    self.patience, self.run, self.restarts = patience, 0, 0
     self.gathered, self.mean, self.var = [], 0.0, 0.0
     self.margins = []
 
@@ -57,22 +60,31 @@ class GuardRule:
     """Returns (skip?, threshold)."""
     finite = math.isfinite(g)
     warming = len(self.gathered) < self.warmup_steps
-    threshold = math.inf
-    if self.cap is not None:
-      threshold = min(threshold, self.cap)
+    cap = math.inf if self.cap is None else self.cap
+    bound = math.inf
     if self.z is not None and not warming:
-      threshold = min(threshold, self.mean + self.z * self.var ** 0.5)
+      bound = self.mean + self.z * self.var ** 0.5
+    spike = finite and g > bound
+    restart = spike and (self.run >= self.patience
+                         or self.var == 0)
+    spike = spike and not restart
+    threshold = min(cap, math.inf if restart else bound)
     if finite and threshold < math.inf:
       self.margins.append(abs(g - threshold) / threshold)
-    skip = g > threshold or (self.skip_nonfinite and not finite)
+    skip = g > cap or spike or (math.isinf(g) and bound < math.inf)
+    skip = skip or (self.skip_nonfinite and not finite)
     if finite:
-      if self.z is not None and not warming:
-        g = min(g, self.mean + self.z * self.var ** 0.5)  # spikes: the bound
-      if warming:
+      self.run = self.run + 1 if spike else 0
+      if restart:
+        self.restarts += 1
+        self.var = self.alpha * self.var + (1 - self.alpha) * (g - self.mean) ** 2
+        self.mean = g
+      elif warming:
         self.gathered.append(g)
         self.mean = float(np.mean(self.gathered))
         self.var = float(np.var(self.gathered))
       else:
+        g = min(g, bound)  # spikes enter at the bound
         self.mean = self.alpha * self.mean + (1 - self.alpha) * g
         self.var = (self.alpha * self.var
                     + (1 - self.alpha) * (g - self.mean) ** 2)
@@ -183,7 +195,7 @@ class GuardTest(chex.TestCase):
     stats = optaxclip.stats(state)
     assert list(stats) == [
         "guard/norm", "guard/threshold", "guard/skipped", "guard/nonfinite",
-        "guard/consecutive_skips", "clip_percentile/norm",
+        "guard/consecutive_skips", "guard/restarts", "clip_percentile/norm",
         "clip_percentile/clipped_norm", "clip_percentile/clip_fraction",
         "clip_percentile/threshold"]
     assert int(stats["guard/skipped"]) == 1
