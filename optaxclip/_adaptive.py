@@ -145,29 +145,8 @@ class ClipRelativeState(NamedTuple):
 # --- Shared pieces ------------------------------------------------------------
 
 
-def _check_scope(scope: Any, who: str) -> str:
-  if scope not in SCOPES:
-    raise ValueError(f"{who}: scope must be one of {SCOPES}; got {scope!r}.")
-  return scope
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...], who: str):
-  if value not in choices:
-    raise ValueError(f"{who}: {name} must be one of {choices}; got {value!r}.")
-
-
-def _check_count(name: str, value: Any, low: int, who: str) -> int:
-  """A whole-number hyperparameter that fixes the state's layout."""
-  if isinstance(value, jax.Array):
-    raise TypeError(f"{who}: {name} must be a Python int, not an array (with "
-                    f"optax.inject_hyperparams, list it in static_args).")
-  _checks.check_number(f"{who}: {name}", value, low=low, integer=True)
-  return int(value)
-
-
 def check_patience(patience: Any, who: str) -> None:
-  _checks.check_number(f"{who}: patience", patience, low=1, high=_INT32_MAX,
-                       integer=True)
+  _checks.check_steps(who, "patience", patience)
 
 
 def stats_dtype(params: Any) -> np.dtype:
@@ -211,7 +190,7 @@ class _Measured:
     self.leaves, self.treedef = jax.tree.flatten(updates)
     self.scope = scope
     self.state_dtype = state_dtype
-    flags = (_static.sharded_flags(updates, sharded, who) if axis_name
+    flags = (_static.sharded_flags(updates, sharded, who, axis_name) if axis_name
              else None)
     self.dtype = jnp.promote_types(
         state_dtype, _norms.tree_accumulation_dtype(self.leaves))
@@ -347,6 +326,7 @@ def add_count(total: jax.Array, n: jax.Array) -> jax.Array:
 # --- ZClip -------------------------------------------------------------------
 
 
+@_compiled.compiled_once
 def clip_zscore(
     *,
     alpha: float = 0.97,
@@ -460,18 +440,17 @@ def clip_zscore(
   _checks.check_number(f"{who}: max_norm", max_norm, low=0.0, allow_inf=True,
                        allow_none=True)
   _checks.check_number(f"{who}: eps", eps, low=0.0)
-  _checks.check_number(f"{who}: warmup_steps", warmup_steps, low=1,
-                       integer=True)
-  _check_choice("mode", mode, ("zscore", "percentile"), who)
-  _check_choice("clip_option", clip_option, ("adaptive_scaling", "mean"), who)
+  _checks.check_steps(who, "warmup_steps", warmup_steps)
+  _checks.check_choice(who, "mode", mode, ("zscore", "percentile"))
+  _checks.check_choice(who, "clip_option", clip_option,
+                       ("adaptive_scaling", "mean"))
   _checks.check_number(f"{who}: clip_factor", clip_factor, low=0.0,
                        low_open=True)
-  if not isinstance(skip_update_on_spike, bool):
-    raise TypeError(f"{who}: skip_update_on_spike must be a bool; got "
-                    f"{skip_update_on_spike!r}.")
-  scope = _check_scope(scope, who)
+  skip_update_on_spike = _checks.check_bool(who, "skip_update_on_spike",
+                                            skip_update_on_spike)
+  scope = _checks.check_choice(who, "scope", scope, SCOPES)
   check_patience(patience, who)
-  axis_name = _static._check_axis_name(axis_name, who)  # pylint: disable=protected-access
+  axis_name = _static._check_axis_name(axis_name, who, sharded)  # pylint: disable=protected-access
   cap = _no_limit(max_norm)
 
   def init_fn(params):
@@ -597,6 +576,7 @@ def percentile_linear(values: jax.Array, n: jax.Array, q: Any) -> jax.Array:
   return percentile_sorted(ordered, jnp.broadcast_to(n, values.shape[1:]), q)
 
 
+@_compiled.compiled_once
 def clip_percentile(
     percentile: float = 10.0,
     *,
@@ -656,9 +636,9 @@ def clip_percentile(
   """
   who = "clip_percentile"
   _checks.check_number(f"{who}: percentile", percentile, low=0.0, high=100.0)
-  history = _check_count("history", history, 1, who)
-  scope = _check_scope(scope, who)
-  axis_name = _static._check_axis_name(axis_name, who)  # pylint: disable=protected-access
+  history = _checks.check_count(who, "history", history)
+  scope = _checks.check_choice(who, "scope", scope, SCOPES)
+  axis_name = _static._check_axis_name(axis_name, who, sharded)  # pylint: disable=protected-access
 
   def init_fn(params):
     shape = (history,) + _unit_shape(params, scope)
@@ -700,6 +680,7 @@ def clip_percentile(
 # --- AdaGC -------------------------------------------------------------------
 
 
+@_compiled.compiled_once
 def clip_relative(
     factor: float = 1.05,
     *,
@@ -770,12 +751,11 @@ def clip_relative(
   who = "clip_relative"
   _checks.check_number(f"{who}: factor", factor, low=0.0, low_open=True)
   _checks.check_probability(f"{who}: beta", beta)
-  _checks.check_number(f"{who}: warmup_steps", warmup_steps, low=1,
-                       integer=True)
+  _checks.check_steps(who, "warmup_steps", warmup_steps)
   _checks.check_number(f"{who}: warmup_max_norm", warmup_max_norm, low=0.0,
                        allow_inf=True)
   check_patience(patience, who)
-  axis_name = _static._check_axis_name(axis_name, who)  # pylint: disable=protected-access
+  axis_name = _static._check_axis_name(axis_name, who, sharded)  # pylint: disable=protected-access
 
   def init_fn(params):
     shape = _unit_shape(params, "leaf")

@@ -82,6 +82,7 @@ def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> jax.Array:
   return _vary(zeros, _varying_axes(struct))
 
 
+@_compiled.compiled_once
 def guard(
     inner: optax.GradientTransformation,
     *,
@@ -180,22 +181,16 @@ def guard(
     (Array([-3., -4.], dtype=float32), 0)
   """
   who = "guard"
-  if not (callable(getattr(inner, "init", None))
-          and callable(getattr(inner, "update", None))):
-    raise TypeError(f"{who}: inner must be an optax.GradientTransformation; "
-                    f"got {type(inner).__name__}.")
-  if not isinstance(skip_nonfinite, bool):
-    raise TypeError(f"{who}: skip_nonfinite must be a bool; got "
-                    f"{skip_nonfinite!r}.")
+  _checks.check_transformation(who, "inner", inner)
+  skip_nonfinite = _checks.check_bool(who, "skip_nonfinite", skip_nonfinite)
   _checks.check_number(f"{who}: spike_z", spike_z, low=0.0, low_open=True,
                        allow_none=True)
   _checks.check_number(f"{who}: max_norm", max_norm, low=0.0, allow_inf=True,
                        allow_none=True)
   _checks.check_probability(f"{who}: alpha", alpha)
-  _checks.check_number(f"{who}: warmup_steps", warmup_steps, low=1,
-                       integer=True)
+  _checks.check_steps(who, "warmup_steps", warmup_steps)
   _adaptive.check_patience(patience, who)
-  axis_name = _static._check_axis_name(axis_name, who)  # pylint: disable=protected-access
+  axis_name = _static._check_axis_name(axis_name, who, sharded)  # pylint: disable=protected-access
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -212,7 +207,7 @@ def guard(
   def update_fn(updates, state, params=None, **extra_args):
     _checks.check_float_leaves(updates, f"{who}: updates")
     leaves = jax.tree.leaves(updates)
-    flags = (_static.sharded_flags(updates, sharded, who) if axis_name
+    flags = (_static.sharded_flags(updates, sharded, who, axis_name) if axis_name
              else None)
     dtype = jnp.promote_types(state.mean.dtype,
                               _norms.tree_accumulation_dtype(leaves))
