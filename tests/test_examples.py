@@ -78,7 +78,7 @@ def _run_blocks(markdown, name):
   blocks = _python_blocks(markdown)
   for i, code in enumerate(blocks):
     namespace = {"__name__": f"{name}_block_{i}"}
-    exec(compile(code, f"{name} python block {i}", "exec"), namespace)  # pylint: disable=exec-used
+    exec(compile(code, f"{name} python block {i}", "exec"), namespace)  # noqa: S102
   return len(blocks)
 
 
@@ -104,8 +104,16 @@ def test_readme_has_the_two_setup_commands_verbatim():
   assert 'python -m pip install -e ".[test]" && python -m pytest' in lines
 
 
+def test_readme_has_the_docs_preview_command():
+  # The same build as .ci/run's, warnings as errors.
+  assert ('python -m pip install -e ".[docs]" && '
+          "python -m sphinx -W -b html docs docs/_build/html") in (
+              README.splitlines())
+  assert "-m sphinx -W " in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
 def test_readme_links_to_every_docs_page():
-  for page in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "docs/api.rst"]:
+  for page in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "docs/api.rst"]:
     if page.stem in ("index", "changelog", "contributing") or (
         page.stem.startswith("benchmark_")):
       continue  # the README links these itself: CHANGELOG.md, benchmarks/
