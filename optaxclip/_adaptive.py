@@ -31,7 +31,7 @@ they share:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -74,11 +74,12 @@ class ClipZscoreState(NamedTuple):
     consecutive_spikes: spikes in a row clipped so far, per unit.
     restarts: how often a unit's statistics restarted at a new level.
   """
+
   norm: jax.Array  # float scalar
   clipped_norm: jax.Array  # float scalar
   clip_fraction: jax.Array  # float scalar
   threshold: jax.Array  # float scalar
-  count: jax.Array  # int32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
   mean: jax.Array  # float: scalar, or (n_leaves,) with scope="leaf"
   var: jax.Array  # float: as mean
   consecutive_spikes: jax.Array  # int32: as mean
@@ -104,12 +105,13 @@ class ClipPercentileState(NamedTuple):
     ordered: the same values as ``history``, sorted along the first axis
       (kept so that a step costs one insertion and one removal, no sort).
   """
+
   norm: jax.Array  # float scalar
   clipped_norm: jax.Array  # float scalar
   clip_fraction: jax.Array  # float scalar
   threshold: jax.Array  # float scalar
   filled: jax.Array  # int32 scalar
-  index: jax.Array  # int32 scalar
+  index: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
   history: jax.Array  # float, (history,) or (history, n_leaves)
   ordered: jax.Array  # float: as history
 
@@ -132,11 +134,12 @@ class ClipRelativeState(NamedTuple):
     consecutive_clips: per leaf, steps in a row clipped after the warm-up.
     restarts: how often a leaf's ``gamma`` restarted at a new level.
   """
+
   norm: jax.Array  # float scalar
   clipped_norm: jax.Array  # float scalar
   clip_fraction: jax.Array  # float scalar
   threshold: jax.Array  # float scalar
-  count: jax.Array  # int32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
   gamma: jax.Array  # float, (n_leaves,)
   consecutive_clips: jax.Array  # int32, (n_leaves,)
   restarts: jax.Array  # int32 scalar
@@ -149,14 +152,24 @@ def check_patience(patience: Any, who: str) -> None:
   _checks.check_steps(who, "patience", patience)
 
 
+def check_axis_name(who: str, axis_name: Any, sharded: Any) -> Any:
+  """Checks ``axis_name`` and what can be checked of ``sharded`` now."""
+  _checks.check_axis_name(who, axis_name)
+  _checks.check_sharded(who, sharded, axis_name)
+  return axis_name
+
+
 def stats_dtype(params: Any) -> np.dtype:
   """The dtype of an adaptive state's statistics, fixed at ``init``.
 
   The accumulation dtype of the parameters' float leaves: float32, or
   float64 when one is float64 (so float64 trees keep float64 decisions).
   """
-  leaves = [x for x in jax.tree.leaves(params)
-            if jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.inexact)]
+  leaves = [
+    x
+    for x in jax.tree.leaves(params)
+    if jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.inexact)
+  ]
   return np.dtype(_norms.tree_accumulation_dtype(leaves))
 
 
@@ -183,30 +196,46 @@ class _Measured:
   accumulation dtype; with ``axis_name``, of the whole (sharded) arrays.
   """
 
-  def __init__(self, updates: Any, scope: str, who: str, state_dtype: Any,
-               unit_shape: Optional[tuple[int, ...]] = None, *,
-               axis_name: AxisName = None, sharded: Any = True):
+  def __init__(
+    self,
+    updates: Any,
+    scope: str,
+    who: str,
+    state_dtype: Any,
+    unit_shape: Optional[tuple[int, ...]] = None,
+    *,
+    axis_name: AxisName = None,
+    sharded: Any = True,
+  ):
     _checks.check_float_leaves(updates, f"{who}: updates")
     self.leaves, self.treedef = jax.tree.flatten(updates)
     self.scope = scope
     self.state_dtype = state_dtype
-    flags = (_static.sharded_flags(updates, sharded, who, axis_name) if axis_name
-             else None)
+    flags = (
+      _static.sharded_flags(updates, sharded, who, axis_name)
+      if axis_name
+      else None
+    )
     self.dtype = jnp.promote_types(
-        state_dtype, _norms.tree_accumulation_dtype(self.leaves))
+      state_dtype, _norms.tree_accumulation_dtype(self.leaves)
+    )
     if scope == "global":
-      norm = _norms.global_norm(self.leaves, axis_name=axis_name,
-                                sharded=flags)
+      norm = _norms.global_norm(self.leaves, axis_name=axis_name, sharded=flags)
     else:
       if unit_shape is not None and unit_shape != (len(self.leaves),):
         raise ValueError(
-            f"{who}: the state was built for {unit_shape[0]} leaves but the "
-            f"updates have {len(self.leaves)}; call init with parameters of "
-            "the same structure as the updates.")
-      per_leaf = _norms.unit_norms(self.leaves, axis_name=axis_name,
-                                   sharded=flags)
-      norm = (jnp.stack([n.reshape(()).astype(self.dtype) for n in per_leaf])
-              if per_leaf else jnp.zeros((0,), self.dtype))
+          f"{who}: the state was built for {unit_shape[0]} leaves but the "
+          f"updates have {len(self.leaves)}; call init with parameters of "
+          "the same structure as the updates."
+        )
+      per_leaf = _norms.unit_norms(
+        self.leaves, axis_name=axis_name, sharded=flags
+      )
+      norm = (
+        jnp.stack([n.reshape(()).astype(self.dtype) for n in per_leaf])
+        if per_leaf
+        else jnp.zeros((0,), self.dtype)
+      )
     self.norm = norm.astype(self.dtype)
     # Statistics are not differentiated through (as in every reference,
     # where they are Python floats): only the scaling carries gradients.
@@ -232,10 +261,12 @@ class _Measured:
     # whose output holds NaN.
     clipped = jnp.where(self.unit_finite, jnp.where(scaled, limit, g), jnp.nan)
     dtype = self.state_dtype
-    stats = (_total(g, dtype), _total(clipped, dtype),
-             _stat(jnp.mean(scaled, dtype=_F32) if scaled.size else 0.0,
-                   dtype),
-             _total(limit, dtype))
+    stats = (
+      _total(g, dtype),
+      _total(clipped, dtype),
+      _stat(jnp.mean(scaled, dtype=_F32) if scaled.size else 0.0, dtype),
+      _total(limit, dtype),
+    )
     return jax.tree.unflatten(self.treedef, out), stats
 
 
@@ -272,8 +303,9 @@ def ema_mean_var(alpha, mean, var, x):
   return new_mean, new_var
 
 
-def running_moments(count, mean, var, x, *, alpha, warmup_steps, finite,
-                    take, restart):
+def running_moments(
+  count, mean, var, x, *, alpha, warmup_steps, finite, take, restart
+):
   """One step of the norm statistics that :func:`clip_zscore` and
   :func:`guard` share: a warm-up, then an EMA, and restarts.
 
@@ -301,18 +333,24 @@ def running_moments(count, mean, var, x, *, alpha, warmup_steps, finite,
   warm_mean, warm_var = welford(count, mean, var, x)
   ema_mean, ema_var = ema_mean_var(alpha, mean, var, x)
   new_mean = jnp.where(restart, x, jnp.where(warming, warm_mean, ema_mean))
-  new_var = jnp.where(restart, alpha * var + (1 - alpha) * (x - mean) ** 2,
-                      jnp.where(warming, warm_var, ema_var))
+  new_var = jnp.where(
+    restart,
+    alpha * var + (1 - alpha) * (x - mean) ** 2,
+    jnp.where(warming, warm_var, ema_var),
+  )
   take = finite & (take | restart)
   new_count = jnp.where(finite, jnp.minimum(count + 1, warmup_steps), count)
-  return (new_count.astype(jnp.int32),
-          jnp.where(take, new_mean, mean).astype(mean.dtype),
-          jnp.where(take, new_var, var).astype(var.dtype))
+  return (
+    new_count.astype(jnp.int32),
+    jnp.where(take, new_mean, mean).astype(mean.dtype),
+    jnp.where(take, new_var, var).astype(var.dtype),
+  )
 
 
 def streak(run: jax.Array, hit: jax.Array, finite: jax.Array) -> jax.Array:
   """Steps in a row with ``hit``: ``run + 1`` on a hit, else 0 (int32,
-  saturating); unchanged on a non-finite step."""
+  saturating); unchanged on a non-finite step.
+  """
   grown = jnp.where(hit, jnp.minimum(run, _INT32_MAX - 1) + 1, 0)
   return jnp.where(finite, grown, run).astype(jnp.int32)
 
@@ -328,20 +366,20 @@ def add_count(total: jax.Array, n: jax.Array) -> jax.Array:
 
 @_compiled.compiled_once
 def clip_zscore(
-    *,
-    alpha: float = 0.97,
-    z_thresh: float = 2.5,
-    max_norm: Optional[float] = None,
-    eps: float = 1e-6,
-    warmup_steps: int = 25,
-    mode: str = "zscore",
-    clip_option: str = "adaptive_scaling",
-    clip_factor: float = 1.0,
-    skip_update_on_spike: bool = False,
-    scope: str = "global",
-    patience: int = 25,
-    axis_name: AxisName = None,
-    sharded: Any = True,
+  *,
+  alpha: float = 0.97,
+  z_thresh: float = 2.5,
+  max_norm: Optional[float] = None,
+  eps: float = 1e-6,
+  warmup_steps: int = 25,
+  mode: str = "zscore",
+  clip_option: str = "adaptive_scaling",
+  clip_factor: float = 1.0,
+  skip_update_on_spike: bool = False,
+  scope: str = "global",
+  patience: int = 25,
+  axis_name: AxisName = None,
+  sharded: Any = True,
 ) -> optax.GradientTransformation:
   r"""ZClip: clips gradient-norm spikes detected by the z-score of an EMA.
 
@@ -437,31 +475,37 @@ def clip_zscore(
   who = "clip_zscore"
   _checks.check_probability(f"{who}: alpha", alpha)
   _checks.check_number(f"{who}: z_thresh", z_thresh, low=0.0, low_open=True)
-  _checks.check_number(f"{who}: max_norm", max_norm, low=0.0, allow_inf=True,
-                       allow_none=True)
+  _checks.check_number(
+    f"{who}: max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
+  )
   _checks.check_number(f"{who}: eps", eps, low=0.0)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
   _checks.check_choice(who, "mode", mode, ("zscore", "percentile"))
-  _checks.check_choice(who, "clip_option", clip_option,
-                       ("adaptive_scaling", "mean"))
-  _checks.check_number(f"{who}: clip_factor", clip_factor, low=0.0,
-                       low_open=True)
-  skip_update_on_spike = _checks.check_bool(who, "skip_update_on_spike",
-                                            skip_update_on_spike)
+  _checks.check_choice(
+    who, "clip_option", clip_option, ("adaptive_scaling", "mean")
+  )
+  _checks.check_number(
+    f"{who}: clip_factor", clip_factor, low=0.0, low_open=True
+  )
+  skip_update_on_spike = _checks.check_bool(
+    who, "skip_update_on_spike", skip_update_on_spike
+  )
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
   check_patience(patience, who)
-  axis_name = _static._check_axis_name(axis_name, who, sharded)  # pylint: disable=protected-access
+  axis_name = check_axis_name(who, axis_name, sharded)
   cap = _no_limit(max_norm)
 
   def init_fn(params):
     shape = _unit_shape(params, scope)
     dtype = stats_dtype(params)
     return ClipZscoreState(
-        *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
-        count=jnp.zeros((), jnp.int32),
-        mean=jnp.zeros(shape, dtype), var=jnp.zeros(shape, dtype),
-        consecutive_spikes=jnp.zeros(shape, jnp.int32),
-        restarts=jnp.zeros((), jnp.int32))
+      *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
+      count=jnp.zeros((), jnp.int32),
+      mean=jnp.zeros(shape, dtype),
+      var=jnp.zeros(shape, dtype),
+      consecutive_spikes=jnp.zeros(shape, jnp.int32),
+      restarts=jnp.zeros((), jnp.int32),
+    )
 
   def spike_rule(g, mean, var):
     """Returns (spike?, value to clip to on a spike, spike boundary)."""
@@ -480,9 +524,15 @@ def clip_zscore(
 
   def update_fn(updates, state, params=None):
     del params
-    measured = _Measured(updates, scope, who, state.mean.dtype,
-                         state.mean.shape, axis_name=axis_name,
-                         sharded=sharded)
+    measured = _Measured(
+      updates,
+      scope,
+      who,
+      state.mean.dtype,
+      state.mean.shape,
+      axis_name=axis_name,
+      sharded=sharded,
+    )
     g, finite = measured.stat_norm, measured.finite
     mean = state.mean.astype(measured.dtype)
     var = state.var.astype(measured.dtype)
@@ -495,23 +545,33 @@ def clip_zscore(
     restart = spike & ((state.consecutive_spikes >= patience) | no_scale)
     spike = spike & ~restart
     count, new_mean, new_var = running_moments(
-        state.count, mean, var, jnp.where(spike, value, g), alpha=alpha,
-        warmup_steps=warmup_steps, finite=finite,
-        take=~(spike & skip_update_on_spike), restart=restart)
+      state.count,
+      mean,
+      var,
+      jnp.where(spike, value, g),
+      alpha=alpha,
+      warmup_steps=warmup_steps,
+      finite=finite,
+      take=~(spike & skip_update_on_spike),
+      restart=restart,
+    )
 
     limit = jnp.minimum(jnp.where(spike, value, jnp.inf), cap)
     new_updates, stats = measured.clip(limit)
     threshold = jnp.minimum(jnp.where(warming, jnp.inf, boundary), cap)
     stats = stats[:3] + (_total(threshold, state.mean.dtype),)
     return new_updates, ClipZscoreState(
-        *stats, count=count, mean=new_mean.astype(state.mean.dtype),
-        var=new_var.astype(state.var.dtype),
-        consecutive_spikes=streak(state.consecutive_spikes, spike, finite),
-        restarts=jnp.where(finite, add_count(state.restarts, restart),
-                           state.restarts))
+      *stats,
+      count=count,
+      mean=new_mean.astype(state.mean.dtype),
+      var=new_var.astype(state.var.dtype),
+      consecutive_spikes=streak(state.consecutive_spikes, spike, finite),
+      restarts=jnp.where(
+        finite, add_count(state.restarts, restart), state.restarts
+      ),
+    )
 
-  return optax.GradientTransformation(
-      init_fn, _compiled.jit_update(update_fn))
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
 
 
 # --- AutoClip ----------------------------------------------------------------
@@ -522,8 +582,9 @@ def _rows(x: jax.Array, ndim: int) -> jax.Array:
   return jnp.reshape(x, (1,) * (ndim - jnp.ndim(x)) + jnp.shape(x))
 
 
-def replace_sorted(ordered: jax.Array, old: jax.Array,
-                   new: jax.Array) -> jax.Array:
+def replace_sorted(
+  ordered: jax.Array, old: jax.Array, new: jax.Array
+) -> jax.Array:
   """``ordered`` (sorted along axis 0, per column) with one copy of ``old``
   replaced by ``new``, still sorted: one removal and one insertion.
 
@@ -535,8 +596,11 @@ def replace_sorted(ordered: jax.Array, old: jax.Array,
   old_r, new_r = _rows(old, ordered.ndim), _rows(new, ordered.ndim)
   # j: the removed position; k: where `new` goes once `old` is out.
   j = _rows(jnp.argmax(ordered == old_r, axis=0), ordered.ndim)
-  k = _rows(jnp.sum(ordered < new_r, axis=0, dtype=jnp.int32)
-            - (old < new).astype(jnp.int32), ordered.ndim)
+  k = _rows(
+    jnp.sum(ordered < new_r, axis=0, dtype=jnp.int32)
+    - (old < new).astype(jnp.int32),
+    ordered.ndim,
+  )
   pad = jnp.full((1,) + ordered.shape[1:], jnp.inf, ordered.dtype)
   after = jnp.concatenate([ordered[1:], pad])  # ordered[i + 1]
   before = jnp.concatenate([pad, ordered[:-1]])  # ordered[i - 1]
@@ -548,7 +612,8 @@ def replace_sorted(ordered: jax.Array, old: jax.Array,
 def percentile_sorted(ordered: jax.Array, n: jax.Array, q: Any) -> jax.Array:
   """``numpy.percentile(ordered[:n], q, axis=0)`` (method "linear") of
   values sorted along axis 0; ``n`` (per column) may be traced. +inf where
-  ``n == 0``."""
+  ``n == 0``.
+  """
   dtype = ordered.dtype
   last = jnp.maximum(n - 1, 0)
   rank = jnp.asarray(q, dtype) / 100 * last.astype(dtype)
@@ -556,11 +621,15 @@ def percentile_sorted(ordered: jax.Array, n: jax.Array, q: Any) -> jax.Array:
   hi = jnp.minimum(lo + 1, last)
   frac = rank - lo.astype(dtype)
   pick = lambda idx: jnp.take_along_axis(
-      ordered, _rows(idx, ordered.ndim), axis=0)[0]
+    ordered, _rows(idx, ordered.ndim), axis=0
+  )[0]
   below, above = pick(lo), pick(hi)
   # numpy's lerp: from the nearer end, so that frac = 1 gives `above` exactly.
-  value = jnp.where(frac < 0.5, below + (above - below) * frac,
-                    above - (above - below) * (1 - frac))
+  value = jnp.where(
+    frac < 0.5,
+    below + (above - below) * frac,
+    above - (above - below) * (1 - frac),
+  )
   return jnp.where(n > 0, value, jnp.inf)
 
 
@@ -578,12 +647,12 @@ def percentile_linear(values: jax.Array, n: jax.Array, q: Any) -> jax.Array:
 
 @_compiled.compiled_once
 def clip_percentile(
-    percentile: float = 10.0,
-    *,
-    history: int = 1024,
-    scope: str = "global",
-    axis_name: AxisName = None,
-    sharded: Any = True,
+  percentile: float = 10.0,
+  *,
+  history: int = 1024,
+  scope: str = "global",
+  axis_name: AxisName = None,
+  sharded: Any = True,
 ) -> optax.GradientTransformation:
   """AutoClip: clips to a percentile of the recent gradient norms.
 
@@ -638,22 +707,31 @@ def clip_percentile(
   _checks.check_number(f"{who}: percentile", percentile, low=0.0, high=100.0)
   history = _checks.check_count(who, "history", history)
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
-  axis_name = _static._check_axis_name(axis_name, who, sharded)  # pylint: disable=protected-access
+  axis_name = check_axis_name(who, axis_name, sharded)
 
   def init_fn(params):
     shape = (history,) + _unit_shape(params, scope)
     dtype = stats_dtype(params)
     return ClipPercentileState(
-        *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
-        filled=jnp.zeros((), jnp.int32), index=jnp.zeros((), jnp.int32),
-        history=jnp.full(shape, jnp.inf, dtype),
-        ordered=jnp.full(shape, jnp.inf, dtype))
+      *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
+      filled=jnp.zeros((), jnp.int32),
+      index=jnp.zeros((), jnp.int32),
+      history=jnp.full(shape, jnp.inf, dtype),
+      ordered=jnp.full(shape, jnp.inf, dtype),
+    )
 
   def update_fn(updates, state, params=None):
     del params
     dtype = state.history.dtype
-    measured = _Measured(updates, scope, who, dtype, state.history.shape[1:],
-                         axis_name=axis_name, sharded=sharded)
+    measured = _Measured(
+      updates,
+      scope,
+      who,
+      dtype,
+      state.history.shape[1:],
+      axis_name=axis_name,
+      sharded=sharded,
+    )
     finite = measured.finite
     # Recorded in the state's dtype (so that it is found again when it
     # leaves the window); a zero norm is recorded as +inf: it does not count.
@@ -661,20 +739,23 @@ def clip_percentile(
     value = jnp.where(value > 0, value, jnp.inf)
     leaving = state.history[state.index]
     recorded, ordered, filled, index = _keep_if(
-        finite,
-        (state.history.at[state.index].set(value),
-         replace_sorted(state.ordered, leaving, value),
-         jnp.minimum(state.filled + 1, history).astype(jnp.int32),
-         ((state.index + 1) % history).astype(jnp.int32)),
-        (state.history, state.ordered, state.filled, state.index))
+      finite,
+      (
+        state.history.at[state.index].set(value),
+        replace_sorted(state.ordered, leaving, value),
+        jnp.minimum(state.filled + 1, history).astype(jnp.int32),
+        ((state.index + 1) % history).astype(jnp.int32),
+      ),
+      (state.history, state.ordered, state.filled, state.index),
+    )
     counted = jnp.sum(ordered < jnp.inf, axis=0, dtype=jnp.int32)
     threshold = percentile_sorted(ordered, counted, percentile)
     new_updates, stats = measured.clip(threshold.astype(measured.dtype))
     return new_updates, ClipPercentileState(
-        *stats, filled=filled, index=index, history=recorded, ordered=ordered)
+      *stats, filled=filled, index=index, history=recorded, ordered=ordered
+    )
 
-  return optax.GradientTransformation(
-      init_fn, _compiled.jit_update(update_fn))
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
 
 
 # --- AdaGC -------------------------------------------------------------------
@@ -682,14 +763,14 @@ def clip_percentile(
 
 @_compiled.compiled_once
 def clip_relative(
-    factor: float = 1.05,
-    *,
-    beta: float = 0.98,
-    warmup_steps: int = 100,
-    warmup_max_norm: float = 1.0,
-    patience: int = 25,
-    axis_name: AxisName = None,
-    sharded: Any = True,
+  factor: float = 1.05,
+  *,
+  beta: float = 0.98,
+  warmup_steps: int = 100,
+  warmup_max_norm: float = 1.0,
+  patience: int = 25,
+  axis_name: AxisName = None,
+  sharded: Any = True,
 ) -> optax.GradientTransformation:
   r"""AdaGC: clips each leaf relative to an EMA of its own clipped norms.
 
@@ -752,26 +833,34 @@ def clip_relative(
   _checks.check_number(f"{who}: factor", factor, low=0.0, low_open=True)
   _checks.check_probability(f"{who}: beta", beta)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
-  _checks.check_number(f"{who}: warmup_max_norm", warmup_max_norm, low=0.0,
-                       allow_inf=True)
+  _checks.check_number(
+    f"{who}: warmup_max_norm", warmup_max_norm, low=0.0, allow_inf=True
+  )
   check_patience(patience, who)
-  axis_name = _static._check_axis_name(axis_name, who, sharded)  # pylint: disable=protected-access
+  axis_name = check_axis_name(who, axis_name, sharded)
 
   def init_fn(params):
     shape = _unit_shape(params, "leaf")
     dtype = stats_dtype(params)
     return ClipRelativeState(
-        *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
-        count=jnp.zeros((), jnp.int32),
-        gamma=jnp.full(shape, jnp.inf, dtype),
-        consecutive_clips=jnp.zeros(shape, jnp.int32),
-        restarts=jnp.zeros((), jnp.int32))
+      *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
+      count=jnp.zeros((), jnp.int32),
+      gamma=jnp.full(shape, jnp.inf, dtype),
+      consecutive_clips=jnp.zeros(shape, jnp.int32),
+      restarts=jnp.zeros((), jnp.int32),
+    )
 
   def update_fn(updates, state, params=None):
     del params
-    measured = _Measured(updates, "leaf", who, state.gamma.dtype,
-                         state.gamma.shape, axis_name=axis_name,
-                         sharded=sharded)
+    measured = _Measured(
+      updates,
+      "leaf",
+      who,
+      state.gamma.dtype,
+      state.gamma.shape,
+      axis_name=axis_name,
+      sharded=sharded,
+    )
     norms, finite = measured.stat_norm, measured.finite
     gamma = state.gamma.astype(measured.dtype)
     warming = state.count < warmup_steps
@@ -781,29 +870,39 @@ def clip_relative(
     over = ~warming & (norms > relative) & measured.unit_finite
     restart = over & (state.consecutive_clips >= patience)
     over = over & ~restart
-    limit = jnp.where(warming, warm_limit,
-                      jnp.where(restart, jnp.inf, relative))
+    limit = jnp.where(
+      warming, warm_limit, jnp.where(restart, jnp.inf, relative)
+    )
     new_updates, stats = measured.clip(limit)
     clipped = jnp.minimum(norms, limit)
     unseen = jnp.isinf(gamma)  # no nonzero norm yet
     new_gamma = jnp.where(
-        warming, jnp.minimum(gamma, clipped),
-        jnp.where(unseen | restart, clipped,
-                  beta * gamma + (1 - beta) * clipped))
+      warming,
+      jnp.minimum(gamma, clipped),
+      jnp.where(unseen | restart, clipped, beta * gamma + (1 - beta) * clipped),
+    )
     new_gamma = jnp.where(norms > 0, new_gamma, gamma)  # zero: no scale
-    threshold = jnp.where(warming, jnp.asarray(warmup_max_norm, stats[3].dtype),
-                          _total(relative, stats[3].dtype))
+    threshold = jnp.where(
+      warming,
+      jnp.asarray(warmup_max_norm, stats[3].dtype),
+      _total(relative, stats[3].dtype),
+    )
     count, new_gamma, restarts = _keep_if(
-        finite,
-        (jnp.minimum(state.count + 1, warmup_steps).astype(jnp.int32),
-         new_gamma.astype(state.gamma.dtype),
-         add_count(state.restarts, restart)),
-        (state.count, state.gamma, state.restarts))
+      finite,
+      (
+        jnp.minimum(state.count + 1, warmup_steps).astype(jnp.int32),
+        new_gamma.astype(state.gamma.dtype),
+        add_count(state.restarts, restart),
+      ),
+      (state.count, state.gamma, state.restarts),
+    )
     return new_updates, ClipRelativeState(
-        *stats[:3], _stat(threshold, state.gamma.dtype), count=count,
-        gamma=new_gamma,
-        consecutive_clips=streak(state.consecutive_clips, over, finite),
-        restarts=restarts)
+      *stats[:3],
+      _stat(threshold, state.gamma.dtype),
+      count=count,
+      gamma=new_gamma,
+      consecutive_clips=streak(state.consecutive_clips, over, finite),
+      restarts=restarts,
+    )
 
-  return optax.GradientTransformation(
-      init_fn, _compiled.jit_update(update_fn))
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))

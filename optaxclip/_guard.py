@@ -15,9 +15,18 @@ from optaxclip import _norms
 from optaxclip import _static
 from optaxclip import _stats
 
+
 @_stats.register(
-    "guard", ("norm", "threshold", "skipped", "nonfinite", "consecutive_skips",
-              "restarts"))
+  "guard",
+  (
+    "norm",
+    "threshold",
+    "skipped",
+    "nonfinite",
+    "consecutive_skips",
+    "restarts",
+  ),
+)
 class GuardState(NamedTuple):
   """State of :func:`guard`.
 
@@ -39,12 +48,13 @@ class GuardState(NamedTuple):
     consecutive_spikes: spikes in a row skipped so far.
     restarts: how often the statistics restarted at a new level.
   """
+
   norm: jax.Array  # float scalar
   threshold: jax.Array  # float scalar
   skipped: jax.Array  # int32 scalar
   nonfinite: jax.Array  # int32 scalar
   consecutive_skips: jax.Array  # int32 scalar
-  count: jax.Array  # int32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
   mean: jax.Array  # float scalar
   var: jax.Array  # float scalar
   inner_state: Any
@@ -54,7 +64,8 @@ class GuardState(NamedTuple):
 
 def _varying_axes(x: Any) -> frozenset:
   """The mesh axes over which ``x`` (an array or a struct) varies inside
-  ``shard_map``; empty elsewhere."""
+  ``shard_map``; empty elsewhere.
+  """
   kind = getattr(x, "manual_axis_type", None)
   if kind is None and not isinstance(x, jax.ShapeDtypeStruct):
     kind = getattr(jax.typeof(x), "manual_axis_type", None)
@@ -63,7 +74,8 @@ def _varying_axes(x: Any) -> frozenset:
 
 def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
   """``x`` made to vary over ``axes`` too (both branches of a ``cond``
-  inside ``shard_map`` must agree on it)."""
+  inside ``shard_map`` must agree on it).
+  """
   missing = tuple(sorted(axes - _varying_axes(x)))
   if not missing:
     return x
@@ -72,7 +84,8 @@ def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
 
 def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> jax.Array:
   """Zeros of the struct's shape and dtype, and of its sharding when that is
-  explicit (on an Explicit mesh both branches of a cond must agree)."""
+  explicit (on an Explicit mesh both branches of a cond must agree).
+  """
   sharding = getattr(struct, "sharding", None)
   spec = getattr(sharding, "spec", None) or ()
   if any(entry is not None for entry in spec):
@@ -84,16 +97,16 @@ def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> jax.Array:
 
 @_compiled.compiled_once
 def guard(
-    inner: optax.GradientTransformation,
-    *,
-    skip_nonfinite: bool = True,
-    spike_z: Optional[float] = None,
-    max_norm: Optional[float] = None,
-    alpha: float = 0.97,
-    warmup_steps: int = 25,
-    patience: int = 25,
-    axis_name: _adaptive.AxisName = None,
-    sharded: Any = True,
+  inner: optax.GradientTransformation,
+  *,
+  skip_nonfinite: bool = True,
+  spike_z: Optional[float] = None,
+  max_norm: Optional[float] = None,
+  alpha: float = 0.97,
+  warmup_steps: int = 25,
+  patience: int = 25,
+  axis_name: _adaptive.AxisName = None,
+  sharded: Any = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Skips the whole ``inner`` update when the gradient is NaN/Inf or spikes.
 
@@ -183,36 +196,52 @@ def guard(
   who = "guard"
   _checks.check_transformation(who, "inner", inner)
   skip_nonfinite = _checks.check_bool(who, "skip_nonfinite", skip_nonfinite)
-  _checks.check_number(f"{who}: spike_z", spike_z, low=0.0, low_open=True,
-                       allow_none=True)
-  _checks.check_number(f"{who}: max_norm", max_norm, low=0.0, allow_inf=True,
-                       allow_none=True)
+  _checks.check_number(
+    f"{who}: spike_z", spike_z, low=0.0, low_open=True, allow_none=True
+  )
+  _checks.check_number(
+    f"{who}: max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
+  )
   _checks.check_probability(f"{who}: alpha", alpha)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
   _adaptive.check_patience(patience, who)
-  axis_name = _static._check_axis_name(axis_name, who, sharded)  # pylint: disable=protected-access
+  axis_name = _adaptive.check_axis_name(who, axis_name, sharded)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     # A fresh array per field: a donated state must not hold one buffer twice.
-    counter = lambda: jnp.zeros((), jnp.int32)
+    def counter():
+      return jnp.zeros((), jnp.int32)
+
     dtype = _adaptive.stats_dtype(params)
     return GuardState(
-        norm=jnp.zeros((), dtype), threshold=jnp.full((), jnp.inf, dtype),
-        skipped=counter(), nonfinite=counter(), consecutive_skips=counter(),
-        count=counter(), mean=jnp.zeros((), dtype), var=jnp.zeros((), dtype),
-        inner_state=inner.init(params), consecutive_spikes=counter(),
-        restarts=counter())
+      norm=jnp.zeros((), dtype),
+      threshold=jnp.full((), jnp.inf, dtype),
+      skipped=counter(),
+      nonfinite=counter(),
+      consecutive_skips=counter(),
+      count=counter(),
+      mean=jnp.zeros((), dtype),
+      var=jnp.zeros((), dtype),
+      inner_state=inner.init(params),
+      consecutive_spikes=counter(),
+      restarts=counter(),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     _checks.check_float_leaves(updates, f"{who}: updates")
     leaves = jax.tree.leaves(updates)
-    flags = (_static.sharded_flags(updates, sharded, who, axis_name) if axis_name
-             else None)
-    dtype = jnp.promote_types(state.mean.dtype,
-                              _norms.tree_accumulation_dtype(leaves))
-    norm = jax.lax.stop_gradient(_norms.global_norm(
-        leaves, axis_name=axis_name, sharded=flags)).astype(dtype)
+    flags = (
+      _static.sharded_flags(updates, sharded, who, axis_name)
+      if axis_name
+      else None
+    )
+    dtype = jnp.promote_types(
+      state.mean.dtype, _norms.tree_accumulation_dtype(leaves)
+    )
+    norm = jax.lax.stop_gradient(
+      _norms.global_norm(leaves, axis_name=axis_name, sharded=flags)
+    ).astype(dtype)
     mean, var = state.mean.astype(dtype), state.var.astype(dtype)
     finite = jnp.isfinite(norm)
     warming = state.count < warmup_steps
@@ -237,15 +266,19 @@ def guard(
     old_inner = state.inner_state
     # inner's outputs may differ from the updates in dtype: ask for them.
     out_shapes = jax.eval_shape(
-        lambda: inner.update(updates, old_inner, params, **extra_args))
+      lambda: inner.update(updates, old_inner, params, **extra_args)
+    )
     # Inside shard_map both branches must vary over the same mesh axes.
     state_axes = jax.tree.map(
-        lambda new, old: _varying_axes(new) | _varying_axes(old),
-        out_shapes[1], old_inner)
+      lambda new, old: _varying_axes(new) | _varying_axes(old),
+      out_shapes[1],
+      old_inner,
+    )
 
     def step():
-      new_updates, new_inner = inner.update(updates, old_inner, params,
-                                            **extra_args)
+      new_updates, new_inner = inner.update(
+        updates, old_inner, params, **extra_args
+      )
       return new_updates, jax.tree.map(_vary, new_inner, state_axes)
 
     def skip_step():
@@ -258,22 +291,38 @@ def guard(
     new_updates, new_inner = jax.lax.cond(~skip, step, skip_step)
 
     count, new_mean, new_var = _adaptive.running_moments(
-        state.count, mean, var, seen, alpha=alpha, warmup_steps=warmup_steps,
-        finite=finite, take=jnp.ones((), bool), restart=restart)
+      state.count,
+      mean,
+      var,
+      seen,
+      alpha=alpha,
+      warmup_steps=warmup_steps,
+      finite=finite,
+      take=jnp.ones((), bool),
+      restart=restart,
+    )
     return new_updates, GuardState(
-        norm=norm.astype(state.norm.dtype),
-        threshold=threshold.astype(state.threshold.dtype),
-        skipped=jnp.where(skip, optax.safe_increment(state.skipped),
-                          state.skipped),
-        nonfinite=jnp.where(finite, state.nonfinite,
-                            optax.safe_increment(state.nonfinite)),
-        consecutive_skips=jnp.where(
-            skip, optax.safe_increment(state.consecutive_skips), 0),
-        count=count, mean=new_mean.astype(state.mean.dtype),
-        var=new_var.astype(state.var.dtype), inner_state=new_inner,
-        consecutive_spikes=_adaptive.streak(state.consecutive_spikes, spike,
-                                            finite),
-        restarts=_adaptive.add_count(state.restarts, restart))
+      norm=norm.astype(state.norm.dtype),
+      threshold=threshold.astype(state.threshold.dtype),
+      skipped=jnp.where(
+        skip, optax.safe_increment(state.skipped), state.skipped
+      ),
+      nonfinite=jnp.where(
+        finite, state.nonfinite, optax.safe_increment(state.nonfinite)
+      ),
+      consecutive_skips=jnp.where(
+        skip, optax.safe_increment(state.consecutive_skips), 0
+      ),
+      count=count,
+      mean=new_mean.astype(state.mean.dtype),
+      var=new_var.astype(state.var.dtype),
+      inner_state=new_inner,
+      consecutive_spikes=_adaptive.streak(
+        state.consecutive_spikes, spike, finite
+      ),
+      restarts=_adaptive.add_count(state.restarts, restart),
+    )
 
   return optax.GradientTransformationExtraArgs(
-      init_fn, _compiled.jit_update(update_fn))
+    init_fn, _compiled.jit_update(update_fn)
+  )

@@ -46,8 +46,9 @@ def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
   variants = _load(ROOT / "examples" / "lstm_exploding.py").VARIANTS
   rows = {}
   for name in variants:
-    row = re.search(rf"^{name} +(\S+) +(\S+) +(\S+) +(\d+)% +(yes|no) +(yes|no)$",
-                    stdout, re.M)
+    row = re.search(
+        rf"^{name} +(\S+) +(\S+) +(\S+) +(\d+)% +(yes|no) +(yes|no)$",
+        stdout, re.M)
     assert row, f"no row for {name}:\n{stdout}"
     rows[name] = row.groups()
   for name, (final, best, norm, _, diverged, _) in rows.items():
