@@ -28,3 +28,27 @@ def test_dp_sgd_example_runs_and_adapts_the_clip_norm():
     assert float(clip_norm) != 0.5  # the clip norm adapts from its start.
     assert 0 <= float(clipped) <= 1
   assert "No privacy accounting" in result.stdout
+
+
+def test_dp_sgd_example_explains_bad_flags():
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+  script = str(ROOT / "examples" / "dp_sgd.py")
+  result = subprocess.run(
+      [sys.executable, script, "--examples", "100"], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "--examples (100) must be at least one batch" in result.stderr
+  assert "Traceback" not in result.stderr
+  result = subprocess.run(
+      [sys.executable, script, "--help"], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=120, check=True)
+  for flag in ("--epochs", "--examples", "--batch-size", "--dim", "--l2-clip",
+               "--noise-multiplier", "--target-quantile", "--learning-rate",
+               "--seed"):
+    options = result.stdout[result.stdout.index("options:"):]
+    entry = options[options.index(flag):].split("(default")[0]
+    assert len(entry.split()) > 2, flag  # a help string, then its default
+    assert "\n  --" not in entry, flag
+  assert result.stdout.count("(default:") >= 9

@@ -329,7 +329,7 @@ def test_chained_with_adam_jitted_without_retrace_or_host_transfer():
   assert len(traces) == 1
   keys = set(optaxclip.stats(state))
   assert keys == {"clip_per_example/" + f for f in (
-      "norm", "clipped_norm", "clip_fraction", "clip_norm")}
+      "norm", "clipped_norm", "clip_fraction", "nonfinite", "clip_norm")}
   chex.assert_trees_all_equal_shapes(params, jax.tree.map(
       lambda x: jnp.zeros(x.shape[1:]), _batch(0)))
 
@@ -372,3 +372,70 @@ def test_bad_trees_fail_naming_the_leaf():
                                   target_quantile=0.5)
   with pytest.raises(ValueError, match="too small"):
     tx.update({"w": jnp.ones((16, 2))}, tx.init(None))
+
+
+# ------------------------------------------------- non-finite, inf, edges
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_nonfinite_example_is_zeroed_and_counted(scope):
+  tx = optaxclip.clip_per_example(1.0, scope=scope, reduce="sum")
+  step = jax.jit(tx.update)
+  for bad in (float("nan"), float("inf"), -float("inf")):
+    tree = _batch(3, batch=5)
+    tree["w"][1, 0, 0] = bad
+    tree["b"][1] = 1e6  # must not leak into the sum through the other leaf
+    out, state = step(tree, _state(tx, tree))
+    rest = jax.tree.map(lambda x: np.delete(x, 1, axis=0), tree)
+    want, clipped = _np_clip(rest, 1.0, scope)
+    chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
+    assert float(state.nonfinite) == 1.0
+    np.testing.assert_allclose(state.clip_fraction, (clipped.sum() + 1) / 5)
+    assert np.isfinite(float(state.norm)) and np.isfinite(
+        float(state.clipped_norm))
+    assert optaxclip.stats(state)["clip_per_example/nonfinite"] == 1.0
+
+
+def test_nonfinite_examples_under_noise_and_adaptation_stay_finite():
+  tree = _batch(4, batch=32)
+  tree["w"][:3] = np.nan
+  tx = optaxclip.clip_per_example(1.0, noise_multiplier=0.5,
+                                  target_quantile=0.5)
+  out, state = jax.jit(tx.update)(tree, _state(tx, tree))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+  assert float(state.nonfinite) == 3.0 and np.isfinite(float(state.clip_norm))
+
+
+def test_infinite_clip_norm_means_no_clipping():
+  tree = _batch(5, batch=4, scale=100.0)
+  for scope in ("global", "layer"):
+    tx = optaxclip.clip_per_example(float("inf"), scope=scope, reduce="sum")
+    out, state = jax.jit(tx.update)(tree, _state(tx, tree))
+    chex.assert_trees_all_close(out, jax.tree.map(lambda x: x.sum(0), tree),
+                                rtol=1e-5)
+    assert float(state.clip_fraction) == 0.0
+    np.testing.assert_allclose(state.clipped_norm, state.norm, rtol=1e-6)
+  with pytest.raises(ValueError, match="l2_clip must be finite"):
+    optaxclip.clip_per_example(float("inf"), noise_multiplier=1.0)
+  # A traced zero noise multiplier with an infinite clip: no 0 * inf = NaN.
+  inject = optax.inject_hyperparams(optaxclip.clip_per_example)(
+      l2_clip=float("inf"), noise_multiplier=0.0)
+  out, _ = jax.jit(inject.update)(tree, inject.init(jax.tree.map(
+      lambda x: x[0], tree)))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_huge_examples_are_clipped_along_their_direction(scope):
+  # Clip factors near or below 2**-126 would flush to zero: the example
+  # must still enter the sum at norm C, along its own direction.
+  tx = optaxclip.clip_per_example(1e-3, scope=scope, reduce="sum")
+  step = jax.jit(tx.update)
+  for big in (3e37, 1e30, 1e20):
+    tree = {"w": np.array([[big, -big], [0.3, 0.4]], np.float32),
+            "b": np.array([[0.0], [0.0]], np.float32)}
+    out, state = step(tree, _state(tx, tree))
+    limit = 1e-3 if scope == "global" else 1e-3 / math.sqrt(2)
+    want = np.array([1.0, -1.0]) / math.sqrt(2) * limit + np.array(
+        [0.3, 0.4]) * limit / 0.5
+    np.testing.assert_allclose(out["w"], want, rtol=1e-5)
+    assert float(state.clip_fraction) == 1.0
