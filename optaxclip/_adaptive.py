@@ -211,6 +211,7 @@ def ema_mean_var(alpha, mean, var, x):
 # --- ZClip -------------------------------------------------------------------
 
 
+@_compiled.compiled_once
 def clip_zscore(
     *,
     alpha: float = 0.97,
@@ -393,6 +394,7 @@ def percentile_linear(values: jax.Array, n: jax.Array, q: Any) -> jax.Array:
   return jnp.where(n > 0, value, jnp.inf)
 
 
+@_compiled.compiled_once
 def clip_percentile(
     percentile: float = 10.0,
     *,
@@ -472,6 +474,7 @@ def clip_percentile(
 # --- AdaGC -------------------------------------------------------------------
 
 
+@_compiled.compiled_once
 def clip_relative(
     factor: float = 1.05,
     *,

@@ -55,6 +55,7 @@ def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> jax.Array:
   return jnp.zeros(struct.shape, struct.dtype)
 
 
+@_compiled.compiled_once
 def guard(
     inner: optax.GradientTransformation,
     *,

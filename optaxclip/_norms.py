@@ -104,12 +104,29 @@ def _reduce_axes(x: jax.Array, axes: Optional[tuple[int, ...]]):
   return tuple(range(x.ndim)) if axes is None else axes
 
 
-def _psum_sharded(value, sharded: bool, axis_name: AxisName):
-  return jax.lax.psum(value, axis_name) if (sharded and axis_name) else value
+def _names(axis_name: AxisName) -> tuple[str, ...]:
+  if not axis_name:
+    return ()
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def _pmax(value, axis_name: AxisName):
-  return jax.lax.pmax(value, axis_name) if axis_name else value
+def _split_axes(sharded, axis_name: AxisName) -> tuple[str, ...]:
+  """One leaf's ``sharded`` entry as the names of ``axis_name`` it is split
+  over: ``True`` all of them, ``False`` none, a tuple of names those."""
+  names = _names(axis_name)
+  if isinstance(sharded, (tuple, list)):
+    return tuple(n for n in names if n in sharded)
+  return names if sharded else ()
+
+
+def _psum_sharded(value, sharded, axis_name: AxisName):
+  """``value`` summed over the axes a leaf is split over (see _split_axes)."""
+  names = _split_axes(sharded, axis_name)
+  return jax.lax.psum(value, names) if names else value
+
+
+def _pmax(value, names: tuple[str, ...]):
+  return jax.lax.pmax(value, names) if names else value
 
 
 def axis_size(axis_name: AxisName) -> int:
@@ -159,12 +176,15 @@ def _concatenable(x: jax.Array) -> bool:
   return x.size <= SMALL_LEAF_SIZE and not may_span_devices(x)
 
 
-def _sharded_flags(leaves, sharded) -> list[bool]:
+def _sharded_flags(leaves, sharded, axis_name: AxisName = None
+                   ) -> list[tuple[str, ...]]:
+  """Per leaf, the names of ``axis_name`` it is split over (``sharded=None``:
+  all of them, for every leaf)."""
   if sharded is None:
-    return [True] * len(leaves)
+    return [_names(axis_name)] * len(leaves)
   if len(sharded) != len(leaves):
     raise ValueError("sharded flags do not match the leaves.")
-  return [bool(s) for s in sharded]
+  return [_split_axes(s, axis_name) for s in sharded]
 
 
 # --------------------------------------------------------------------------
@@ -258,13 +278,15 @@ def _merge_scaled(parts, p: float):
   return m, sum(qi * _power(mi / safe, p) for mi, qi in parts)
 
 
-def _across_devices(m, q, p, sharded: bool, axis_name: AxisName):
-  """``(M, q)`` of a leaf sharded over ``axis_name``, merged over devices."""
-  if not (sharded and axis_name):
+def _across_devices(m, q, p, sharded, axis_name: AxisName):
+  """``(M, q)`` of a leaf split over (some of) ``axis_name``, merged over the
+  devices that hold its parts (``sharded``: see _split_axes)."""
+  names = _split_axes(sharded, axis_name)
+  if not names:
     return m, q
-  total_m = jax.lax.pmax(m, axis_name)
+  total_m = jax.lax.pmax(m, names)
   safe = jnp.where(total_m > 0, total_m, 1)
-  return total_m, jax.lax.psum(q * _power(m / safe, p), axis_name)
+  return total_m, jax.lax.psum(q * _power(m / safe, p), names)
 
 
 def _scaled_norm(m, q, p):
@@ -319,7 +341,8 @@ def unit_norms(
     ord: the norm's order p >= 1, or ``math.inf``.
     axes: per leaf, the axes a unit spans (``None``: the whole leaf).
     axis_name: mapped axis name(s) over which sharded leaves are summed.
-    sharded: per leaf, whether it is sharded over ``axis_name``.
+    sharded: per leaf, the names of ``axis_name`` it is split over (a tuple;
+      partial sums are summed over exactly those), or a bool: all or none.
 
   Returns:
     One array per leaf, of the leaf's rank, holding each unit's norm in the
@@ -329,13 +352,13 @@ def unit_norms(
   if not leaves:
     return []
   axes = [None] * len(leaves) if axes is None else list(axes)
-  flags = _sharded_flags(leaves, sharded)
+  flags = _sharded_flags(leaves, sharded, axis_name)
   p = ord
 
   def maxima(leaves_):
     return [
         _pmax(jnp.max(magnitude(x), axis=_reduce_axes(x, ax), keepdims=True,
-                      initial=0), axis_name if f else None)
+                      initial=0), f)
         for x, ax, f in zip(leaves_, axes, flags)]
 
   if math.isinf(p):
@@ -423,21 +446,23 @@ def global_norm(
     leaves: float or complex arrays.
     ord: the norm's order p >= 1, or ``math.inf``.
     axis_name: mapped axis name(s) over which sharded leaves are summed.
-    sharded: per leaf, whether it is sharded over ``axis_name``.
+    sharded: per leaf, the names of ``axis_name`` it is split over (a tuple;
+      partial sums are summed over exactly those), or a bool: all or none.
 
   Returns:
     A scalar in the accumulation dtype (float32 unless a leaf is wider).
   """
   leaves = list(leaves)
   dtype = tree_accumulation_dtype(leaves)
-  flags = _sharded_flags(leaves, sharded)
+  flags = _sharded_flags(leaves, sharded, axis_name)
   pieces = _pieces(leaves, flags)
   if not pieces:
     return jnp.zeros((), dtype)
   p = ord
   arrays = [a for a, _ in pieces]
-  groups = {f: [i for i, (_, g) in enumerate(pieces) if g == f]
-            for f in (False, True)}
+  groups = {}
+  for i, (_, f) in enumerate(pieces):
+    groups.setdefault(f, []).append(i)
 
   if math.isinf(p):
     biggest = jnp.zeros((), dtype)
@@ -445,7 +470,7 @@ def global_norm(
       if idx:
         local = functools.reduce(jnp.maximum, [
             jnp.max(magnitude(arrays[i], dtype), initial=0) for i in idx])
-        biggest = jnp.maximum(biggest, _pmax(local, axis_name if f else None))
+        biggest = jnp.maximum(biggest, _pmax(local, f))
     return biggest
 
   total = jnp.zeros((), dtype)
@@ -508,27 +533,44 @@ def largest_and_count_above(x: jax.Array, limit: Any):
   return _largest_and_count_custom(x, limit, dtype)
 
 
-def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0) -> jax.Array:  # pylint: disable=redefined-builtin
+def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0,  # pylint: disable=redefined-builtin
+                  *, across: Optional[Sequence[tuple[str, ...]]] = None
+                  ) -> jax.Array:
   """The p-norm of a set of unit norms: the norm of the whole they partition.
 
   Used for statistics: it costs a pass over the (small) norm arrays only.
+  ``across`` gives, per norm array, the mapped axes over which the devices
+  hold different units of it (inside ``shard_map``/``pmap``): those parts
+  are summed across them. By default every array is the same everywhere.
   """
   if not norms:
     return jnp.zeros((), jnp.float32)
-  # Norms that may be split across devices are reduced on their own (no
-  # all-gather, no ShardingTypeError); the others are concatenated.
-  local = [jnp.ravel(n) for n in norms if not may_span_devices(n)]
-  parts = [n for n in norms if may_span_devices(n)]
-  if local:
-    parts.append(jnp.concatenate(local) if len(local) > 1 else local[0])
-  biggest = parts[0].max(initial=0)
-  for part in parts[1:]:
-    biggest = jnp.maximum(biggest, part.max(initial=0))
+  across = [()] * len(norms) if across is None else list(across)
+  groups = {}
+  for n, names in zip(norms, across):
+    groups.setdefault(tuple(names), []).append(n)
+  parts = {}
+  for names, members in groups.items():
+    # Norms that may be split across devices are reduced on their own (no
+    # all-gather, no ShardingTypeError); the others are concatenated.
+    local = [jnp.ravel(n) for n in members if not may_span_devices(n)]
+    own = [n for n in members if may_span_devices(n)]
+    if local:
+      own.append(jnp.concatenate(local) if len(local) > 1 else local[0])
+    parts[names] = own
+  biggest = None
+  for names, own in parts.items():
+    local = functools.reduce(jnp.maximum, [v.max(initial=0) for v in own])
+    local = _pmax(local, names)
+    biggest = local if biggest is None else jnp.maximum(biggest, local)
   if math.isinf(ord):
     return biggest
   # An infinite unit norm makes the whole infinite (inf / inf would be NaN).
   scale = jnp.where((biggest > 0) & jnp.isfinite(biggest), biggest, 1)
-  total = sum(jnp.sum(_power(part / scale, ord)) for part in parts)
+  total = 0
+  for names, own in parts.items():
+    partial = sum(jnp.sum(_power(v / scale, ord)) for v in own)
+    total = total + (jax.lax.psum(partial, names) if names else partial)
   return jnp.where(jnp.isinf(biggest), biggest,
                    biggest * safe_root(total, ord))
 

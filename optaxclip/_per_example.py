@@ -94,12 +94,6 @@ def sum_noise_multiplier(noise_multiplier: Any, count_std: Any) -> Any:
       jnp.where(inv > 0, inv, 1.0)), jnp.nan), 0.0)
 
 
-def _check_choice(name, value, choices):
-  if value not in choices:
-    raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))};"
-                     f" got {value!r}.")
-
-
 def _batch_size(leaves, paths, who="clip_per_example") -> int:
   sizes = set()
   for x, path in zip(leaves, paths):
@@ -258,7 +252,7 @@ def clip_and_sum(
   """Clips each example of per-example ``leaves`` and sums them.
 
   ``scope="global"`` clips each example's whole gradient to ``clip``;
-  ``scope="layer"`` each of its ``K`` leaves to ``clip / sqrt(K)``. An
+  ``scope="leaf"`` each of its ``K`` leaves to ``clip / sqrt(K)``. An
   example whose norm is not finite (an Inf or NaN element, or a norm beyond
   the dtype's range) is left out of the sum, zeroed, and counted: it can
   leak none of its other coordinates, and one example still moves the sum by
@@ -267,7 +261,7 @@ def clip_and_sum(
   Args:
     leaves: per-example arrays with a common leading batch axis ``B``.
     clip: the clip norm (a scalar, ``inf`` for none).
-    scope: ``"global"`` or ``"layer"``.
+    scope: ``"global"`` or ``"leaf"``.
 
   Returns:
     The per-leaf sums (accumulation dtype, no batch axis), the ``(B,)``
@@ -406,6 +400,7 @@ def noise_and_adapt(
   return Noised(sums, new_clip, key)
 
 
+@_compiled.compiled_once
 def clip_per_example(
     l2_clip: float,
     *,
@@ -429,7 +424,7 @@ def clip_per_example(
   ready for the optimizer chained after it.
 
   ``scope="global"`` clips each example's whole gradient (the numbers of
-  ``optax.per_example_global_norm_clip``); ``scope="layer"`` clips each of the
+  ``optax.per_example_global_norm_clip``); ``scope="leaf"`` clips each of the
   ``K`` leaves of an example to ``C / sqrt(K)`` (McMahan et al. 2017; the
   numbers of ``optax.per_example_layer_norm_clip(uniform=True)``). Either way
   one example moves the sum by at most ``C``.
@@ -437,7 +432,7 @@ def clip_per_example(
   With ``target_quantile``, ``C`` adapts so that about that share of examples
   goes unclipped, by the geometric rule of Andrew et al. 2021:
   ``C <- C * exp(-quantile_lr * (b - target_quantile))``, ``b`` the share of
-  examples left unclipped this step (for ``scope="layer"``: with no leaf
+  examples left unclipped this step (for ``scope="leaf"``: with no leaf
   clipped). With noise on, ``b`` is noised as the paper does: the count of
   unclipped examples, centred (each example counts +-1/2), gets Gaussian noise
   of standard deviation ``sigma_b = B / 20`` (the paper's recommendation), and
@@ -466,7 +461,7 @@ def clip_per_example(
     l2_clip: the clip norm ``C`` per example (>= 0, or ``inf`` for no
       clipping without noise, as in optax's examples); with
       ``target_quantile``, its starting value.
-    scope: ``"global"`` (the example's whole gradient) or ``"layer"`` (each
+    scope: ``"global"`` (the example's whole gradient) or ``"leaf"`` (each
       leaf at ``C / sqrt(K)``).
     reduce: ``"mean"`` (divide the noised sum by ``B``) or ``"sum"``.
     noise_multiplier: the noise standard deviation on the sum, in units of
@@ -507,8 +502,11 @@ def clip_per_example(
     (7.5, 0.5)
   """
   _checks.check_number("l2_clip", l2_clip, low=0.0, allow_inf=True)
-  _check_choice("scope", scope, ("global", "layer"))
-  _check_choice("reduce", reduce, ("mean", "sum"))
+  # "layer" was this scope's name before "leaf", the word clip_zscore and
+  # clip_percentile use.
+  scope = _checks.check_choice("clip_per_example", "scope", scope,
+                               ("global", "leaf"), aliases={"layer": "leaf"})
+  _checks.check_choice("clip_per_example", "reduce", reduce, ("mean", "sum"))
   _checks.check_number("noise_multiplier", noise_multiplier, low=0.0)
   if isinstance(seed, (bool, np.bool_)) or not isinstance(
       seed, (numbers.Integral, jax.Array, np.ndarray)):

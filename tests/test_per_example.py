@@ -71,7 +71,7 @@ class NumbersTest(chex.TestCase):
   @hypothesis.given(
       seed=st.integers(0, 2 ** 16),
       clip=st.sampled_from([0.0, 0.3, 1.0, 2.5, 1e6]),
-      scope=st.sampled_from(["global", "layer"]),
+      scope=st.sampled_from(["global", "leaf"]),
       reduce=st.sampled_from(["mean", "sum"]))
   def test_matches_numpy(self, seed, clip, scope, reduce):
     tree = _batch(seed)
@@ -99,9 +99,9 @@ def test_matches_optax():
   @jax.jit
   def both(clip):
     ours = {scope: _clip_and_sum(tree, clip, scope, "sum")
-            for scope in ("global", "layer")}
+            for scope in ("global", "leaf")}
     theirs = {"global": optax.per_example_global_norm_clip(leaves, clip),
-              "layer": optax.per_example_layer_norm_clip(leaves, clip)}
+              "leaf": optax.per_example_layer_norm_clip(leaves, clip)}
     return ours, theirs
 
   for clip in (0.5, 2.0, 10.0):
@@ -258,7 +258,7 @@ def test_data_parallel_axis_equals_one_device():
 
   def two_steps(tree, axis_name=None):
     out = {}
-    for scope in ("global", "layer"):
+    for scope in ("global", "leaf"):
       tx = optaxclip.clip_per_example(1.0, scope=scope, axis_name=axis_name,
                                       **kwargs)
       state = _state(tx, tree)
@@ -290,7 +290,7 @@ def test_batch_sharded_under_jit_equals_one_device():
             for t in (types.Auto, types.Explicit)]
   tree = _batch(2, batch=32, scale=0.5, shapes={"w": (8, 2), "b": (2,)})
   specs = {"w": P("data", "fsdp"), "b": P("data")}
-  tx = optaxclip.clip_per_example(1.0, scope="layer", noise_multiplier=0.5,
+  tx = optaxclip.clip_per_example(1.0, scope="leaf", noise_multiplier=0.5,
                                   target_quantile=0.5)
   state = _state(tx, tree)
   want = run_fast(tx.update, tree, state)
@@ -376,7 +376,7 @@ def test_bad_trees_fail_naming_the_leaf():
 
 # ------------------------------------------------- non-finite, inf, edges
 
-@pytest.mark.parametrize("scope", ["global", "layer"])
+@pytest.mark.parametrize("scope", ["global", "leaf"])
 def test_nonfinite_example_is_zeroed_and_counted(scope):
   tx = optaxclip.clip_per_example(1.0, scope=scope, reduce="sum")
   step = jax.jit(tx.update)
@@ -407,7 +407,7 @@ def test_nonfinite_examples_under_noise_and_adaptation_stay_finite():
 
 def test_infinite_clip_norm_means_no_clipping():
   tree = _batch(5, batch=4, scale=100.0)
-  for scope in ("global", "layer"):
+  for scope in ("global", "leaf"):
     tx = optaxclip.clip_per_example(float("inf"), scope=scope, reduce="sum")
     out, state = jax.jit(tx.update)(tree, _state(tx, tree))
     chex.assert_trees_all_close(out, jax.tree.map(lambda x: x.sum(0), tree),
@@ -424,7 +424,7 @@ def test_infinite_clip_norm_means_no_clipping():
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
 
 
-@pytest.mark.parametrize("scope", ["global", "layer"])
+@pytest.mark.parametrize("scope", ["global", "leaf"])
 def test_huge_examples_are_clipped_along_their_direction(scope):
   # Clip factors near or below 2**-126 would flush to zero: the example
   # must still enter the sum at norm C, along its own direction.

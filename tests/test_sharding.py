@@ -294,3 +294,202 @@ def test_axis_name_is_checked():
     optaxclip.clip_global(1.0, axis_name=3)
   with pytest.raises(TypeError, match="axis_name"):
     optaxclip.clip_block_rms(1.0, axis_name=("a", 1))
+  with pytest.raises(ValueError, match="clip_norm: axis_name must not be"):
+    optaxclip.clip_norm(1.0, axis_name="")
+  with pytest.raises(ValueError, match="axis_name must name each axis once"):
+    optaxclip.clip_global(1.0, axis_name=("a", "a"))
+
+
+@pytest.mark.parametrize("bad, error", [
+    ("no", TypeError),  # a truthy string is not True
+    ({"w": "yes"}, TypeError),
+    ({"w": 1}, TypeError),
+    (("fsdp",), ValueError),  # not an axis of axis_name
+    (P("d", "d"), ValueError),
+])
+def test_sharded_is_checked_when_built(bad, error):
+  for make in (optaxclip.clip_global, optaxclip.clip_norm,
+               optaxclip.clip_block_rms, optaxclip.clip_unitwise):
+    with pytest.raises(error, match=f"{make.__name__}: sharded"):
+      make(1.0, axis_name="d", sharded=bad)
+
+
+# ------------------------------------------- per-leaf axes on a 2-D mesh
+
+# A ("data", "fsdp") mesh with leaves split over both axes (on one dimension
+# or on two), over fsdp only (replicated over data), along a kernel's output
+# axis, and replicated.
+MESH_2D_SPECS = {
+    "both": P(("data", "fsdp"), None),
+    "both_2d": P("data", "fsdp"),
+    "fsdp": P("fsdp", None),
+    "out": P(None, "fsdp"),
+    "rep": P(),
+}
+MESH_2D_AXES = {"both": ("data", "fsdp"), "both_2d": ("data", "fsdp"),
+                "fsdp": ("fsdp",), "out": ("fsdp",), "rep": False}
+
+
+def _tree_2d(seed, scale=1.0):
+  rng = np.random.default_rng(seed)
+  shapes = {"both": (16, 6), "both_2d": (8, 8), "fsdp": (8, 6),
+            "out": (6, 8), "rep": (1, 3)}
+  return {k: (scale * rng.normal(size=s)).astype(np.float32)
+          for k, s in shapes.items()}
+
+
+def _cases_2d():
+  names = ("data", "fsdp")
+  specs, axes = MESH_2D_SPECS, MESH_2D_AXES
+  return {
+      "clip_global/spec": lambda m: optaxclip.clip_global(
+          2.0, **({"axis_name": names, "sharded": specs} if m else {})),
+      "clip_global/axes": lambda m: optaxclip.clip_global(
+          2.0, **({"axis_name": names, "sharded": axes} if m else {})),
+      "clip_norm/spec": lambda m: optaxclip.clip_norm(
+          1.0, **({"axis_name": names, "sharded": specs} if m else {})),
+      "clip_norm/axes": lambda m: optaxclip.clip_norm(
+          1.0, **({"axis_name": names, "sharded": axes} if m else {})),
+      "clip_norm_axis0/spec": lambda m: optaxclip.clip_norm(
+          1.0, axis=0, **({"axis_name": names, "sharded": specs} if m else {})),
+      "clip_block_rms/axes": lambda m: optaxclip.clip_block_rms(
+          0.3, **({"axis_name": names, "sharded": axes} if m else {})),
+      "clip_unitwise/spec": lambda m: optaxclip.clip_unitwise(
+          0.1, **({"axis_name": names, "sharded": specs} if m else {})),
+  }
+
+
+def test_per_leaf_axes_on_a_2d_mesh_match_one_device():
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"),
+                       axis_types=(AxisType.Explicit,) * 2)
+  cases = _cases_2d()
+  params, grads = _tree_2d(0), _tree_2d(1, 3.0)
+
+  def run(grads, params, mapped):
+    out = {}
+    for name, make in cases.items():
+      tx = make(mapped)
+      out[name] = tx.update(grads, tx.init(params), params)
+    return out
+
+  want = run_fast(functools.partial(run, mapped=False), grads, params)
+  mapped = jax.shard_map(
+      functools.partial(run, mapped=True), mesh=mesh,
+      in_specs=(MESH_2D_SPECS, MESH_2D_SPECS),
+      out_specs={name: (MESH_2D_SPECS, P()) for name in cases})
+  put = lambda t: jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t,
+      MESH_2D_SPECS)
+  got = run_fast(mapped, put(grads), put(params))
+  for name in cases:
+    for key in grads:
+      np.testing.assert_allclose(got[name][0][key], want[name][0][key],
+                                 rtol=TOL, atol=TOL, err_msg=f"{name}: {key}")
+    got_stats, want_stats = optaxclip.stats(got[name][1]), optaxclip.stats(
+        want[name][1])
+    for key in want_stats:
+      np.testing.assert_allclose(got_stats[key], want_stats[key], rtol=TOL,
+                                 atol=TOL, err_msg=f"{name}: {key}")
+    assert 0 < want_stats[f"{name.split('/')[0].replace('_axis0', '')}"
+                          "/clip_fraction"], name  # something is clipped
+
+
+def test_global_norm_with_leaves_on_different_axes():
+  """One kernel split over both axes, one over fsdp only, a replicated bias:
+  of the four single-bool settings none is right; per-leaf axes are."""
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"),
+                       axis_types=(AxisType.Explicit,) * 2)
+  rng = np.random.default_rng(3)
+  g = {"a": np.float32(rng.normal(size=(8, 4))),
+       "b": np.float32(rng.normal(size=(4, 4))),
+       "c": np.float32(rng.normal(size=(3,)))}
+  specs = {"a": P(("data", "fsdp")), "b": P("fsdp"), "c": P()}
+  want = np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in g.values()))
+
+  def norm(sharded):
+    tx = optaxclip.clip_global(1.0, axis_name=("data", "fsdp"),
+                               sharded=sharded)
+    # Wrong settings give a different norm per device: no vma check.
+    f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[1].norm, mesh=mesh,
+                      in_specs=(specs,), out_specs=P(), check_vma=False)
+    return float(jax.jit(f)(jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), g, specs)))
+
+  np.testing.assert_allclose(norm(specs), want, rtol=TOL)
+  np.testing.assert_allclose(
+      norm({"a": ("data", "fsdp"), "b": ("fsdp",), "c": None}), want,
+      rtol=TOL)
+  np.testing.assert_allclose(
+      norm(lambda path, leaf: specs[path[0].key]), want, rtol=TOL)
+  for a in (False, True):
+    for b in (False, True):
+      assert not np.isclose(norm({"a": a, "b": b, "c": False}), want,
+                            rtol=1e-3), (a, b)
+
+
+def test_unitwise_units_come_from_the_global_shape():
+  """A Dense kernel (8, 2) split 8 ways along its inputs is (1, 2) locally:
+  its units are still its 2 columns."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  rng = np.random.default_rng(5)
+  w = {"k": np.float32(rng.normal(size=(8, 2)))}
+  g = {"k": np.float32(rng.normal(size=(8, 2)) * [[1.0, 0.01]])}
+  ref = optaxclip.clip_unitwise(0.1)
+  want, want_state = run_fast(ref.update, g, ref.init(w), w)
+  specs = {"k": P("d", None)}
+
+  def mapped(tx):
+    return jax.shard_map(lambda g, w: tx.update(g, tx.init(w), w), mesh=mesh,
+                         in_specs=(specs, specs), out_specs=(specs, P()))
+
+  for tx in (optaxclip.clip_unitwise(0.1, axis_name="d", sharded=specs),
+             optaxclip.clip_unitwise(0.1, axis_name="d", axis=0)):
+    got, state = run_fast(mapped(tx), g, w)
+    np.testing.assert_allclose(got["k"], want["k"], rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(state.clip_fraction, want_state.clip_fraction)
+  assert want_state.clip_fraction == 0.5  # one column clipped, one not
+  tx = optaxclip.clip_unitwise(0.1, axis_name="d", sharded=True)
+  with pytest.raises(ValueError, match=r"clip_unitwise: sharded must give "
+                     r"the leaf \['k'\] as a PartitionSpec"):
+    jax.jit(mapped(tx))(g, w)
+  # pmap: the same kernel, one row per device.
+  local_g, local_w = g["k"].reshape(8, 1, 2), w["k"].reshape(8, 1, 2)
+  tx = optaxclip.clip_unitwise(0.1, axis_name="i", sharded={"k": P("i")})
+  out, state = jax.pmap(lambda g, w: tx.update(g, tx.init(w), w),
+                        axis_name="i")({"k": local_g}, {"k": local_w})
+  np.testing.assert_allclose(out["k"].reshape(8, 2), want["k"], rtol=TOL,
+                             atol=TOL)
+  np.testing.assert_allclose(state.clip_fraction, np.full(8, 0.5))
+
+
+def test_sharded_prefix_survives_masked_and_frozen_dict():
+  from flax.core import FrozenDict  # pylint: disable=import-outside-toplevel
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  rng = np.random.default_rng(7)
+  g = {"enc": {"k": np.float32(rng.normal(size=(16, 2)))},
+       "dec": {"k": np.float32(rng.normal(size=(8, 4))),
+               "b": np.float32(rng.normal(size=(4,)))}}
+  specs = {"enc": {"k": P("d")}, "dec": {"k": P("d"), "b": P()}}
+  put = lambda t: jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs)
+  mask = {"enc": False, "dec": True}  # the whole "enc" subtree masked out
+  inner = lambda **kw: optaxclip.clip_global(1.0, **kw)
+  ref = optax.masked(inner(), mask)
+  want, _ = ref.update(g, ref.init(g))
+  sharded = {"enc": {"k": True}, "dec": {"k": True, "b": False}}
+  tx = optax.masked(inner(axis_name="d", sharded=sharded), mask)
+  f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
+                    in_specs=(specs,), out_specs=specs)
+  got = jax.jit(f)(put(g))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
+  # FrozenDict updates with a plain-dict prefix.
+  tx = inner(axis_name="d", sharded=sharded)
+  f = jax.shard_map(lambda g: tx.update(FrozenDict(g), tx.init(g))[1].norm,
+                    mesh=mesh, in_specs=(specs,), out_specs=P())
+  want_norm = np.sqrt(sum(np.sum(x ** 2) for x in jax.tree.leaves(g)))
+  np.testing.assert_allclose(jax.jit(f)(put(g)), want_norm, rtol=TOL)
+  with pytest.raises(ValueError, match=r"clip_global: sharded must be a "
+                     r"pytree prefix .* \['dec'\]\['b'\]"):
+    bad = inner(axis_name="d", sharded={"enc": True, "dec": {"k": True}})
+    jax.eval_shape(lambda g: bad.update(g, bad.init(g)), g)
