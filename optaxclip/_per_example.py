@@ -53,7 +53,7 @@ class ClipPerExampleState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar
   clip_norm: jax.Array  # float32 scalar
   key: jax.Array  # a PRNG key
-  nonfinite: jax.Array  # float32 scalar (a count)
+  nonfinite: jax.Array  # int32 scalar (a count)
 
 
 # Andrew et al. 2021 recommend noising the unclipped count with a standard
@@ -522,10 +522,9 @@ def clip_per_example(
 
   def init_fn(params):
     del params
-    zero = _stats.zeros(1)[0]
     return ClipPerExampleState(
         *_stats.zeros(3), clip_norm=_stats.as_stat(l2_clip),
-        key=jax.random.PRNGKey(seed), nonfinite=zero)
+        key=jax.random.PRNGKey(seed), nonfinite=jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None):
     del params
@@ -577,4 +576,4 @@ def state_from_counts(cls, counts: ClipCounts, batch: int, noised: Noised):
       clip_fraction=_stats.as_stat(counts.clipped / batch),
       clip_norm=_stats.as_stat(noised.clip_norm),
       key=noised.key,
-      nonfinite=_stats.as_stat(counts.nonfinite))
+      nonfinite=counts.nonfinite.astype(jnp.int32).reshape(()))
