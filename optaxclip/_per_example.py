@@ -13,9 +13,10 @@ The aggregation step is built from three named parts that
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import math
 import numbers
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +29,13 @@ from optaxclip import _norms
 from optaxclip import _static
 from optaxclip import _stats
 
-STAT_FIELDS = ("norm", "clipped_norm", "clip_fraction", "nonfinite",
-               "clip_norm")
+STAT_FIELDS = (
+  "norm",
+  "clipped_norm",
+  "clip_fraction",
+  "nonfinite",
+  "clip_norm",
+)
 
 
 @_stats.register("clip_per_example", STAT_FIELDS)
@@ -48,6 +54,7 @@ class ClipPerExampleState(NamedTuple):
     nonfinite: the number of examples whose norm was not finite (an Inf or
       NaN element), zeroed this step instead of entering the sum.
   """
+
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar
@@ -63,7 +70,7 @@ COUNT_NOISE_DIVISOR = 20.0
 # A clip factor below this is applied in two steps (an exact power of two on
 # the example, then the rest on the weight): a factor near 2**-126 would be
 # flushed to zero, or x * factor would.
-_SMALL_FACTOR = 2.0 ** -60
+_SMALL_FACTOR = 2.0**-60
 
 
 def count_noise_std(batch_size: int, noise_multiplier: Any) -> Any:
@@ -72,8 +79,9 @@ def count_noise_std(batch_size: int, noise_multiplier: Any) -> Any:
   ``batch_size / 20`` as Andrew et al. 2021 recommend, when the clip norm
   adapts and noise is on; else 0.
   """
-  return jnp.where(jnp.asarray(noise_multiplier) > 0,
-                   batch_size / COUNT_NOISE_DIVISOR, 0.0)
+  return jnp.where(
+    jnp.asarray(noise_multiplier) > 0, batch_size / COUNT_NOISE_DIVISOR, 0.0
+  )
 
 
 def sum_noise_multiplier(noise_multiplier: Any, count_std: Any) -> Any:
@@ -87,11 +95,16 @@ def sum_noise_multiplier(noise_multiplier: Any, count_std: Any) -> Any:
   """
   z = jnp.asarray(noise_multiplier, jnp.float32)
   two_b = 2.0 * jnp.asarray(count_std, jnp.float32)
-  inv = 1.0 / jnp.where(z > 0, z, 1.0) ** 2 - 1.0 / jnp.where(
-      two_b > 0, two_b, jnp.inf) ** 2
+  inv = (
+    1.0 / jnp.where(z > 0, z, 1.0) ** 2
+    - 1.0 / jnp.where(two_b > 0, two_b, jnp.inf) ** 2
+  )
   # inv <= 0 (batch too small) gives NaN: a loud failure, never a weak one.
-  return jnp.where(z > 0, jnp.where(inv > 0, 1.0 / jnp.sqrt(
-      jnp.where(inv > 0, inv, 1.0)), jnp.nan), 0.0)
+  return jnp.where(
+    z > 0,
+    jnp.where(inv > 0, 1.0 / jnp.sqrt(jnp.where(inv > 0, inv, 1.0)), jnp.nan),
+    0.0,
+  )
 
 
 def _batch_size(leaves, paths, who="clip_per_example") -> int:
@@ -99,14 +112,16 @@ def _batch_size(leaves, paths, who="clip_per_example") -> int:
   for x, path in zip(leaves, paths):
     if x.ndim == 0:
       raise ValueError(
-          f"{who}: leaf {path} is a scalar; every leaf needs a "
-          "leading batch axis (per-example gradients, e.g. from "
-          "jax.vmap(jax.grad(loss), in_axes=(None, 0))).")
+        f"{who}: leaf {path} is a scalar; every leaf needs a "
+        "leading batch axis (per-example gradients, e.g. from "
+        "jax.vmap(jax.grad(loss), in_axes=(None, 0)))."
+      )
     sizes.add(x.shape[0])
   if len(sizes) > 1:
     detail = ", ".join(f"{p}: {x.shape[0]}" for x, p in zip(leaves, paths))
-    raise ValueError(f"{who}: the leaves' leading (batch) axes "
-                     f"differ: {detail}.")
+    raise ValueError(
+      f"{who}: the leaves' leading (batch) axes differ: {detail}."
+    )
   size = sizes.pop()
   if size == 0:
     raise ValueError(f"{who}: the batch is empty.")
@@ -115,15 +130,17 @@ def _batch_size(leaves, paths, who="clip_per_example") -> int:
 
 def _summed_batch_sharding(x: jax.Array):
   """The sharding of ``x`` summed over its batch axis, when that axis is
-  split over an Explicit mesh axis (JAX then asks for it); else None."""
+  split over an Explicit mesh axis (JAX then asks for it); else None.
+  """
   typeof = getattr(jax, "typeof", None)
   sharding = getattr(typeof(x), "sharding", None) if typeof else None
-  spec = tuple(getattr(sharding, "spec", None) or ())
-  if not spec or spec[0] is None:
+  spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
+  if sharding is None or not spec or spec[0] is None:
     return None
   rest = spec[1:] + (None,) * (x.ndim - len(spec))
-  return jax.sharding.NamedSharding(sharding.mesh,
-                                    jax.sharding.PartitionSpec(*rest))
+  return jax.sharding.NamedSharding(
+    sharding.mesh, jax.sharding.PartitionSpec(*rest)
+  )
 
 
 def weighted_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
@@ -135,10 +152,16 @@ def weighted_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
   """
   dtype = jnp.promote_types(_norms.accumulation_dtype(x.dtype), x.dtype)
   out_sharding = _summed_batch_sharding(x)
-  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
-  return jnp.tensordot(weights.astype(_norms.accumulation_dtype(x.dtype)),
-                       x.astype(dtype), axes=1,
-                       precision=jax.lax.Precision.HIGHEST, **kwargs)
+  kwargs: dict[str, Any] = (
+    {} if out_sharding is None else {"out_sharding": out_sharding}
+  )
+  return jnp.tensordot(
+    weights.astype(_norms.accumulation_dtype(x.dtype)),
+    x.astype(dtype),
+    axes=1,
+    precision=jax.lax.Precision.HIGHEST,
+    **kwargs,
+  )
 
 
 def _per_example(v: jax.Array, x: jax.Array) -> jax.Array:
@@ -161,10 +184,10 @@ def _scale_by_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
 
 
 def sum_clipped(
-    leaves: Sequence[jax.Array],
-    norms: Sequence[jax.Array],
-    limits: Sequence[Any],
-    keep: jax.Array,
+  leaves: Sequence[jax.Array],
+  norms: Sequence[jax.Array],
+  limits: Sequence[Any],
+  keep: jax.Array,
 ) -> list[jax.Array]:
   """``sum_b keep_b * min(1, limit / norms[b]) * x[b]`` for each leaf.
 
@@ -201,8 +224,9 @@ def sum_clipped(
       small = keep & (f < _SMALL_FACTOR)
       mantissa, exponent = jnp.frexp(jnp.where(small, n, 1))
       exponent = jnp.where(small, jnp.clip(exponent, 0, 128), 0)
-      weight = jnp.where(small, jnp.asarray(limit, n.dtype) / mantissa,
-                         jnp.where(keep, f, 0))
+      weight = jnp.where(
+        small, jnp.asarray(limit, n.dtype) / mantissa, jnp.where(keep, f, 0)
+      )
       scaled = _scale_by_power_of_two(x, exponent)
       scaled = jnp.where(_per_example(keep, x), scaled, 0)
       out.append(weighted_sum(scaled, weight))
@@ -220,15 +244,18 @@ def _any_of(masks: Sequence[jax.Array]) -> jax.Array:
 
 class ClipCounts(NamedTuple):
   """Sums over the examples of one step, for the statistics and the clip
-  norm's adaptation (summed over devices when the batch is split)."""
+  norm's adaptation (summed over devices when the batch is split).
+  """
+
   norm_sum: jax.Array  # pre-clip norms of the examples in the sum
   clipped_norm_sum: jax.Array  # their norms after clipping
   clipped: jax.Array  # examples scaled down, zeroed ones included
   nonfinite: jax.Array  # examples zeroed for a non-finite norm
 
 
-def counts_from_norms(example_norms: jax.Array, clip: Any,
-                      real: Optional[jax.Array] = None) -> ClipCounts:
+def counts_from_norms(
+  example_norms: jax.Array, clip: Any, real: Optional[jax.Array] = None
+) -> ClipCounts:
   """:class:`ClipCounts` of a global clip from the per-example norms.
 
   ``real`` (``(B,)`` bool) marks the examples that count (padding does not).
@@ -238,16 +265,17 @@ def counts_from_norms(example_norms: jax.Array, clip: Any,
   kept = jnp.where(finite, example_norms, 0)
   clip = jnp.asarray(clip, kept.dtype)
   return ClipCounts(
-      norm_sum=jnp.sum(kept),
-      clipped_norm_sum=jnp.sum(jnp.minimum(kept, clip)),
-      clipped=_norms.count(real & ~(example_norms <= clip)),
-      nonfinite=_norms.count(real & ~jnp.isfinite(example_norms)))
+    norm_sum=jnp.sum(kept),
+    clipped_norm_sum=jnp.sum(jnp.minimum(kept, clip)),
+    clipped=_norms.count(real & ~(example_norms <= clip)),
+    nonfinite=_norms.count(real & ~jnp.isfinite(example_norms)),
+  )
 
 
 def clip_and_sum(
-    leaves: Sequence[jax.Array],
-    clip: Any,
-    scope: str = "global",
+  leaves: Sequence[jax.Array],
+  clip: Any,
+  scope: str = "global",
 ) -> tuple[list[jax.Array], jax.Array, ClipCounts]:
   """Clips each example of per-example ``leaves`` and sums them.
 
@@ -270,8 +298,7 @@ def clip_and_sum(
   """
   batch = leaves[0].shape[0]
   axes = [tuple(range(1, x.ndim)) for x in leaves]
-  leaf_norms = [n.reshape(batch) for n in _norms.unit_norms(
-      leaves, 2.0, axes)]
+  leaf_norms = [n.reshape(batch) for n in _norms.unit_norms(leaves, 2.0, axes)]
   example_norms = jax.vmap(_norms.combine_norms)(leaf_norms)
   finite = jnp.isfinite(example_norms)
   clip = jnp.asarray(clip, example_norms.dtype)
@@ -285,12 +312,14 @@ def clip_and_sum(
     norms = leaf_norms
     was_clipped = _any_of([~(n <= limit) for n in leaf_norms])
     clipped_norms = jax.vmap(_norms.combine_norms)(
-        [jnp.minimum(n, limit) for n in leaf_norms])
+      [jnp.minimum(n, limit) for n in leaf_norms]
+    )
     counts = ClipCounts(
-        norm_sum=jnp.sum(jnp.where(finite, example_norms, 0)),
-        clipped_norm_sum=jnp.sum(jnp.where(finite, clipped_norms, 0)),
-        clipped=_norms.count(was_clipped | ~finite),
-        nonfinite=_norms.count(~finite))
+      norm_sum=jnp.sum(jnp.where(finite, example_norms, 0)),
+      clipped_norm_sum=jnp.sum(jnp.where(finite, clipped_norms, 0)),
+      clipped=_norms.count(was_clipped | ~finite),
+      nonfinite=_norms.count(~finite),
+    )
   sums = sum_clipped(leaves, norms, limits, finite)
   return sums, example_norms, counts
 
@@ -304,37 +333,43 @@ def psum_counts(counts: ClipCounts, axis_name) -> ClipCounts:
 def standard_normals(key, leaves, extra: int) -> tuple[list, jax.Array]:
   """Standard normal noise shaped like each leaf (complex: on both parts),
   and ``extra`` more values, from one draw (one PRNG call compiles faster
-  than one per leaf)."""
+  than one per leaf).
+  """
   dtype = _norms.tree_accumulation_dtype(leaves)
   sizes = [x.size * (2 if jnp.iscomplexobj(x) else 1) for x in leaves]
   flat = jax.random.normal(key, (sum(sizes) + extra,), dtype)
   out, start = [], 0
   for x, size in zip(leaves, sizes):
-    part = flat[start:start + size]
+    part = flat[start : start + size]
     start += size
     if jnp.iscomplexobj(x):
-      part = part[:x.size] + 1j * part[x.size:]
+      part = part[: x.size] + 1j * part[x.size :]
     out.append(part.reshape(x.shape))
   return out, flat[start:]
 
 
-def add_noise(sums: Sequence[jax.Array], key: jax.Array, std: Any,
-              extra: int = 0) -> tuple[list[jax.Array], jax.Array]:
+def add_noise(
+  sums: Sequence[jax.Array], key: jax.Array, std: Any, extra: int = 0
+) -> tuple[list[jax.Array], jax.Array]:
   """``sums`` plus Gaussian noise of standard deviation ``std`` (per element),
   and ``extra`` more standard normals from the same draw. The same key on
-  every device gives the same noise: it is added once, not per device."""
+  every device gives the same noise: it is added once, not per device.
+  """
   noises, rest = standard_normals(key, sums, extra)
   std = jnp.asarray(std)
   return [s + (std * n).astype(s.dtype) for s, n in zip(sums, noises)], rest
 
 
-def adapt_clip_norm(clip: Any, unclipped_share: Any, target_quantile: Any,
-                    quantile_lr: Any) -> jax.Array:
+def adapt_clip_norm(
+  clip: Any, unclipped_share: Any, target_quantile: Any, quantile_lr: Any
+) -> jax.Array:
   """Andrew et al. 2021's geometric step of the clip norm:
-  ``C * exp(-quantile_lr * (unclipped_share - target_quantile))``."""
+  ``C * exp(-quantile_lr * (unclipped_share - target_quantile))``.
+  """
   return clip * jnp.exp(
-      -jnp.asarray(quantile_lr, jnp.float32)
-      * (unclipped_share - jnp.asarray(target_quantile, jnp.float32)))
+    -jnp.asarray(quantile_lr, jnp.float32)
+    * (unclipped_share - jnp.asarray(target_quantile, jnp.float32))
+  )
 
 
 class Noised(NamedTuple):
@@ -343,30 +378,36 @@ class Noised(NamedTuple):
   key: jax.Array  # the next step's key
 
 
-def check_batch_for_count_noise(who, batch, noise_multiplier, adaptive,
-                                no_noise):
-  if (adaptive and not no_noise and _checks.is_concrete_number(
-      noise_multiplier) and batch <= 10 * noise_multiplier):
+def check_batch_for_count_noise(
+  who, batch, noise_multiplier, adaptive, no_noise
+):
+  if (
+    adaptive
+    and not no_noise
+    and _checks.is_concrete_number(noise_multiplier)
+    and batch <= 10 * noise_multiplier
+  ):
     raise ValueError(
-        f"{who}: a batch of {batch} examples is too small to "
-        "noise the unclipped count as Andrew et al. do (sigma_b = B / 20 "
-        f"needs B > 10 * noise_multiplier = {10 * noise_multiplier:g}); "
-        "use a larger batch, less noise, or target_quantile=None.")
+      f"{who}: a batch of {batch} examples is too small to "
+      "noise the unclipped count as Andrew et al. do (sigma_b = B / 20 "
+      f"needs B > 10 * noise_multiplier = {10 * noise_multiplier:g}); "
+      "use a larger batch, less noise, or target_quantile=None."
+    )
 
 
 def noise_and_adapt(
-    sums: Sequence[jax.Array],
-    counts: ClipCounts,
-    clip: jax.Array,
-    key: jax.Array,
-    *,
-    batch: int,
-    noise_multiplier: Any,
-    no_noise: bool,
-    target_quantile: Any,
-    quantile_lr: Any,
-    reduce: str,
-    divisor: Optional[Any] = None,
+  sums: Sequence[jax.Array],
+  counts: ClipCounts,
+  clip: jax.Array,
+  key: jax.Array,
+  *,
+  batch: int,
+  noise_multiplier: Any,
+  no_noise: bool,
+  target_quantile: Any,
+  quantile_lr: Any,
+  reduce: str,
+  divisor: Optional[Any] = None,
 ) -> Noised:
   """Noise on the clipped sum, the reduction, and the clip norm's next value.
 
@@ -377,13 +418,19 @@ def noise_and_adapt(
   """
   adaptive = target_quantile is not None
   key, noise_key = jax.random.split(key)
-  count_std = (count_noise_std(batch, noise_multiplier)
-               if adaptive and not no_noise else 0.0)
+  count_std = (
+    count_noise_std(batch, noise_multiplier)
+    if adaptive and not no_noise
+    else 0.0
+  )
   count_noise = jnp.zeros((), jnp.float32)
   sums = list(sums)
   if not no_noise:
-    z_sum = (sum_noise_multiplier(noise_multiplier, count_std) if adaptive
-             else jnp.asarray(noise_multiplier, jnp.float32))
+    z_sum = (
+      sum_noise_multiplier(noise_multiplier, count_std)
+      if adaptive
+      else jnp.asarray(noise_multiplier, jnp.float32)
+    )
     # z = 0 with an infinite clip norm is no noise, not 0 * inf = NaN.
     sum_std = jnp.where(z_sum > 0, z_sum * clip, 0.0)
     sums, rest = add_noise(sums, noise_key, sum_std, extra=1)
@@ -395,22 +442,23 @@ def noise_and_adapt(
   if adaptive:
     centred = (batch - counts.clipped) - 0.5 * batch + count_noise
     unclipped_share = jnp.clip(centred / batch + 0.5, 0.0, 1.0)
-    new_clip = adapt_clip_norm(clip, unclipped_share, target_quantile,
-                               quantile_lr)
+    new_clip = adapt_clip_norm(
+      clip, unclipped_share, target_quantile, quantile_lr
+    )
   return Noised(sums, new_clip, key)
 
 
 @_compiled.compiled_once
 def clip_per_example(
-    l2_clip: float,
-    *,
-    scope: str = "global",
-    reduce: str = "mean",
-    noise_multiplier: float = 0.0,
-    seed: int = 0,
-    target_quantile: Optional[float] = None,
-    quantile_lr: float = 0.2,
-    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+  l2_clip: float,
+  *,
+  scope: str = "global",
+  reduce: str = "mean",
+  noise_multiplier: float = 0.0,
+  seed: int = 0,
+  target_quantile: Optional[float] = None,
+  quantile_lr: float = 0.2,
+  axis_name: Optional[Union[str, tuple[str, ...]]] = None,
 ) -> optax.GradientTransformation:
   """Clips each example's gradient, aggregates the batch, adds Gaussian noise.
 
@@ -504,27 +552,37 @@ def clip_per_example(
   _checks.check_number("l2_clip", l2_clip, low=0.0, allow_inf=True)
   # "layer" was this scope's name before "leaf", the word clip_zscore and
   # clip_percentile use.
-  scope = _checks.check_choice("clip_per_example", "scope", scope,
-                               ("global", "leaf"), aliases={"layer": "leaf"})
+  scope = _checks.check_choice(
+    "clip_per_example",
+    "scope",
+    scope,
+    ("global", "leaf"),
+    aliases={"layer": "leaf"},
+  )
   _checks.check_choice("clip_per_example", "reduce", reduce, ("mean", "sum"))
   _checks.check_number("noise_multiplier", noise_multiplier, low=0.0)
   if isinstance(seed, (bool, np.bool_)) or not isinstance(
-      seed, (numbers.Integral, jax.Array, np.ndarray)):
+    seed, (numbers.Integral, jax.Array, np.ndarray)
+  ):
     raise TypeError(f"seed must be an integer; got {seed!r}.")
   if target_quantile is not None:
-    _checks.check_number("target_quantile", target_quantile, low=0.0,
-                         high=1.0)
+    _checks.check_number("target_quantile", target_quantile, low=0.0, high=1.0)
   _checks.check_number("quantile_lr", quantile_lr, low=0.0)
-  axis_name = _static._check_axis_name(axis_name, "clip_per_example")  # pylint: disable=protected-access
-  no_noise = _checks.is_concrete_number(noise_multiplier) and noise_multiplier == 0
+  axis_name = _static._check_axis_name(axis_name, "clip_per_example")  # noqa: SLF001
+  no_noise = (
+    _checks.is_concrete_number(noise_multiplier) and noise_multiplier == 0
+  )
   check_finite_clip_with_noise("clip_per_example", l2_clip, noise_multiplier)
   adaptive = target_quantile is not None
 
   def init_fn(params):
     del params
     return ClipPerExampleState(
-        *_stats.zeros(3), clip_norm=_stats.as_stat(l2_clip),
-        key=jax.random.PRNGKey(seed), nonfinite=jnp.zeros((), jnp.int32))
+      *_stats.zeros(3),
+      clip_norm=_stats.as_stat(l2_clip),
+      key=jax.random.PRNGKey(seed),
+      nonfinite=jnp.zeros((), jnp.int32),
+    )
 
   def update_fn(updates, state, params=None):
     del params
@@ -535,45 +593,61 @@ def clip_per_example(
       return updates, state
     paths = [p for p, _ in _checks.leaves_with_paths(updates)]
     batch = _batch_size(leaves, paths) * _norms.axis_size(axis_name)
-    check_batch_for_count_noise("clip_per_example", batch, noise_multiplier,
-                                adaptive, no_noise)
+    check_batch_for_count_noise(
+      "clip_per_example", batch, noise_multiplier, adaptive, no_noise
+    )
     # A fixed C is read from the hyperparameter (optax.inject_hyperparams can
     # change it); an adaptive one lives in the state.
-    clip = (state.clip_norm if adaptive
-            else jnp.asarray(l2_clip, jnp.float32).reshape(()))
+    clip = (
+      state.clip_norm
+      if adaptive
+      else jnp.asarray(l2_clip, jnp.float32).reshape(())
+    )
     sums, _, counts = clip_and_sum(leaves, clip, scope)
     if axis_name:
       sums = [jax.lax.psum(s, axis_name) for s in sums]
     counts = psum_counts(counts, axis_name)
     noised = noise_and_adapt(
-        sums, counts, clip, state.key, batch=batch,
-        noise_multiplier=noise_multiplier, no_noise=no_noise,
-        target_quantile=target_quantile, quantile_lr=quantile_lr,
-        reduce=reduce)
+      sums,
+      counts,
+      clip,
+      state.key,
+      batch=batch,
+      noise_multiplier=noise_multiplier,
+      no_noise=no_noise,
+      target_quantile=target_quantile,
+      quantile_lr=quantile_lr,
+      reduce=reduce,
+    )
     out = [s.astype(x.dtype) for s, x in zip(noised.out, leaves)]
     return jax.tree.unflatten(treedef, out), state_from_counts(
-        ClipPerExampleState, counts, batch, noised)
+      ClipPerExampleState, counts, batch, noised
+    )
 
-  return optax.GradientTransformation(
-      init_fn, _compiled.jit_update(update_fn))
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
 
 
 def check_finite_clip_with_noise(who, l2_clip, noise_multiplier):
-  if (_checks.is_concrete_number(l2_clip) and math.isinf(float(l2_clip))
-      and _checks.is_concrete_number(noise_multiplier)
-      and noise_multiplier > 0):
+  if (
+    _checks.is_concrete_number(l2_clip)
+    and math.isinf(float(l2_clip))
+    and _checks.is_concrete_number(noise_multiplier)
+    and noise_multiplier > 0
+  ):
     raise ValueError(
-        f"{who}: l2_clip must be finite when noise_multiplier > 0 (the noise "
-        f"is noise_multiplier * l2_clip); got l2_clip={l2_clip!r} and "
-        f"noise_multiplier={noise_multiplier!r}.")
+      f"{who}: l2_clip must be finite when noise_multiplier > 0 (the noise "
+      f"is noise_multiplier * l2_clip); got l2_clip={l2_clip!r} and "
+      f"noise_multiplier={noise_multiplier!r}."
+    )
 
 
 def state_from_counts(cls, counts: ClipCounts, batch: int, noised: Noised):
   """A state of ``cls`` (the fields of :data:`STAT_FIELDS` and ``key``)."""
   return cls(
-      norm=_stats.as_stat(counts.norm_sum / batch),
-      clipped_norm=_stats.as_stat(counts.clipped_norm_sum / batch),
-      clip_fraction=_stats.as_stat(counts.clipped / batch),
-      clip_norm=_stats.as_stat(noised.clip_norm),
-      key=noised.key,
-      nonfinite=counts.nonfinite.astype(jnp.int32).reshape(()))
+    norm=_stats.as_stat(counts.norm_sum / batch),
+    clipped_norm=_stats.as_stat(counts.clipped_norm_sum / batch),
+    clip_fraction=_stats.as_stat(counts.clipped / batch),
+    clip_norm=_stats.as_stat(noised.clip_norm),
+    key=noised.key,
+    nonfinite=counts.nonfinite.astype(jnp.int32).reshape(()),
+  )
