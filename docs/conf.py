@@ -9,7 +9,7 @@ import optaxclip
 
 project = "optaxclip"
 author = "The optaxclip authors"
-copyright = "2026, The optaxclip authors"  # pylint: disable=redefined-builtin
+copyright = "2026, The optaxclip authors"  # noqa: A001 (Sphinx's name)
 version = release = optaxclip.__version__
 
 extensions = [

@@ -1,4 +1,4 @@
-"""DP-SGD on synthetic data: per-example clipping, noise and an adaptive clip norm.
+"""DP-SGD on synthetic data: per-example clipping, noise, adaptive clip norm.
 
 A two-layer Flax MLP learns a noisy nonlinear regression task (targets from a
 random "teacher" network plus noise). Each step takes per-example gradients
@@ -39,7 +39,8 @@ class MLP(nn.Module):
 def teacher(key, dim):
   """A fixed random two-layer network that labels the data."""
   k_w, k_v = jax.random.split(key)
-  return jax.random.normal(k_w, (dim, 8)) / jnp.sqrt(dim), jax.random.normal(k_v, (8,))
+  return (jax.random.normal(k_w, (dim, 8)) / jnp.sqrt(dim),
+          jax.random.normal(k_v, (8,)))
 
 
 def synthetic_data(key, n, teacher_weights, noise=0.3):
@@ -116,8 +117,8 @@ def main(argv=None):
   for i, k in enumerate(jax.random.split(k_shuffle, args.epochs)):
     params, opt_state, m = epoch(params, opt_state, k)
     print(f"epoch {i + 1:2d}  test loss {float(m['loss']):.4f}  "
-          "clip norm "
-          f"{float(m['clip_norm']):.4f}  clipped {float(m['clip_fraction']):.2f}"
+          f"clip norm {float(m['clip_norm']):.4f}  "
+          f"clipped {float(m['clip_fraction']):.2f}"
           f"  mean example norm {float(m['norm']):.4f}", flush=True)
   print(f"{args.epochs * steps} steps in {time.perf_counter() - start:.1f} s. "
         "No privacy accounting was done: see the module docstring.")

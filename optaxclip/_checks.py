@@ -12,9 +12,10 @@ params) are checked when the update is traced, naming the leaf's path.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 import math
 import numbers
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Optional
 import warnings
 
 import jax
@@ -89,7 +90,8 @@ def check_number(
           f" and dtype {value.dtype}.")
     return  # traced or injected: accepted as is.
   kind = "a whole number" if integer else "a real number"
-  if isinstance(value, (bool, np.bool_)) or not is_concrete_number(value):
+  if (value is None or isinstance(value, (bool, np.bool_))
+      or not is_concrete_number(value)):
     raise TypeError(f"{arg} must be {kind}; got {value!r}.")
   if isinstance(value, (complex, np.complexfloating)):
     raise TypeError(f"{arg} must be {kind}; got complex {value!r}.")
@@ -147,7 +149,7 @@ def check_count(who: str, name: str, value: Any, *, low: int = 1) -> int:
   return int(value)
 
 
-def check_ord(name: str, ord: Any, *, who: Optional[str] = None) -> float:  # pylint: disable=redefined-builtin
+def check_ord(name: str, ord: Any, *, who: Optional[str] = None) -> float:
   """Checks a norm order: any real p >= 1, or inf ('inf' accepted too).
 
   ``None`` stands for 2 (the Euclidean norm), as in ``numpy.linalg.norm``.
@@ -181,7 +183,7 @@ def check_axis(name: str, axis: Any, *,
   if isinstance(axis, Sequence) and not isinstance(axis, str) and all(
       isinstance(a, (numbers.Integral, np.integer))
       and not isinstance(a, (bool, np.bool_)) for a in axis):
-    if len(set(int(a) for a in axis)) != len(axis):
+    if len({int(a) for a in axis}) != len(axis):
       raise ValueError(f"{arg} must name each axis once; got {axis!r}.")
     return tuple(int(a) for a in axis)
   raise TypeError(
@@ -238,7 +240,7 @@ def check_seed(who: str, seed: Any) -> Callable[[], jax.Array]:
     given, so checkpoints do not depend on it.
   """
   if isinstance(seed, (jax.Array, np.ndarray)) and (
-      jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key)):
+      jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)):
     default = jax.random.key_impl(jax.random.key(0))
     if seed.shape != () or jax.random.key_impl(seed) != default:
       raise TypeError(
@@ -278,7 +280,7 @@ def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
 
 
 def check_float_leaves(tree: Any, what: str = "updates") -> None:
-  """Raises TypeError naming the first leaf that is not a float or complex array."""
+  """Raises TypeError naming the first leaf that is not a float or complex."""
   for path, leaf in leaves_with_paths(tree):
     dtype = getattr(leaf, "dtype", None)
     if dtype is None:
@@ -292,7 +294,7 @@ def check_float_leaves(tree: Any, what: str = "updates") -> None:
 
 
 def check_same_structure(updates: Any, params: Any, who: str) -> None:
-  """Raises ValueError naming the leaf where ``params`` differs from ``updates``."""
+  """Raises ValueError naming the leaf where params and updates differ."""
   if params is None:
     raise ValueError(
         f"{who} needs the parameters: call update(updates, state, params).")
@@ -321,7 +323,8 @@ def axis_names(axis_name: Any) -> tuple[str, ...]:
 
 def check_axis_name(who: str, axis_name: Any) -> Any:
   """Checks ``axis_name``: ``None``, a non-empty string or a non-empty tuple
-  of distinct non-empty strings. Returns it unchanged."""
+  of distinct non-empty strings. Returns it unchanged.
+  """
   if axis_name is None:
     return None
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
@@ -340,7 +343,8 @@ def check_axis_name(who: str, axis_name: Any) -> Any:
 def is_shard_spec(value: Any) -> bool:
   """Whether ``value`` is one leaf's entry of ``sharded`` rather than a node
   of a pytree prefix: a bool, ``None``, a ``PartitionSpec``, a string (an
-  error, caught by :func:`shard_spec`) or a tuple/list of strings."""
+  error, caught by :func:`shard_spec`) or a tuple/list of strings.
+  """
   if isinstance(value, (bool, np.bool_, str, jax.sharding.PartitionSpec)):
     return True
   if value is None:
@@ -415,7 +419,8 @@ def shard_spec(who: str, spec: Any, axis_name: Any, where: str = "",
 
 def check_sharded(who: str, sharded: Any, axis_name: Any) -> None:
   """Checks what can be checked of ``sharded`` before the updates are seen:
-  every entry of a pytree prefix (a callable is checked per leaf later)."""
+  every entry of a pytree prefix (a callable is checked per leaf later).
+  """
   if callable(sharded) and not is_shard_spec(sharded):
     return
   entries = jax.tree_util.tree_leaves(sharded, is_leaf=is_shard_spec)

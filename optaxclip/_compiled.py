@@ -15,12 +15,13 @@ arguments of one shared jitted function, keyed on the factory and its other
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Hashable
 import functools
 import inspect
 import math
 import threading
+from typing import Any, Optional
 import warnings
-from typing import Any, Callable, Hashable, Optional
 
 import jax
 

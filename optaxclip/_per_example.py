@@ -17,6 +17,7 @@ from optaxclip import _norms
 from optaxclip import _static
 from optaxclip import _stats
 
+
 @_stats.register(
     "clip_per_example", ("norm", "clipped_norm", "clip_fraction", "clip_norm"))
 class ClipPerExampleState(NamedTuple):
@@ -91,11 +92,12 @@ def _batch_size(leaves, paths) -> int:
 
 def _summed_batch_sharding(x: jax.Array):
   """The sharding of ``x`` summed over its batch axis, when that axis is
-  split over an Explicit mesh axis (JAX then asks for it); else None."""
+  split over an Explicit mesh axis (JAX then asks for it); else None.
+  """
   typeof = getattr(jax, "typeof", None)
   sharding = getattr(typeof(x), "sharding", None) if typeof else None
-  spec = tuple(getattr(sharding, "spec", None) or ())
-  if not spec or spec[0] is None:
+  spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
+  if sharding is None or not spec or spec[0] is None:
     return None
   rest = spec[1:] + (None,) * (x.ndim - len(spec))
   return jax.sharding.NamedSharding(sharding.mesh,
@@ -111,7 +113,8 @@ def _weighted_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
   """
   dtype = jnp.promote_types(_norms.accumulation_dtype(x.dtype), x.dtype)
   out_sharding = _summed_batch_sharding(x)
-  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+  kwargs: dict[str, Any] = (
+      {} if out_sharding is None else {"out_sharding": out_sharding})
   return jnp.tensordot(weights.astype(_norms.accumulation_dtype(x.dtype)),
                        x.astype(dtype), axes=1,
                        precision=jax.lax.Precision.HIGHEST, **kwargs)
@@ -120,7 +123,8 @@ def _weighted_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
 def _standard_normals(key, leaves, extra: int) -> tuple[list, jax.Array]:
   """Standard normal noise shaped like each leaf (complex: on both parts),
   and ``extra`` more values, from one draw (one PRNG call compiles faster
-  than one per leaf)."""
+  than one per leaf).
+  """
   dtype = _norms.tree_accumulation_dtype(leaves)
   sizes = [x.size * (2 if jnp.iscomplexobj(x) else 1) for x in leaves]
   flat = jax.random.normal(key, (sum(sizes) + extra,), dtype)
@@ -240,8 +244,9 @@ def clip_per_example(
     _checks.check_number("target_quantile", target_quantile, low=0.0,
                          high=1.0)
   _checks.check_number("quantile_lr", quantile_lr, low=0.0)
-  axis_name = _static._check_axis_name(axis_name, "clip_per_example")  # pylint: disable=protected-access
-  no_noise = _checks.is_concrete_number(noise_multiplier) and noise_multiplier == 0
+  axis_name = _static._check_axis_name(axis_name, "clip_per_example")  # noqa: SLF001
+  no_noise = (_checks.is_concrete_number(noise_multiplier)
+              and noise_multiplier == 0)
   adaptive = target_quantile is not None
 
   def init_fn(params):

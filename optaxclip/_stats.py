@@ -55,7 +55,8 @@ def as_stat(x: Any) -> jax.Array:
 def _path_part(entry: Any) -> str:
   """One entry of a state's path as it appears in a key: ``"/"`` and ``"%"``
   are percent-encoded, so that the parts of a key can be told apart (an
-  ``optax.named_chain`` name ``"a/0"`` is not the path ``("a", 0)``)."""
+  ``optax.named_chain`` name ``"a/0"`` is not the path ``("a", 0)``).
+  """
   for attr in ("name", "key", "idx"):
     if hasattr(entry, attr):
       text = str(getattr(entry, attr))
@@ -139,7 +140,8 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     >>> state = tx.init(params)
     >>> _, state = tx.update({"w": jnp.full(4, 2.0)}, state, params)
     >>> {k: round(float(v), 3) for k, v in optaxclip.stats(state).items()}
-    {'clip_global/norm': 4.0, 'clip_global/clipped_norm': 1.0, 'clip_global/clip_fraction': 1.0}
+    {'clip_global/norm': 4.0, 'clip_global/clipped_norm': 1.0,
+     'clip_global/clip_fraction': 1.0}
   """
   found = _registered_states(opt_state)
   counts = collections.Counter(_REGISTRY[type(s)][0] for _, s in found)

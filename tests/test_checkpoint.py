@@ -1,13 +1,14 @@
 """An orbax checkpoint of the optimizer state, taken mid-run and restored,
-continues bit for bit like the run that never stopped."""
+continues bit for bit like the run that never stopped.
+"""
 
 import json
 import pathlib
 import sys
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 

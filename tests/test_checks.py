@@ -1,6 +1,7 @@
 """Every bad argument of every public function gets one clear error,
 ``"<clipper>: <argument> must ...; got ..."``, when the transformation is
-built; traced hyperparameters are accepted unchecked."""
+built; traced hyperparameters are accepted unchecked.
+"""
 
 import warnings
 

@@ -1,4 +1,4 @@
-"""clip_per_example: per-example clipping, noise and adaptive clip norm (DP-SGD)."""
+"""clip_per_example: per-example clipping, noise, adaptive clip (DP-SGD)."""
 
 import functools
 import math
@@ -8,14 +8,16 @@ import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fast_compile import compile_fast
+from fast_compile import run_fast
 import optaxclip
 from optaxclip import _per_example
-from fast_compile import compile_fast, run_fast
 
 SHAPES = {"w": (3, 2), "b": (2,), "s": ()}
 
@@ -296,7 +298,8 @@ def test_batch_sharded_under_jit_equals_one_device():
   want = run_fast(tx.update, tree, state)
   for mesh in meshes:
     sharded = jax.tree.map(
-        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+        lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)),
+        tree, specs)
     with jax.set_mesh(mesh):
       compiled = compile_fast(jax.jit(tx.update).lower(sharded, state))
       got = compiled(sharded, state)

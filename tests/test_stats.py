@@ -104,7 +104,8 @@ class StatsTest(parameterized.TestCase):
     txs[10] = optaxclip.clip_global(2.0)
     tx = optax.chain(*txs)
     logs = optaxclip.stats(tx.init({"w": jnp.ones(2)}))
-    self.assertEqual(list(logs), _keys("2/clip_global") + _keys("10/clip_global"))
+    self.assertEqual(list(logs),
+                     _keys("2/clip_global") + _keys("10/clip_global"))
 
   def test_no_clipper_no_stats(self):
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
