@@ -91,7 +91,7 @@ def test_orbax_round_trip_continues_bit_for_bit(tmp_path):
 # later version.
 FIXTURE_DIR = pathlib.Path(__file__).parent / "data"
 sys.path.insert(0, str(FIXTURE_DIR))
-import make_checkpoint_fixture as fixture  # pylint: disable=wrong-import-position
+import make_checkpoint_fixture as fixture  # noqa: E402
 
 
 def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):

@@ -22,13 +22,13 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-import optax  # pylint: disable=wrong-import-position
-import orbax.checkpoint as ocp  # pylint: disable=wrong-import-position
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
 
-import optaxclip  # pylint: disable=wrong-import-position
+import optaxclip
 
 SAVE_AFTER = 6  # steps run before the save
 BATCH = 8  # examples per step of clip_per_example
@@ -40,7 +40,8 @@ def params():
 
 def optimizers():
   """Every clipper once: nine in a guarded chain, clip_per_example alone
-  (its input has a batch axis)."""
+  (its input has a batch axis).
+  """
   chained = optaxclip.guard(
       optax.chain(
           optaxclip.clip_value(2.0), optaxclip.clip_norm(3.0),
@@ -58,7 +59,8 @@ def optimizers():
 
 def gradients(step):
   """Step ``step``'s gradients (a spike at step 3, a NaN at step 4) and a
-  batch of per-example gradients."""
+  batch of per-example gradients.
+  """
   rng = np.random.default_rng(step)
   scale = 20.0 if step == 3 else 1.0
   g = {"w": rng.standard_normal((2, 3)) * scale, "b": rng.standard_normal(3)}
