@@ -245,8 +245,8 @@ class StatsByTypeTest(parameterized.TestCase):
     _, pe_state = pe.update({"w": jnp.ones((2, 2))}, pe.init(g))
     logs = {**optaxclip.stats(state), **optaxclip.stats(pe_state)}
     # guard 6, five static clippers 3, the adaptive ones 4 (+ restarts for
-    # clip_zscore and clip_relative), clip_per_example 4.
-    self.assertLen(logs, 6 + 5 * 3 + 3 * 4 + 2 + 4)
+    # clip_zscore and clip_relative), clip_per_example 5.
+    self.assertLen(logs, 6 + 5 * 3 + 3 * 4 + 2 + 5)
     counters = ("skipped", "nonfinite", "consecutive_skips", "restarts")
     for key, value in logs.items():
       want = jnp.int32 if key.endswith(counters) else jnp.float32
