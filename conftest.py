@@ -16,4 +16,11 @@ import hypothesis  # pylint: disable=wrong-import-position
 hypothesis.settings.register_profile(
     "ci", max_examples=40, deadline=None, derandomize=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+# Release checks: many more examples, a fresh random seed each run (the fuzz
+# suite's invariants over far more of the input space; minutes, not seconds).
+# HYPOTHESIS_PROFILE=release python -m pytest tests/test_fuzz*.py
+hypothesis.settings.register_profile(
+    "release", max_examples=1000, deadline=None, derandomize=False,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow,
+                           hypothesis.HealthCheck.data_too_large])
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

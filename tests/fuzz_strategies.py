@@ -31,21 +31,25 @@ Shapes (a small fixed set: each new shape compiles again)
   ``shapes(choices=SHAPES, large=False)``: strategy.
 
 Values
-  ``exponents(dtype)``: binary exponents over the whole finite range of the
-  dtype, piled up at the edges (subnormal, smallest normal, 2**126 and
-  around, near the largest finite).
-  ``limits(dtype=float32)``: a clip limit as a Python float exactly
+  ``exponents(dtype, magnitudes="all")``: binary exponents over the whole
+  finite range of the dtype, piled up at the edges (subnormal, smallest
+  normal, 2**126 and around, near the largest finite); ``"ordinary"``
+  (2**-40..2**40, no overflow or underflow) or ``"extreme"`` (edges only).
+  ``MAGNITUDES``: the three names. Every value strategy below takes
+  ``magnitudes=``.
+  ``limits(zero=True, inf=True, magnitudes="all")``: a clip limit as a Python float exactly
   representable in float32 (0, subnormal excluded, tiny, ordinary, huge, inf).
-  ``arrays(dtype, shape, nonfinite=False, zeros=True)``: one leaf. Elements
+  ``arrays(dtype, shape, nonfinite=False, magnitudes="all")``: one leaf. Elements
   are ``sign * 2**(e - spread * u) * mantissa`` from a drawn seed (NumPy
   generates them, so large leaves cost no more to draw), with the dtype's
   extremes (0, smallest subnormal, smallest normal, largest finite) put at
-  drawn places; ``nonfinite=True`` sprinkles NaN / +inf / -inf (maybe none:
-  use ``has_nonfinite`` to branch).
+  drawn places; ``nonfinite=True`` sprinkles NaN / +inf / -inf (maybe none
+  in one leaf; a tree of :func:`trees` then holds at least one, unless all
+  its leaves are empty).
   ``trees(dtypes=REAL, shapes=SHAPES, min_leaves=0, max_leaves=4,
-  nonfinite=False, large=False)``: a pytree of such leaves in dict / list
+  nonfinite=False, large=False, magnitudes="all")``: a pytree of such leaves in dict / list
   nesting (an empty tree when 0 leaves).
-  ``like(tree, nonfinite=False)``: a strategy of a tree
+  ``like(tree, nonfinite=False, magnitudes="all")``: a strategy of a tree
   of the same structure, shapes and dtypes (params for clip_unitwise).
   ``per_example_trees(batch_sizes=(1, 2, 4, 8), ...)``: every leaf with a
   leading batch axis; whole examples may be zero, huge or non-finite.
@@ -191,28 +195,47 @@ def _exponent_range(dtype) -> tuple[int, int, int]:
   return min_sub, min_normal, int(info.maxexp) - 1
 
 
-def exponents(dtype):
-  """Binary exponents over the whole finite range, piled up at the edges."""
+MAGNITUDES = ("all", "ordinary", "extreme")
+
+
+def exponents(dtype, magnitudes="all"):
+  """Binary exponents of the dtype's finite range, piled up at the edges.
+
+  ``magnitudes``: ``"all"`` (the whole range), ``"ordinary"`` (2**-40 to
+  2**40 within the dtype's normal range: no overflow or underflow anywhere)
+  or ``"extreme"`` (the edges only: subnormals, the smallest normals, 2**126
+  and around, the largest finite values).
+  """
   lo, normal, hi = _exponent_range(dtype)
-  edges = sorted({lo, lo + 1, normal - 1, normal, normal + 1, -1, 0, 1,
-                  min(hi, 63), min(hi, 64), min(hi, 125), min(hi, 126),
-                  min(hi, 127), hi - 1, hi})
-  return st.one_of(st.sampled_from(edges), st.integers(lo, hi))
+  edges = sorted({lo, lo + 1, normal - 1, normal, normal + 1,
+                  min(hi, 125), min(hi, 126), min(hi, 127), hi - 1, hi})
+  ordinary = st.integers(max(normal + 12, -40), min(hi - 2, 40))
+  if magnitudes == "ordinary":
+    return ordinary
+  if magnitudes == "extreme":
+    return st.sampled_from(edges)
+  return st.one_of(st.sampled_from(edges + [-1, 0, 1, min(hi, 63),
+                                            min(hi, 64)]),
+                   st.integers(lo, hi))
 
 
-def limits(dtype=np.float32, zero=True, inf=True):
+def _ldexp32(m, e) -> float:
+  return float(np.float32(math.ldexp(m, e)))
+
+
+def limits(zero=True, inf=True, magnitudes="all"):
   """A clip limit, exactly representable in float32 and not subnormal.
 
   Subnormal limits are left out: XLA:CPU flushes them to zero, a platform
-  behaviour that no clipper can change.
+  behaviour that no clipper can change. ``magnitudes="ordinary"``: 2**-40
+  to 2**40 (with 0 and inf unless excluded).
   """
-  lo, normal, hi = _exponent_range(np.float32)
-  del lo
+  _, normal, hi = _exponent_range(np.float32)
+  exps = (st.integers(-40, 40) if magnitudes == "ordinary" else st.one_of(
+      st.sampled_from((normal + 1, -20, -1, 0, 1, 2, 20, 64, 100, hi)),
+      st.integers(normal + 1, hi)))
   finite = st.builds(
-      lambda m, e: float(np.float32(math.ldexp(m, e))),
-      st.sampled_from((0.5, 0.75, 0.6180339887, 0.9999999)),
-      st.one_of(st.sampled_from((normal + 1, -20, -1, 0, 1, 2, 20, 64, 100,
-                                 hi)), st.integers(normal + 1, hi)))
+      _ldexp32, st.sampled_from((0.5, 0.75, 0.6180339887, 0.9999999)), exps)
   options = [finite]
   if zero:
     options.append(st.just(0.0))
@@ -231,14 +254,15 @@ NONFINITE = (math.nan, math.inf, -math.inf)
 
 
 @st.composite
-def _elements(draw, dtype, size):
+def _elements(draw, dtype, size, magnitudes="all"):
   """``size`` float64 values in the finite range of ``dtype`` (real part)."""
   lo, _, hi = _exponent_range(dtype)
   seed = draw(st.integers(0, 2**32 - 1))
   rng = np.random.default_rng(seed)
   kind = draw(st.sampled_from(("spread", "constant", "zeros", "one_hot")))
-  top = draw(exponents(dtype))
-  spread = draw(st.sampled_from((0, 2, 10, 60, hi - lo)))
+  top = draw(exponents(dtype, magnitudes))
+  spread = draw(st.sampled_from((0, 2, 10) if magnitudes == "ordinary"
+                                else (0, 2, 10, 60, hi - lo)))
   e = top - np.floor(spread * rng.random(size)).astype(np.int64)
   e = np.clip(e, lo, hi)
   mant = 0.5 + 0.5 * rng.random(size)
@@ -252,7 +276,7 @@ def _elements(draw, dtype, size):
     values = np.zeros(size)
     if size:
       values[rng.integers(size)] = math.ldexp(0.75, top)
-  if size and draw(st.booleans()):
+  if size and magnitudes != "ordinary" and draw(st.booleans()):
     info = _finfo(dtype)
     extremes = (0.0, math.ldexp(1.0, lo), float(info.tiny), float(info.max),
                 -float(info.max))
@@ -262,13 +286,13 @@ def _elements(draw, dtype, size):
 
 
 @st.composite
-def arrays(draw, dtype, shape, nonfinite=False):
+def arrays(draw, dtype, shape, nonfinite=False, magnitudes="all"):
   """One leaf of ``dtype`` and ``shape`` (see the module docstring)."""
   dtype = np.dtype(DTYPES.get(dtype, dtype))
   size = math.prod(shape)
-  real = _cast(draw(_elements(dtype, size)), dtype)
+  real = _cast(draw(_elements(dtype, size, magnitudes)), dtype)
   if np.issubdtype(dtype, np.complexfloating):
-    imag = _cast(draw(_elements(dtype, size)), dtype)
+    imag = _cast(draw(_elements(dtype, size, magnitudes)), dtype)
     x = (real.astype(dtype) + 1j * imag.astype(dtype)).astype(dtype)
   else:
     x = real.astype(dtype)
@@ -303,23 +327,31 @@ def _nest(draw, items: list) -> Any:
 
 @st.composite
 def trees(draw, dtypes=REAL, shapes=SHAPES, min_leaves=0, max_leaves=4,  # pylint: disable=redefined-outer-name
-          nonfinite=False, large=False):
-  """A pytree of :func:`arrays` leaves in dict / list nesting."""
+          nonfinite=False, large=False, magnitudes="all"):
+  """A pytree of :func:`arrays` leaves in dict / list nesting; each leaf
+  draws its own magnitudes (see :func:`exponents`)."""
   n = draw(st.integers(min_leaves, max_leaves))
   items = []
   for i in range(n):
     shape = draw(globals()["shapes"](shapes, large=large and i == 0))
     dtype = draw(dtype_names(dtypes))
-    items.append(draw(arrays(dtype, shape, nonfinite=nonfinite)))
+    items.append(draw(arrays(dtype, shape, nonfinite=nonfinite,
+                             magnitudes=magnitudes)))
+  sized = [x for x in items if x.size]
+  if nonfinite and sized and not has_nonfinite(items):
+    # At least one NaN / Inf somewhere (the other leaves may stay finite).
+    x = sized[draw(st.integers(0, len(sized) - 1))].reshape(-1)
+    x[draw(st.integers(0, x.size - 1))] = draw(st.sampled_from(NONFINITE))
   return _nest(draw, items)
 
 
 @st.composite
-def like(draw, tree, nonfinite=False):
+def like(draw, tree, nonfinite=False, magnitudes="all"):
   """A tree with the structure, shapes and dtypes of ``tree``."""
   flat, treedef = jax.tree.flatten(tree)
   return jax.tree.unflatten(treedef, [
-      draw(arrays(np.asarray(x).dtype, np.shape(x), nonfinite=nonfinite))
+      draw(arrays(np.asarray(x).dtype, np.shape(x), nonfinite=nonfinite,
+                  magnitudes=magnitudes))
       for x in flat])
 
 
@@ -511,7 +543,7 @@ def adaptive_configs(draw, names=ADAPTIVE, scopes=("global", "leaf")):
 def guard_configs(draw):
   inner = draw(st.sampled_from(("clip_global", "identity")))
   kw = {"spike_z": draw(st.sampled_from((None, 1.0, 3.0))),
-        "max_norm": draw(st.sampled_from((None, 1e3, 1e30))),
+        "max_norm": draw(st.sampled_from((None, 1e4, 1e30))),
         "warmup_steps": draw(st.sampled_from((1, 3))),
         "alpha": draw(st.sampled_from((0.5, 0.97)))}
   if inner == "clip_global":
@@ -538,30 +570,48 @@ def _f64(x) -> np.ndarray:
       np.complex128 if np.iscomplexobj(x) else np.float64))
 
 
+# The oracle's measures and factors are computed in NumPy's longdouble (80-bit
+# extended on x86-64: float64's 53-bit mantissa or more, exponents to 1e4932),
+# so that the norm of float64 leaves near their largest value, which float64
+# cannot hold, still gives the right factor.
+_WIDE = np.longdouble
+
+
+def _abs_wide(x) -> np.ndarray:
+  x = np.asarray(x)
+  if np.iscomplexobj(x):
+    x = x.astype(np.complex128)
+    return np.hypot(x.real.astype(_WIDE), x.imag.astype(_WIDE))
+  if x.dtype != _WIDE:
+    x = x.astype(np.float64)
+  return np.abs(x.astype(_WIDE))
+
+
 def _unit_pnorm(x, p, axes):
-  """The p-norm of each unit of ``x`` (reduced axes kept), float64."""
-  a = np.abs(_f64(x))
+  """The p-norm of each unit of ``x`` (reduced axes kept), in longdouble."""
+  a = _abs_wide(x)
   axes = tuple(range(a.ndim)) if axes is None else axes
   if a.size == 0:
     shape = tuple(1 if i in axes else d for i, d in enumerate(a.shape))
-    return np.zeros(shape)
+    return np.zeros(shape, _WIDE)
   if math.isinf(p):
     return np.max(a, axis=axes, keepdims=True)
   with np.errstate(over="ignore", under="ignore", invalid="ignore"):
     m = np.max(a, axis=axes, keepdims=True)
     safe = np.where((m > 0) & np.isfinite(m), m, 1.0)
-    q = np.sum((a / safe) ** p, axis=axes, keepdims=True) ** (1.0 / p)
+    q = np.sum((a / safe) ** p, axis=axes, keepdims=True) ** (_WIDE(1) / p)
     return np.where(np.isfinite(m), np.where(m > 0, m * q, 0.0), m)
 
 
-def _combine(values, p) -> float:
+def _combine(values, p):
   flat = np.concatenate([np.ravel(v) for v in values]) if values else (
       np.zeros(0))
-  return float(_unit_pnorm(flat, p, None).reshape(())) if flat.size else 0.0
+  return _unit_pnorm(flat, p, None).reshape(()) if flat.size else _WIDE(0)
 
 
 def measure_tree(tree_leaves, ord=2.0) -> float:  # pylint: disable=redefined-builtin
-  """The global ``ord``-norm of a list of leaves, float64 (overflow-safe)."""
+  """The global ``ord``-norm of a list of leaves (overflow-safe; may exceed
+  float64's range, then returned as a longdouble)."""
   return _combine([_unit_pnorm(x, ord_value(ord), None) for x in tree_leaves],
                   ord_value(ord))
 
@@ -574,9 +624,19 @@ def _norm_axes(x, axis) -> tuple | None:
 
 
 def _factor(measure, limit):
+  limit = np.asarray(limit, _WIDE)
   with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
     return np.where(measure > limit, limit / np.where(measure > limit,
                                                       measure, 1.0), 1.0)
+
+
+def _times(x, factor) -> np.ndarray:
+  """``x * factor`` in longdouble, returned as float64 / complex128."""
+  x = _f64(x)
+  if np.iscomplexobj(x):
+    return ((x.real.astype(_WIDE) * factor).astype(np.float64)
+            + 1j * (x.imag.astype(_WIDE) * factor).astype(np.float64))
+  return (x.astype(_WIDE) * factor).astype(np.float64)
 
 
 @dataclasses.dataclass
@@ -597,7 +657,7 @@ def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
   limit = float(limit)
   if name == "clip_value":
     def unit_measure(ls):
-      return [np.abs(_f64(x)) for x in ls]
+      return [_abs_wide(x) for x in ls]
     measures = unit_measure(xs)
     lims = [np.full(m.shape, limit) for m in measures]
     p = math.inf
@@ -621,8 +681,8 @@ def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
     def unit_measure(ls):
       return [_unit_pnorm(x, 2.0, None) for x in ls]
     measures = unit_measure(xs)
-    lims = [np.full(m.shape, limit * math.sqrt(max(x.size, 1))) for m, x in
-            zip(measures, xs)]
+    lims = [np.full(m.shape, _WIDE(limit) * _WIDE(math.sqrt(max(x.size, 1))))
+            for m, x in zip(measures, xs)]
   elif name == "clip_unitwise":
     p = 2.0
     axes = [optaxclip.default_unit_axes(np.asarray(x)) for x in xs]
@@ -630,32 +690,33 @@ def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
       return [_unit_pnorm(x, 2.0, a) for x, a in zip(ls, axes)]
     measures = unit_measure(xs)
     eps = kw.get("eps", 1e-3)
-    lims = [limit * np.maximum(_unit_pnorm(w, 2.0, a), eps)
+    lims = [_WIDE(limit) * np.maximum(_unit_pnorm(w, 2.0, a), eps)
             for w, a in zip(params, axes)]
   else:
     raise ValueError(f"no static oracle for {config!r}")
   if name == "clip_value":
-    out = [np.where(m > lim, x * _factor(m, lim), x)
+    out = [np.where(m > lim, _times(x, _factor(m, lim)), x)
            for x, m, lim in zip(xs, measures, lims)]
     factors = [_factor(m, lim) for m, lim in zip(measures, lims)]
     total = sum(m.size for m in measures)
     biggest = max((float(m.max()) for m in measures if m.size), default=0.0)
+    # clip_value's measure is one element's magnitude: float64 holds it.
     stats = {"norm": biggest, "clipped_norm": min(biggest, limit),
              "clip_fraction": sum(int(np.sum(m > lim)) for m, lim in
                                   zip(measures, lims)) / max(total, 1)}
   else:
     factors = [_factor(m, lim) for m, lim in zip(measures, lims)]
-    out = [x * f for x, f in zip(xs, factors)]
+    out = [_times(x, f) for x, f in zip(xs, factors)]
     if name == "clip_global":
-      norm = measures[0].reshape(-1)[0] if measures else 0.0
-      f = float(factors[0].reshape(-1)[0]) if factors else 1.0
-      stats = {"norm": float(norm), "clipped_norm": float(norm) * f,
+      norm = measures[0].reshape(-1)[0] if measures else _WIDE(0)
+      f = factors[0].reshape(-1)[0] if factors else _WIDE(1)
+      stats = {"norm": float(norm), "clipped_norm": float(norm * f),
                "clip_fraction": float(f < 1)}
     else:
       units = sum(m.size for m in measures)
-      stats = {"norm": _combine(measures, p),
-               "clipped_norm": _combine([m * f for m, f in
-                                         zip(measures, factors)], p),
+      stats = {"norm": float(_combine(measures, p)),
+               "clipped_norm": float(_combine([m * f for m, f in
+                                               zip(measures, factors)], p)),
                "clip_fraction": sum(int(np.sum(f < 1)) for f in factors)
                                 / max(units, 1)}
   return Oracle(out, measures, lims, factors, stats, unit_measure)
