@@ -48,7 +48,7 @@ class ClipZscoreState(NamedTuple):
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar
   threshold: jax.Array  # float32 scalar
-  count: jax.Array  # int32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
   mean: jax.Array  # float32: scalar, or (n_leaves,) with scope="leaf"
   var: jax.Array  # float32: as mean
 
@@ -72,7 +72,7 @@ class ClipPercentileState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar
   threshold: jax.Array  # float32 scalar
   filled: jax.Array  # int32 scalar
-  index: jax.Array  # int32 scalar
+  index: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
   history: jax.Array  # float32, (history,) or (history, n_leaves)
 
 
@@ -93,7 +93,7 @@ class ClipRelativeState(NamedTuple):
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar
   threshold: jax.Array  # float32 scalar
-  count: jax.Array  # int32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
   gamma: jax.Array  # float32, (n_leaves,)
 
 
@@ -211,6 +211,7 @@ def ema_mean_var(alpha, mean, var, x):
 # --- ZClip -------------------------------------------------------------------
 
 
+@_compiled.compiled_once
 def clip_zscore(
     *,
     alpha: float = 0.97,
@@ -356,7 +357,7 @@ def clip_zscore(
     limit = jnp.minimum(jnp.where(spike, value, jnp.inf), cap)
     new_updates, stats = measured.clip(limit)
     threshold = jnp.minimum(jnp.where(warming, jnp.inf, boundary), cap)
-    stats = stats[:3] + (_total(threshold),)
+    stats = (*stats[:3], _total(threshold))
     memory = _keep_if(
         measured.finite,
         (jnp.minimum(state.count + 1, warmup_steps).astype(jnp.int32),
@@ -393,6 +394,7 @@ def percentile_linear(values: jax.Array, n: jax.Array, q: Any) -> jax.Array:
   return jnp.where(n > 0, value, jnp.inf)
 
 
+@_compiled.compiled_once
 def clip_percentile(
     percentile: float = 10.0,
     *,
@@ -448,7 +450,7 @@ def clip_percentile(
     return ClipPercentileState(
         *_stats.zeros(len(ADAPTIVE_FIELDS)),
         filled=jnp.zeros((), jnp.int32), index=jnp.zeros((), jnp.int32),
-        history=jnp.zeros((history,) + shape, _F32))
+        history=jnp.zeros((history, *shape), _F32))
 
   def update_fn(updates, state, params=None):
     del params
@@ -472,6 +474,7 @@ def clip_percentile(
 # --- AdaGC -------------------------------------------------------------------
 
 
+@_compiled.compiled_once
 def clip_relative(
     factor: float = 1.05,
     *,

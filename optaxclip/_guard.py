@@ -39,7 +39,7 @@ class GuardState(NamedTuple):
   skipped: jax.Array  # int32 scalar
   nonfinite: jax.Array  # int32 scalar
   consecutive_skips: jax.Array  # int32 scalar
-  count: jax.Array  # int32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
   mean: jax.Array  # float32 scalar
   var: jax.Array  # float32 scalar
   inner_state: Any
@@ -47,7 +47,8 @@ class GuardState(NamedTuple):
 
 def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> jax.Array:
   """Zeros of the struct's shape and dtype, and of its sharding when that is
-  explicit (on an Explicit mesh both branches of a cond must agree)."""
+  explicit (on an Explicit mesh both branches of a cond must agree).
+  """
   sharding = getattr(struct, "sharding", None)
   spec = getattr(sharding, "spec", None) or ()
   if any(entry is not None for entry in spec):
@@ -55,6 +56,7 @@ def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> jax.Array:
   return jnp.zeros(struct.shape, struct.dtype)
 
 
+@_compiled.compiled_once
 def guard(
     inner: optax.GradientTransformation,
     *,
@@ -143,7 +145,9 @@ def guard(
 
   def init_fn(params):
     # A fresh array per field: a donated state must not hold one buffer twice.
-    counter = lambda: jnp.zeros((), jnp.int32)
+    def counter():
+      return jnp.zeros((), jnp.int32)
+
     return GuardState(
         norm=jnp.zeros((), _F32), threshold=jnp.full((), jnp.inf, _F32),
         skipped=counter(), nonfinite=counter(), consecutive_skips=counter(),

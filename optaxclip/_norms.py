@@ -35,9 +35,10 @@ number of leaves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import functools
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -104,12 +105,30 @@ def _reduce_axes(x: jax.Array, axes: Optional[tuple[int, ...]]):
   return tuple(range(x.ndim)) if axes is None else axes
 
 
-def _psum_sharded(value, sharded: bool, axis_name: AxisName):
-  return jax.lax.psum(value, axis_name) if (sharded and axis_name) else value
+def _names(axis_name: AxisName) -> tuple[str, ...]:
+  if not axis_name:
+    return ()
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def _pmax(value, axis_name: AxisName):
-  return jax.lax.pmax(value, axis_name) if axis_name else value
+def _split_axes(sharded, axis_name: AxisName) -> tuple[str, ...]:
+  """One leaf's ``sharded`` entry as the names of ``axis_name`` it is split
+  over: ``True`` all of them, ``False`` none, a tuple of names those.
+  """
+  names = _names(axis_name)
+  if isinstance(sharded, (tuple, list)):
+    return tuple(n for n in names if n in sharded)
+  return names if sharded else ()
+
+
+def _psum_sharded(value, sharded, axis_name: AxisName):
+  """``value`` summed over the axes a leaf is split over (see _split_axes)."""
+  names = _split_axes(sharded, axis_name)
+  return jax.lax.psum(value, names) if names else value
+
+
+def _pmax(value, names: tuple[str, ...]):
+  return jax.lax.pmax(value, names) if names else value
 
 
 def axis_size(axis_name: AxisName) -> int:
@@ -139,14 +158,14 @@ def may_span_devices(x: jax.Array) -> bool:
     return False
   sharding = getattr(typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty:
+  if sharding is None or mesh is None or mesh.empty:
     return False
   used = set()
   for entry in sharding.spec:
     used.update(entry if isinstance(entry, tuple) else (entry,))
   types = getattr(mesh, "axis_types", None) or (None,) * len(mesh.axis_names)
-  for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, types):
-    kind = getattr(kind, "name", str(kind))
+  for name, size, axis_type in zip(mesh.axis_names, mesh.axis_sizes, types):
+    kind = getattr(axis_type, "name", str(axis_type))
     if size == 1 or kind == "Manual":
       continue
     if kind == "Explicit" and name not in used:
@@ -159,12 +178,16 @@ def _concatenable(x: jax.Array) -> bool:
   return x.size <= SMALL_LEAF_SIZE and not may_span_devices(x)
 
 
-def _sharded_flags(leaves, sharded) -> list[bool]:
+def _sharded_flags(leaves, sharded, axis_name: AxisName = None
+                   ) -> list[tuple[str, ...]]:
+  """Per leaf, the names of ``axis_name`` it is split over (``sharded=None``:
+  all of them, for every leaf).
+  """
   if sharded is None:
-    return [True] * len(leaves)
+    return [_names(axis_name)] * len(leaves)
   if len(sharded) != len(leaves):
     raise ValueError("sharded flags do not match the leaves.")
-  return [bool(s) for s in sharded]
+  return [_split_axes(s, axis_name) for s in sharded]
 
 
 # --------------------------------------------------------------------------
@@ -258,13 +281,16 @@ def _merge_scaled(parts, p: float):
   return m, sum(qi * _power(mi / safe, p) for mi, qi in parts)
 
 
-def _across_devices(m, q, p, sharded: bool, axis_name: AxisName):
-  """``(M, q)`` of a leaf sharded over ``axis_name``, merged over devices."""
-  if not (sharded and axis_name):
+def _across_devices(m, q, p, sharded, axis_name: AxisName):
+  """``(M, q)`` of a leaf split over (some of) ``axis_name``, merged over the
+  devices that hold its parts (``sharded``: see _split_axes).
+  """
+  names = _split_axes(sharded, axis_name)
+  if not names:
     return m, q
-  total_m = jax.lax.pmax(m, axis_name)
+  total_m = jax.lax.pmax(m, names)
   safe = jnp.where(total_m > 0, total_m, 1)
-  return total_m, jax.lax.psum(q * _power(m / safe, p), axis_name)
+  return total_m, jax.lax.psum(q * _power(m / safe, p), names)
 
 
 def _scaled_norm(m, q, p):
@@ -275,7 +301,8 @@ def _scaled_norm(m, q, p):
 def _flat_parts(arrays) -> list[jax.Array]:
   """The arrays as 1-D parts: those on one device concatenated into one, the
   others (that may span devices: no all-gather) raveled on their own. Same
-  shapes in, same partition out."""
+  shapes in, same partition out.
+  """
   local = [jnp.ravel(a) for a in arrays if not may_span_devices(a)]
   parts = [jnp.ravel(a) for a in arrays if may_span_devices(a)]
   if local:
@@ -299,11 +326,11 @@ def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
 
 def unit_norms(
     leaves: Sequence[jax.Array],
-    ord: float = 2.0,  # pylint: disable=redefined-builtin
+    ord: float = 2.0,
     axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
     *,
     axis_name: AxisName = None,
-    sharded: Optional[Sequence[bool]] = None,
+    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> list[jax.Array]:
   """The p-norm of each unit of each leaf, with reduced axes kept as size 1.
 
@@ -319,7 +346,8 @@ def unit_norms(
     ord: the norm's order p >= 1, or ``math.inf``.
     axes: per leaf, the axes a unit spans (``None``: the whole leaf).
     axis_name: mapped axis name(s) over which sharded leaves are summed.
-    sharded: per leaf, whether it is sharded over ``axis_name``.
+    sharded: per leaf, the names of ``axis_name`` it is split over (a tuple;
+      partial sums are summed over exactly those), or a bool: all or none.
 
   Returns:
     One array per leaf, of the leaf's rank, holding each unit's norm in the
@@ -329,13 +357,13 @@ def unit_norms(
   if not leaves:
     return []
   axes = [None] * len(leaves) if axes is None else list(axes)
-  flags = _sharded_flags(leaves, sharded)
+  flags = _sharded_flags(leaves, sharded, axis_name)
   p = ord
 
   def maxima(leaves_):
     return [
         _pmax(jnp.max(magnitude(x), axis=_reduce_axes(x, ax), keepdims=True,
-                      initial=0), axis_name if f else None)
+                      initial=0), f)
         for x, ax, f in zip(leaves_, axes, flags)]
 
   if math.isinf(p):
@@ -408,10 +436,10 @@ def _pieces(leaves, flags) -> list[tuple[jax.Array, bool]]:
 
 def global_norm(
     leaves: Sequence[jax.Array],
-    ord: float = 2.0,  # pylint: disable=redefined-builtin
+    ord: float = 2.0,
     *,
     axis_name: AxisName = None,
-    sharded: Optional[Sequence[bool]] = None,
+    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> jax.Array:
   """The p-norm of all leaves taken together, as one vector.
 
@@ -423,21 +451,23 @@ def global_norm(
     leaves: float or complex arrays.
     ord: the norm's order p >= 1, or ``math.inf``.
     axis_name: mapped axis name(s) over which sharded leaves are summed.
-    sharded: per leaf, whether it is sharded over ``axis_name``.
+    sharded: per leaf, the names of ``axis_name`` it is split over (a tuple;
+      partial sums are summed over exactly those), or a bool: all or none.
 
   Returns:
     A scalar in the accumulation dtype (float32 unless a leaf is wider).
   """
   leaves = list(leaves)
   dtype = tree_accumulation_dtype(leaves)
-  flags = _sharded_flags(leaves, sharded)
+  flags = _sharded_flags(leaves, sharded, axis_name)
   pieces = _pieces(leaves, flags)
   if not pieces:
     return jnp.zeros((), dtype)
   p = ord
   arrays = [a for a, _ in pieces]
-  groups = {f: [i for i, (_, g) in enumerate(pieces) if g == f]
-            for f in (False, True)}
+  groups = {}
+  for i, (_, f) in enumerate(pieces):
+    groups.setdefault(f, []).append(i)
 
   if math.isinf(p):
     biggest = jnp.zeros((), dtype)
@@ -445,7 +475,7 @@ def global_norm(
       if idx:
         local = functools.reduce(jnp.maximum, [
             jnp.max(magnitude(arrays[i], dtype), initial=0) for i in idx])
-        biggest = jnp.maximum(biggest, _pmax(local, axis_name if f else None))
+        biggest = jnp.maximum(biggest, _pmax(local, f))
     return biggest
 
   total = jnp.zeros((), dtype)
@@ -467,7 +497,8 @@ def global_norm(
     for f, idx in groups.items():
       if idx:
         m, q = _merge_scaled([
-            tuple(v.reshape(()) for v in _scaled_sum(arrays_[i], p, None, dtype))
+            tuple(v.reshape(())
+                  for v in _scaled_sum(arrays_[i], p, None, dtype))
             for i in idx], p)
         parts.append(_across_devices(m, q, p, f, axis_name))
     return _scaled_norm(*_merge_scaled(parts, p), p)
@@ -508,29 +539,45 @@ def largest_and_count_above(x: jax.Array, limit: Any):
   return _largest_and_count_custom(x, limit, dtype)
 
 
-def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0) -> jax.Array:  # pylint: disable=redefined-builtin
+def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0,
+                  *, across: Optional[Sequence[tuple[str, ...]]] = None
+                  ) -> jax.Array:
   """The p-norm of a set of unit norms: the norm of the whole they partition.
 
   Used for statistics: it costs a pass over the (small) norm arrays only.
+  ``across`` gives, per norm array, the mapped axes over which the devices
+  hold different units of it (inside ``shard_map``/``pmap``): those parts
+  are summed across them. By default every array is the same everywhere.
   """
   if not norms:
     return jnp.zeros((), jnp.float32)
-  # Norms that may be split across devices are reduced on their own (no
-  # all-gather, no ShardingTypeError); the others are concatenated.
-  local = [jnp.ravel(n) for n in norms if not may_span_devices(n)]
-  parts = [n for n in norms if may_span_devices(n)]
-  if local:
-    parts.append(jnp.concatenate(local) if len(local) > 1 else local[0])
-  biggest = parts[0].max(initial=0)
-  for part in parts[1:]:
-    biggest = jnp.maximum(biggest, part.max(initial=0))
+  across = [()] * len(norms) if across is None else list(across)
+  groups = {}
+  for n, names in zip(norms, across):
+    groups.setdefault(tuple(names), []).append(n)
+  parts = {}
+  for names, members in groups.items():
+    # Norms that may be split across devices are reduced on their own (no
+    # all-gather, no ShardingTypeError); the others are concatenated.
+    local = [jnp.ravel(n) for n in members if not may_span_devices(n)]
+    own = [n for n in members if may_span_devices(n)]
+    if local:
+      own.append(jnp.concatenate(local) if len(local) > 1 else local[0])
+    parts[names] = own
+  biggest = functools.reduce(jnp.maximum, [
+      _pmax(functools.reduce(jnp.maximum, [v.max(initial=0) for v in own]),
+            names)
+      for names, own in parts.items()])
   if math.isinf(ord):
     return biggest
   # An infinite unit norm makes the whole infinite (inf / inf would be NaN).
   scale = jnp.where((biggest > 0) & jnp.isfinite(biggest), biggest, 1)
-  total = sum(jnp.sum(_power(part / scale, ord)) for part in parts)
+  total = 0
+  for names, own in parts.items():
+    partial = sum(jnp.sum(_power(v / scale, ord)) for v in own)
+    total = total + (jax.lax.psum(partial, names) if names else partial)
   return jnp.where(jnp.isinf(biggest), biggest,
-                   biggest * safe_root(total, ord))
+                   biggest * safe_root(jnp.asarray(total), ord))
 
 
 def clip_factor(norm: jax.Array, limit: Any) -> jax.Array:
@@ -541,11 +588,12 @@ def clip_factor(norm: jax.Array, limit: Any) -> jax.Array:
   """
   limit = jnp.asarray(limit, norm.dtype)
   above = norm > limit
-  return jnp.where(above, limit / jnp.where(above, norm, 1), 1).astype(norm.dtype)
+  return jnp.where(above, limit / jnp.where(above, norm, 1),
+                   1).astype(norm.dtype)
 
 
 def scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-  """``x * factor`` computed in the accumulation dtype, returned in x's dtype."""
+  """``x * factor`` computed in the accumulation dtype, in ``x``'s dtype."""
   return (x * factor.astype(accumulation_dtype(x.dtype))).astype(x.dtype)
 
 

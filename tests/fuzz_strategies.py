@@ -37,18 +37,19 @@ Values
   (2**-40..2**40, no overflow or underflow) or ``"extreme"`` (edges only).
   ``MAGNITUDES``: the three names. Every value strategy below takes
   ``magnitudes=``.
-  ``limits(zero=True, inf=True, magnitudes="all")``: a clip limit as a Python float exactly
-  representable in float32 (0, subnormal excluded, tiny, ordinary, huge, inf).
-  ``arrays(dtype, shape, nonfinite=False, magnitudes="all")``: one leaf. Elements
-  are ``sign * 2**(e - spread * u) * mantissa`` from a drawn seed (NumPy
+  ``limits(zero=True, inf=True, magnitudes="all")``: a clip limit as a
+  Python float exactly representable in float32 (0, subnormal excluded,
+  tiny, ordinary, huge, inf).
+  ``arrays(dtype, shape, nonfinite=False, magnitudes="all")``: one leaf.
+  Elements are ``sign * 2**(e - spread * u) * mantissa`` from a drawn seed (NumPy
   generates them, so large leaves cost no more to draw), with the dtype's
   extremes (0, smallest subnormal, smallest normal, largest finite) put at
   drawn places; ``nonfinite=True`` sprinkles NaN / +inf / -inf (maybe none
   in one leaf; a tree of :func:`trees` then holds at least one, unless all
   its leaves are empty).
   ``trees(dtypes=REAL, shapes=SHAPES, min_leaves=0, max_leaves=4,
-  nonfinite=False, large=False, magnitudes="all")``: a pytree of such leaves in dict / list
-  nesting (an empty tree when 0 leaves).
+  nonfinite=False, large=False, magnitudes="all")``: a pytree of such
+  leaves in dict / list nesting (an empty tree when 0 leaves).
   ``like(tree, nonfinite=False, magnitudes="all")``: a strategy of a tree
   of the same structure, shapes and dtypes (params for clip_unitwise).
   ``per_example_trees(batch_sizes=(1, 2, 4, 8), ...)``: every leaf with a
@@ -101,10 +102,10 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import ml_dtypes
-import np_refs
 import numpy as np
 import optax
 
+import np_refs
 import optaxclip
 
 # --------------------------------------------------------------------------
@@ -329,7 +330,8 @@ def _nest(draw, items: list) -> Any:
 def trees(draw, dtypes=REAL, shapes=SHAPES, min_leaves=0, max_leaves=4,  # pylint: disable=redefined-outer-name
           nonfinite=False, large=False, magnitudes="all"):
   """A pytree of :func:`arrays` leaves in dict / list nesting; each leaf
-  draws its own magnitudes (see :func:`exponents`)."""
+  draws its own magnitudes (see :func:`exponents`).
+  """
   n = draw(st.integers(min_leaves, max_leaves))
   items = []
   for i in range(n):
@@ -360,7 +362,8 @@ def per_example_trees(draw, batch_sizes=(1, 2, 4, 8), dtypes=("float32",),
                       shapes=((), (3,), (2, 2)), max_leaves=3,  # pylint: disable=redefined-outer-name
                       nonfinite=False):
   """Leaves with a leading batch axis; some whole examples zero, huge (above
-  2**126) or non-finite."""
+  2**126) or non-finite.
+  """
   batch = draw(st.sampled_from(tuple(batch_sizes)))
   n = draw(st.integers(1, max_leaves))
   items = []
@@ -495,7 +498,8 @@ def ord_value(o) -> float:
 def static_configs(draw, names=STATIC + ("clipped",), ords=ORDS, axes=(None,),
                    limit=None):
   """A static clipper; ``limit`` None leaves the first argument at 1.0 (set
-  it with ``Config.with_limit`` or pass it to ``static_runner``)."""
+  it with ``Config.with_limit`` or pass it to ``static_runner``).
+  """
   name = draw(st.sampled_from(tuple(names)))
   lim = 1.0 if limit is None else limit
   if name == "clip_value":
@@ -611,7 +615,8 @@ def _combine(values, p):
 
 def measure_tree(tree_leaves, ord=2.0) -> float:  # pylint: disable=redefined-builtin
   """The global ``ord``-norm of a list of leaves (overflow-safe; may exceed
-  float64's range, then returned as a longdouble)."""
+  float64's range, then returned as a longdouble).
+  """
   return _combine([_unit_pnorm(x, ord_value(ord), None) for x in tree_leaves],
                   ord_value(ord))
 
@@ -743,9 +748,10 @@ def static_runner(config: Config):
 @functools.cache
 def step_runner(config: Config):
   """``(tx, jit((g, state, params) -> (updates, state)))`` of a concrete
-  config: ``tx.init`` starts a history, the jitted step continues it."""
+  config: ``tx.init`` starts a history, the jitted step continues it.
+  """
   tx = config.make()
-  return tx, jax.jit(lambda g, state, params: tx.update(g, state, params))
+  return tx, jax.jit(tx.update)
 
 
 def mesh(n: int) -> jax.sharding.Mesh:

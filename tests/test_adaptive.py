@@ -1,4 +1,5 @@
-"""Tests of clip_zscore (ZClip), clip_percentile (AutoClip), clip_relative (AdaGC).
+"""Tests of clip_zscore (ZClip), clip_percentile (AutoClip), clip_relative
+(AdaGC).
 
 Each clipper is driven by a synthetic stream of gradient norms with spikes and
 compared, step by step, with a plain-Python/numpy restatement of its rule.
@@ -6,6 +7,7 @@ compared, step by step, with a plain-Python/numpy restatement of its rule.
 
 import math
 
+from absl.testing import parameterized
 import chex
 import hypothesis
 import hypothesis.strategies as st
@@ -14,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from absl.testing import parameterized
 
 import optaxclip
 
@@ -65,14 +66,15 @@ def spiky_stream(steps=50, seed=0, base=1.0, spikes=None):
   rng = np.random.default_rng(seed)
   g = base * (1 + 0.005 * np.arange(steps)) * np.exp(
       0.1 * rng.standard_normal(steps))
-  spikes = {4: 5.0, 14: 8.0, 15: 3.0, 29: 20.0, 41: 2.0} if spikes is None else spikes
+  if spikes is None:
+    spikes = {4: 5.0, 14: 8.0, 15: 3.0, 29: 20.0, 41: 2.0}
   for t, k in spikes.items():
     if t < steps:
       g[t] *= k
   return g
 
 
-# --- Plain-Python restatements of the rules ----------------------------------
+# --- Plain-Python restatements of the rules -----------------------------------
 
 
 class ZClipRule:
@@ -166,7 +168,7 @@ def adagc_rule(leaf_norms, factor, beta, warmup_steps, warmup_max_norm):
   return out
 
 
-# --- ZClip ---------------------------------------------------------------------
+# --- ZClip --------------------------------------------------------------------
 
 ZCLIP_CONFIGS = (
     ("zscore_adaptive", dict()),
@@ -261,7 +263,7 @@ class ZscoreTest(chex.TestCase):
     self.assertLess(global_norm_of(out), 1000.0 / 2)
 
 
-# --- AutoClip ------------------------------------------------------------------
+# --- AutoClip -----------------------------------------------------------------
 
 
 class PercentileTest(chex.TestCase):
@@ -330,7 +332,7 @@ class PercentileTest(chex.TestCase):
             rtol=1e-6)
 
 
-# --- AdaGC ---------------------------------------------------------------------
+# --- AdaGC --------------------------------------------------------------------
 
 
 class RelativeTest(chex.TestCase):
@@ -394,7 +396,7 @@ class RelativeTest(chex.TestCase):
     self.assertEqual(state.gamma.dtype, jnp.float32)
 
 
-# --- Shared behaviour ----------------------------------------------------------
+# --- Shared behaviour ---------------------------------------------------------
 
 ALL = {
     "zscore": lambda: optaxclip.clip_zscore(warmup_steps=3),
@@ -417,14 +419,14 @@ def test_nonfinite_steps_leave_statistics_untouched(name):
   bad = global_tree(1.0)
   for value in (jnp.nan, jnp.inf):
     bad["b"] = bad["b"].at[0, 0].set(value)
-    out, state = update(bad, state)
+    _, state = update(bad, state)
     for field in before._fields:
       if field not in optaxclip._adaptive.ADAPTIVE_FIELDS:
         np.testing.assert_array_equal(getattr(state, field),
                                       getattr(before, field), err_msg=field)
     assert not np.isfinite(float(state.norm))
   # The next finite step continues as if the bad ones never happened.
-  out, state = update(global_tree(1.0), state)
+  _, state = update(global_tree(1.0), state)
   _, expected = update(global_tree(1.0), before)
   chex.assert_trees_all_equal(state, expected)
 
@@ -485,7 +487,7 @@ def after_warmup(state):
     extra = state.history.shape[1:]
     rows = jnp.broadcast_to(
         jnp.linspace(0.8, 1.2, 4).reshape((4,) + (1,) * len(extra)),
-        (4,) + extra)
+        (4, *extra))
     return state._replace(history=state.history.at[:4].set(rows),
                           filled=jnp.int32(4), index=jnp.int32(4))
   return state._replace(count=jnp.int32(3),
@@ -545,7 +547,7 @@ def test_injected_hyperparameters():
   np.testing.assert_allclose(global_norm_of(out), 2.0, rtol=RTOL)
 
 
-# --- Properties ------------------------------------------------------------------
+# --- Properties ---------------------------------------------------------------
 
 norm_streams = st.lists(
     st.floats(1e-3, 1e4, allow_nan=False, allow_infinity=False),
@@ -605,7 +607,7 @@ def test_relative_leaf_norm_stays_within_factor_of_gamma(leaf_norms):
     assert np.all(np.asarray(state.gamma) > 0)
 
 
-# --- Hyperparameter checks ----------------------------------------------------------
+# --- Hyperparameter checks ----------------------------------------------------
 
 
 @pytest.mark.parametrize("make, error, message", [

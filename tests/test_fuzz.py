@@ -1,4 +1,5 @@
-"""The fuzz suite's cross-cutting invariants (issue 10), against float64 oracles.
+"""The fuzz suite's cross-cutting invariants (issue 10), against float64
+oracles.
 
 Drawn with the strategies of ``fuzz_strategies`` (trees of float16, bfloat16,
 float32, float64 under x64 and complex64 leaves over the whole finite range,
@@ -42,13 +43,10 @@ import os
 import hypothesis
 from hypothesis import strategies as st
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import fuzz_strategies as fz
-import optaxclip
 
 REL = 1e-5
 F32 = np.float32
@@ -59,7 +57,8 @@ def _examples(n, xfailing=False):
   minute); other profiles (release) keep their own count. ``xfailing``: a
   property expected to fail on today's code stops at its first falsifying
   example instead of shrinking it (minutes of compiles); FUZZ_SHRINK=1
-  shrinks anyway, to report a minimal example."""
+  shrinks anyway, to report a minimal example.
+  """
   kwargs = {}
   if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci":
     kwargs["max_examples"] = n
@@ -85,7 +84,8 @@ def _rtol(dtype) -> float:
 
 def _stat_close(got, want, rtol=2 * REL, what="", atol=0.0):
   """A float32 statistic against the float64 oracle (cast to the stat's
-  dtype: float32 statistics of a float64 tree may be 0 or inf)."""
+  dtype: float32 statistics of a float64 tree may be 0 or inf).
+  """
   got = np.asarray(got)
   want_c = np.asarray(want, np.float64).astype(got.dtype)
   if np.isinf(want_c) or np.isinf(got):
@@ -100,7 +100,8 @@ def _stat_close(got, want, rtol=2 * REL, what="", atol=0.0):
 
 def _limit_for(tree, value):
   """The limit as the clipper sees it: float64 for an all-float64 tree,
-  else float32 (no subnormal: XLA:CPU flushes it)."""
+  else float32 (no subnormal: XLA:CPU flushes it).
+  """
   leaves = fz.leaves(tree)
   if leaves and all(np.asarray(x).dtype == np.float64 for x in leaves):
     return np.float64(value)
@@ -196,7 +197,8 @@ def _static_case(draw, nonfinite=False, magnitudes="all"):
 def test_static_clippers_match_the_oracle(data):
   """Bound, direction, statistics, finiteness, idempotence of every static
   clipper on ordinary magnitudes (2**-40 to 2**40), for limits around the
-  tree's own measure and one drawn in the same range."""
+  tree's own measure and one drawn in the same range.
+  """
   _static_property(*data.draw(_static_case(magnitudes="ordinary"),
                               label="case"))
 
@@ -209,7 +211,8 @@ def test_static_clippers_match_the_oracle(data):
 def test_static_clippers_at_the_edges_of_the_range(data):
   """The same properties for values at the edges of each dtype's range
   (subnormals, smallest normals, 2**126 and above, the largest finite) and
-  limits anywhere in float32's normal range."""
+  limits anywhere in float32's normal range.
+  """
   _static_property(*data.draw(_static_case(magnitudes="extreme"),
                               label="case"))
 
@@ -292,7 +295,8 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
 @hypothesis.given(case=_static_case(nonfinite=True, magnitudes="ordinary"))
 def test_static_clippers_nonfinite_policy(case):
   """A NaN (or, norm-based, an Inf) anywhere: a non-finite update, no
-  finite leaf above its limit, and clipped_norm non-finite with it."""
+  finite leaf above its limit, and clipped_norm non-finite with it.
+  """
   config, tree, params, value = case
   hypothesis.assume(fz.has_nonfinite(tree))
   with fz.x64(tree):
@@ -341,7 +345,8 @@ def _history_case(draw, levels=FINITE_LEVELS, lasting=LASTING,
 
 def _at_level(direction, level, dtype):
   """``direction`` scaled to global L2 norm ``level`` (NaN/Inf: one element
-  of it), in ``dtype``."""
+  of it), in ``dtype``.
+  """
   flat, treedef = jax.tree.flatten(direction)
   norm = float(fz.measure_tree(flat))
   out = []
@@ -453,7 +458,8 @@ def _counters(config, state):
 def test_adaptive_and_guard_finite_histories(case):
   """Finite histories without zero steps: finite updates that keep their
   direction and never grow, statistics that describe them, held-back steps
-  counted, and a lasting new level gets through."""
+  counted, and a lasting new level gets through.
+  """
   _run_history(case)
 
 
@@ -465,7 +471,8 @@ def test_adaptive_and_guard_finite_histories(case):
                                      zero_warmup=True))
 def test_adaptive_and_guard_no_absorbing_state(case):
   """After any finite history, zero steps included (a loss switched on by a
-  schedule, LoRA's A at step 0), a lasting new level gets through."""
+  schedule, LoRA's A at step 0), a lasting new level gets through.
+  """
   _run_history(case)
 
 
@@ -476,7 +483,8 @@ def test_adaptive_and_guard_no_absorbing_state(case):
 @hypothesis.given(case=_history_case(levels=(1.0, 1e3, math.nan, math.inf)))
 def test_adaptive_and_guard_nonfinite_steps(case):
   """NaN/Inf steps: a non-finite update whose clipped_norm says so (guard:
-  skipped and counted); the memory is not poisoned."""
+  skipped and counted); the memory is not poisoned.
+  """
   _run_history(case)
 
 
@@ -489,5 +497,6 @@ def test_adaptive_and_guard_nonfinite_steps(case):
                                      dtypes=("float64",)))
 def test_adaptive_and_guard_float64(case):
   """float64 trees under x64 with norms outside float32's range (1e-50,
-  1e200): finite, counted right, and they get through."""
+  1e200): finite, counted right, and they get through.
+  """
   _run_history(case)

@@ -17,7 +17,7 @@ W = np.array([0.6, 0.8])  # two leaves sharing a global norm (unit L2 norm)
 
 
 def grads(norm, bad=None):
-  """A tree with global norm ``norm``; ``bad`` (NaN/inf) goes into one element."""
+  """A tree with global norm ``norm``; ``bad`` (NaN/inf) in one element."""
   g = {"a": jnp.full((2,), norm * W[0] / math.sqrt(2), jnp.float32),
        "b": jnp.full((3,), norm * W[1] / math.sqrt(3), jnp.float32)}
   if bad is not None:
@@ -28,7 +28,8 @@ def grads(norm, bad=None):
 def stream(steps=45, seed=0):
   """(norm, bad) pairs: norms around 1 with spikes, a NaN and an Inf."""
   rng = np.random.default_rng(seed)
-  norms = np.exp(0.1 * rng.standard_normal(steps)) * (1 + 0.01 * np.arange(steps))
+  norms = (np.exp(0.1 * rng.standard_normal(steps))
+           * (1 + 0.01 * np.arange(steps)))
   for t, k in {3: 4.0, 14: 6.0, 15: 5.0, 27: 30.0, 33: 1.8}.items():
     if t < steps:
       norms[t] *= k
