@@ -60,7 +60,10 @@ class ClipPerExampleState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar
   clip_norm: jax.Array  # float32 scalar
   key: jax.Array  # a PRNG key
-  nonfinite: jax.Array  # int32 scalar (a count)
+  # int32 scalar (a count). New after release 0.1.0: a state restored from
+  # a 0.1.0 checkpoint (restore with the five older fields as the target)
+  # upgrades with ClipPerExampleState(*old), this count starting at 0.
+  nonfinite: jax.typing.ArrayLike = np.int32(0)
 
 
 # Andrew et al. 2021 recommend noising the unclipped count with a standard

@@ -2,6 +2,7 @@
 continues bit for bit like the run that never stopped.
 """
 
+import collections
 import json
 import pathlib
 import sys
@@ -99,15 +100,27 @@ def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
                      .read_text())
   chained, per_example = fixture.optimizers()
   p = fixture.params()
+  # ClipPerExampleState gained its last field, nonfinite, after 0.1.0: the
+  # old state restores into the five older fields and upgrades.
+  new_pe = per_example.init(p)
+  legacy = collections.namedtuple("ClipPerExampleState", new_pe._fields[:-1])
   target = {"params": p, "opt_state": chained.init(p),
-            "per_example_state": per_example.init(p)}
-  checkpointer = ocp.StandardCheckpointer()
+            "per_example_state": legacy(*new_pe[:-1])}
+  # Fields added to the adaptive states and guard since 0.1.0 are not in the
+  # checkpoint: they take their fresh values from `target` (orbax's fallback
+  # transform).
+  added = {rf".*\b{field}$": ocp.Transform(use_fallback=True) for field in (
+      "consecutive_spikes", "consecutive_clips", "restarts", "ordered")}
+  checkpointer = ocp.PyTreeCheckpointer()
   restored = checkpointer.restore(
       fixture.extract(FIXTURE_DIR / "checkpoint_0_1_0", tmp_path),
-      jax.tree.map(ocp.utils.to_shape_dtype_struct, target))
+      args=ocp.args.PyTreeRestore(
+          item=target, transforms=added,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
   checkpointer.close()
   p, state = restored["params"], restored["opt_state"]
-  pe_state = restored["per_example_state"]
+  pe_state = optaxclip.ClipPerExampleState(*restored["per_example_state"])
+  assert int(pe_state.nonfinite) == 0
 
   # Into today's declared classes, every one of them.
   for cls in (optaxclip.GuardState, optaxclip.ClipValueState,
@@ -119,10 +132,14 @@ def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
                                                     cls.__name__)
     assert len(found) == 1 and isinstance(found[0][1], cls), cls
   logs = {**optaxclip.stats(state), **optaxclip.stats(pe_state)}
-  assert list(logs) == list(saved["stats"])
+  assert logs.pop("clip_per_example/nonfinite") == 0
+  # The same statistics, and the counters added since, at zero.
+  assert [k for k in logs if k in saved["stats"]] == list(saved["stats"])
   for key, value in logs.items():
-    np.testing.assert_array_equal(np.asarray(value), saved["stats"][key],
-                                  err_msg=key)
+    np.testing.assert_array_equal(np.asarray(value),
+                                  saved["stats"].get(key, 0), err_msg=key)
+  assert {k.split("/")[-1] for k in logs if k not in saved["stats"]} == {
+      "restarts"}
   np.testing.assert_array_equal(pe_state.key, saved["per_example_key"])
 
   # It continues: the counters move on from where they were (the guarded
