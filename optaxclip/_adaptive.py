@@ -100,26 +100,6 @@ class ClipRelativeState(NamedTuple):
 # --- Shared pieces ------------------------------------------------------------
 
 
-def _check_scope(scope: Any, who: str) -> str:
-  if scope not in SCOPES:
-    raise ValueError(f"{who}: scope must be one of {SCOPES}; got {scope!r}.")
-  return scope
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...], who: str):
-  if value not in choices:
-    raise ValueError(f"{who}: {name} must be one of {choices}; got {value!r}.")
-
-
-def _check_count(name: str, value: Any, low: int, who: str) -> int:
-  """A whole-number hyperparameter that fixes the state's layout."""
-  if isinstance(value, jax.Array):
-    raise TypeError(f"{who}: {name} must be a Python int, not an array (with "
-                    f"optax.inject_hyperparams, list it in static_args).")
-  _checks.check_number(f"{who}: {name}", value, low=low, integer=True)
-  return int(value)
-
-
 def _unit_shape(params: Any, scope: str) -> tuple[int, ...]:
   """Shape of the per-unit statistics: () for the tree, (n_leaves,) per leaf."""
   return () if scope == "global" else (len(jax.tree.leaves(params)),)
@@ -298,21 +278,19 @@ def clip_zscore(
     1.407
   """
   who = "clip_zscore"
-  _checks.check_probability(f"{who}: alpha", alpha)
-  _checks.check_number(f"{who}: z_thresh", z_thresh, low=0.0, low_open=True)
-  _checks.check_number(f"{who}: max_norm", max_norm, low=0.0, allow_inf=True,
+  _checks.check_probability("alpha", alpha, who=who)
+  _checks.check_number("z_thresh", z_thresh, who=who, low=0.0, low_open=True)
+  _checks.check_number("max_norm", max_norm, who=who, low=0.0, allow_inf=True,
                        allow_none=True)
-  _checks.check_number(f"{who}: eps", eps, low=0.0)
-  _checks.check_number(f"{who}: warmup_steps", warmup_steps, low=1,
-                       integer=True)
-  _check_choice("mode", mode, ("zscore", "percentile"), who)
-  _check_choice("clip_option", clip_option, ("adaptive_scaling", "mean"), who)
-  _checks.check_number(f"{who}: clip_factor", clip_factor, low=0.0,
+  _checks.check_number("eps", eps, who=who, low=0.0)
+  _checks.check_steps(who, "warmup_steps", warmup_steps)
+  _checks.check_choice(who, "mode", mode, ("zscore", "percentile"))
+  _checks.check_choice(who, "clip_option", clip_option,
+                       ("adaptive_scaling", "mean"))
+  _checks.check_number("clip_factor", clip_factor, who=who, low=0.0,
                        low_open=True)
-  if not isinstance(skip_update_on_spike, bool):
-    raise TypeError(f"{who}: skip_update_on_spike must be a bool; got "
-                    f"{skip_update_on_spike!r}.")
-  scope = _check_scope(scope, who)
+  _checks.check_bool(who, "skip_update_on_spike", skip_update_on_spike)
+  scope = _checks.check_choice(who, "scope", scope, SCOPES)
   cap = _no_limit(max_norm)
 
   def init_fn(params):
@@ -441,9 +419,10 @@ def clip_percentile(
     (2.5, Array([2.5], dtype=float32))
   """
   who = "clip_percentile"
-  _checks.check_number(f"{who}: percentile", percentile, low=0.0, high=100.0)
-  history = _check_count("history", history, 1, who)
-  scope = _check_scope(scope, who)
+  _checks.check_number("percentile", percentile, who=who, low=0.0,
+                       high=100.0)
+  history = _checks.check_count(who, "history", history)
+  scope = _checks.check_choice(who, "scope", scope, SCOPES)
 
   def init_fn(params):
     shape = _unit_shape(params, scope)
@@ -500,7 +479,8 @@ def clip_relative(
   up later.
 
   Args:
-    factor: the relative threshold (``lambda_rel`` in the paper; > 0).
+    factor: the relative threshold (``lambda_rel`` in the paper; >= 1:
+      below 1 every leaf's limit, and so its update, decays to zero).
     beta: EMA smoothing of each ``gamma_i``, in (0, 1).
     warmup_steps: steps of global clipping that set the ``gamma_i`` (>= 1).
     warmup_max_norm: the global norm limit during warm-up (``lambda_abs``;
@@ -526,11 +506,13 @@ def clip_relative(
     (Array([1.2], dtype=float32), Array([0.8], dtype=float32))
   """
   who = "clip_relative"
-  _checks.check_number(f"{who}: factor", factor, low=0.0, low_open=True)
-  _checks.check_probability(f"{who}: beta", beta)
-  _checks.check_number(f"{who}: warmup_steps", warmup_steps, low=1,
-                       integer=True)
-  _checks.check_number(f"{who}: warmup_max_norm", warmup_max_norm, low=0.0,
+  _checks.check_number(
+      "factor", factor, who=who, low=1.0,
+      why="below 1 each leaf's limit shrinks every step and its updates decay"
+      " to zero")
+  _checks.check_probability("beta", beta, who=who)
+  _checks.check_steps(who, "warmup_steps", warmup_steps)
+  _checks.check_number("warmup_max_norm", warmup_max_norm, who=who, low=0.0,
                        allow_inf=True)
 
   def init_fn(params):

@@ -190,6 +190,27 @@ def check_axis(name: str, axis: Any, *,
       f"{arg} must be None, an int or a tuple of ints; got {axis!r}.")
 
 
+def leaf_axes(who: str, axis: Optional[tuple[int, ...]], x: Any,
+              path: str) -> Optional[tuple[int, ...]]:
+  """``axis`` (from :func:`check_axis`) for one leaf: non-negative, sorted.
+
+  Raises:
+    ValueError: naming the leaf, when an axis is outside its rank or two
+      name the same axis of it.
+  """
+  if axis is None:
+    return None
+  ndim = np.ndim(x)
+  if not all(-ndim <= a < ndim for a in axis):
+    raise ValueError(f"{who}: axis must fit every leaf; got {axis} for the "
+                     f"leaf {path} of shape {np.shape(x)}.")
+  axes = tuple(sorted(a % ndim for a in axis))
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"{who}: axis must name each axis of a leaf once; got "
+                     f"{axis} for the leaf {path} of shape {np.shape(x)}.")
+  return axes
+
+
 def check_choice(who: str, name: str, value: Any, choices: Sequence[str],
                  aliases: Optional[Mapping[str, str]] = None) -> str:
   """One of ``choices``; a deprecated alias is accepted with a warning.
@@ -252,9 +273,9 @@ def check_seed(who: str, seed: Any) -> Callable[[], jax.Array]:
     raw_shape = jax.eval_shape(jax.random.PRNGKey, 0).shape
     if seed.shape != raw_shape or seed.dtype != np.uint32:
       raise TypeError(
-          f"{who}: seed must be an int or a key; got an array of shape "
-          f"{seed.shape} and dtype {seed.dtype} (a raw key of the default "
-          f"PRNG is uint32 of shape {raw_shape}).")
+          f"{who}: seed must be an int or a key (a raw key of the default "
+          f"PRNG is uint32 of shape {raw_shape}); got an array of shape "
+          f"{seed.shape} and dtype {seed.dtype}.")
     return lambda: jnp.asarray(seed)
   if isinstance(seed, jax.Array):
     if seed.ndim != 0 or not jnp.issubdtype(seed.dtype, jnp.integer):

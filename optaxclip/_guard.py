@@ -127,20 +127,14 @@ def guard(
     (Array([-3., -4.], dtype=float32), 0)
   """
   who = "guard"
-  if not (callable(getattr(inner, "init", None))
-          and callable(getattr(inner, "update", None))):
-    raise TypeError(f"{who}: inner must be an optax.GradientTransformation; "
-                    f"got {type(inner).__name__}.")
-  if not isinstance(skip_nonfinite, bool):
-    raise TypeError(f"{who}: skip_nonfinite must be a bool; got "
-                    f"{skip_nonfinite!r}.")
-  _checks.check_number(f"{who}: spike_z", spike_z, low=0.0, low_open=True,
+  _checks.check_transformation(who, "inner", inner)
+  _checks.check_bool(who, "skip_nonfinite", skip_nonfinite)
+  _checks.check_number("spike_z", spike_z, who=who, low=0.0, low_open=True,
                        allow_none=True)
-  _checks.check_number(f"{who}: max_norm", max_norm, low=0.0, allow_inf=True,
+  _checks.check_number("max_norm", max_norm, who=who, low=0.0, allow_inf=True,
                        allow_none=True)
-  _checks.check_probability(f"{who}: alpha", alpha)
-  _checks.check_number(f"{who}: warmup_steps", warmup_steps, low=1,
-                       integer=True)
+  _checks.check_probability("alpha", alpha, who=who)
+  _checks.check_steps(who, "warmup_steps", warmup_steps)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
-from optaxclip import _static
 from optaxclip import _stats
 
 
@@ -230,21 +227,19 @@ def clip_per_example(
     >>> float(state.norm), float(state.clip_fraction)
     (7.5, 0.5)
   """
-  _checks.check_number("l2_clip", l2_clip, low=0.0)
+  who = "clip_per_example"
+  _checks.check_number("l2_clip", l2_clip, who=who, low=0.0)
   # "layer" was this scope's name before "leaf", the word clip_zscore and
   # clip_percentile use.
-  scope = _checks.check_choice("clip_per_example", "scope", scope,
-                               ("global", "leaf"), aliases={"layer": "leaf"})
-  _checks.check_choice("clip_per_example", "reduce", reduce, ("mean", "sum"))
-  _checks.check_number("noise_multiplier", noise_multiplier, low=0.0)
-  if isinstance(seed, (bool, np.bool_)) or not isinstance(
-      seed, (numbers.Integral, jax.Array, np.ndarray)):
-    raise TypeError(f"seed must be an integer; got {seed!r}.")
-  if target_quantile is not None:
-    _checks.check_number("target_quantile", target_quantile, low=0.0,
-                         high=1.0)
-  _checks.check_number("quantile_lr", quantile_lr, low=0.0)
-  axis_name = _static._check_axis_name(axis_name, "clip_per_example")  # noqa: SLF001
+  scope = _checks.check_choice(who, "scope", scope, ("global", "leaf"),
+                               aliases={"layer": "leaf"})
+  _checks.check_choice(who, "reduce", reduce, ("mean", "sum"))
+  _checks.check_number("noise_multiplier", noise_multiplier, who=who, low=0.0)
+  make_key = _checks.check_seed(who, seed)
+  _checks.check_number("target_quantile", target_quantile, who=who, low=0.0,
+                       high=1.0, allow_none=True)
+  _checks.check_number("quantile_lr", quantile_lr, who=who, low=0.0)
+  axis_name = _checks.check_axis_name(who, axis_name)
   no_noise = (_checks.is_concrete_number(noise_multiplier)
               and noise_multiplier == 0)
   adaptive = target_quantile is not None
@@ -253,7 +248,7 @@ def clip_per_example(
     del params
     return ClipPerExampleState(
         *_stats.zeros(3), clip_norm=_stats.as_stat(l2_clip),
-        key=jax.random.PRNGKey(seed))
+        key=make_key())
 
   def update_fn(updates, state, params=None):
     del params
