@@ -130,8 +130,9 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     A dict from names to scalar arrays, in the order the states appear in the
     tree. Each value has its state field's dtype: the statistics (``norm``,
     ``clipped_norm``, ``clip_fraction``, ``threshold``, ``clip_norm``) are
-    float32; :func:`guard`'s counters (``skipped``, ``nonfinite``,
-    ``consecutive_skips``) are int32, exact at any step count.
+    float32; the counters (:func:`guard`'s ``skipped``, ``nonfinite``,
+    ``consecutive_skips``, :func:`clip_per_example`'s ``nonfinite``) are
+    int32, exact at any step count.
 
   Example:
     >>> import jax.numpy as jnp, optax, optaxclip

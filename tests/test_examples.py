@@ -1,4 +1,8 @@
-"""The examples and the README's code run, at tiny sizes, so they never rot."""
+"""The examples, the README's and the guides' code run, so they never rot.
+
+The examples run at tiny sizes; the Python blocks of README.md and of
+docs/*.md each run on their own, as a reader would paste them.
+"""
 
 import importlib.util
 import math
@@ -117,7 +121,7 @@ def test_readme_links_to_every_docs_page():
   for page in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "docs/api.rst"]:
     if page.stem in ("index", "changelog", "contributing") or (
         page.stem.startswith("benchmark_")):
-      continue  # the README links these itself: CHANGELOG.md, benchmarks/
+      continue  # reached from the docs' index and from the guides
     assert f"](docs/{page.name})" in README, page.name
 
 
