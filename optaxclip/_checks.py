@@ -231,6 +231,17 @@ def check_choice(who: str, name: str, value: Any, choices: Sequence[str],
   return value
 
 
+def check_finite_with_noise(who: str, l2_clip: Any,
+                            noise_multiplier: Any) -> None:
+  """An infinite clip norm with noise would make infinite noise."""
+  if (is_concrete_number(l2_clip) and math.isinf(float(l2_clip))
+      and is_concrete_number(noise_multiplier) and noise_multiplier > 0):
+    raise ValueError(
+        f"{who}: l2_clip must be finite when noise_multiplier > 0 (the noise "
+        f"is noise_multiplier * l2_clip); got l2_clip={l2_clip!r} and "
+        f"noise_multiplier={noise_multiplier!r}.")
+
+
 def check_bool(who: str, name: str, value: Any) -> bool:
   """A Python (or NumPy) bool: a truthy string or number is an error."""
   if not isinstance(value, (bool, np.bool_)):
@@ -453,3 +464,12 @@ def check_sharded(who: str, sharded: Any, axis_name: Any) -> None:
                       "a PartitionSpec, a pytree prefix of those or a "
                       f"callable; got an entry {entry!r}.")
     shard_spec(who, entry, axis_name)
+
+
+def check_sharding(who: str, axis_name: Any, sharded: Any) -> Any:
+  """Checks ``axis_name`` and what can be checked of ``sharded`` before the
+  updates are seen. Returns ``axis_name``.
+  """
+  check_axis_name(who, axis_name)
+  check_sharded(who, sharded, axis_name)
+  return axis_name

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optaxclip import _checks
@@ -57,7 +58,10 @@ class ClipPerExampleState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar
   clip_norm: jax.Array  # float32 scalar
   key: jax.Array  # a PRNG key
-  nonfinite: jax.Array  # int32 scalar (a count)
+  # int32 scalar (a count). New after release 0.1.0: a state restored from
+  # a 0.1.0 checkpoint (restore with the five older fields as the target)
+  # upgrades with ClipPerExampleState(*old), this count starting at 0.
+  nonfinite: jax.typing.ArrayLike = np.int32(0)
 
 
 # Andrew et al. 2021 recommend noising the unclipped count with a standard
@@ -565,6 +569,7 @@ def clip_per_example(
   no_noise = (
     _checks.is_concrete_number(noise_multiplier) and noise_multiplier == 0
   )
+  _checks.check_finite_with_noise(who, l2_clip, noise_multiplier)
   adaptive = target_quantile is not None
 
   def init_fn(params):
@@ -617,20 +622,6 @@ def clip_per_example(
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
-
-
-def check_finite_clip_with_noise(who, l2_clip, noise_multiplier):
-  if (
-    _checks.is_concrete_number(l2_clip)
-    and math.isinf(float(l2_clip))
-    and _checks.is_concrete_number(noise_multiplier)
-    and noise_multiplier > 0
-  ):
-    raise ValueError(
-      f"{who}: l2_clip must be finite when noise_multiplier > 0 (the noise "
-      f"is noise_multiplier * l2_clip); got l2_clip={l2_clip!r} and "
-      f"noise_multiplier={noise_multiplier!r}."
-    )
 
 
 def state_from_counts(cls, counts: ClipCounts, batch: int, noised: Noised):

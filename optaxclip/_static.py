@@ -124,13 +124,6 @@ def sharded_flags(updates: Any, sharded: Sharded, who: str,
   return [s.axes for s in _sharding.resolve(updates, sharded, axis_name, who)]
 
 
-def _check_axis_name(axis_name, who, sharded: Sharded = True):
-  """Checks ``axis_name`` and what can be checked of ``sharded`` now."""
-  _checks.check_axis_name(who, axis_name)
-  _checks.check_sharded(who, sharded, axis_name)
-  return axis_name
-
-
 @_compiled.compiled_once
 def clip_value(max_delta: float) -> optax.GradientTransformation:
   """Clips each element of the updates into ``[-max_delta, max_delta]``.
@@ -281,7 +274,7 @@ def clip_norm(
   _checks.check_number("max_norm", max_norm, who=who, low=0.0, allow_inf=True)
   p = _checks.check_ord("ord", ord, who=who)
   axis = _checks.check_axis("axis", axis, who=who)
-  axis_name = _check_axis_name(axis_name, who, sharded)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -358,7 +351,7 @@ def clip_global(
   who = "clip_global"
   _checks.check_number("max_norm", max_norm, who=who, low=0.0, allow_inf=True)
   p = _checks.check_ord("ord", ord, who=who)
-  axis_name = _check_axis_name(axis_name, who, sharded)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -423,7 +416,7 @@ def clip_block_rms(
   who = "clip_block_rms"
   _checks.check_number("threshold", threshold, who=who, low=0.0,
                        allow_inf=True)
-  axis_name = _check_axis_name(axis_name, who, sharded)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -556,7 +549,7 @@ def clip_unitwise(
   _checks.check_number("clipping", clipping, who=who, low=0.0, allow_inf=True)
   _checks.check_number("eps", eps, who=who, low=0.0)
   axis = _checks.check_axis("axis", axis, who=who)
-  axis_name = _check_axis_name(axis_name, who, sharded)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
     del state

@@ -130,9 +130,12 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     A dict from names to scalar arrays, in the order the states appear in the
     tree. Each value has its state field's dtype: the statistics (``norm``,
     ``clipped_norm``, ``clip_fraction``, ``threshold``, ``clip_norm``) are
-    float32; the counters (:func:`guard`'s ``skipped``, ``nonfinite``,
-    ``consecutive_skips``, :func:`clip_per_example`'s ``nonfinite``) are
-    int32, exact at any step count.
+    float32 (float64 for the adaptive clippers and :func:`guard` when the
+    parameters given to ``init`` are float64); the counters (:func:`guard`'s
+    ``skipped``, ``nonfinite``, ``consecutive_skips``, ``restarts``,
+    :func:`clip_zscore`'s and :func:`clip_relative`'s ``restarts``,
+    :func:`clip_per_example`'s ``nonfinite``) are int32, exact at any step
+    count.
 
   Example:
     >>> import jax.numpy as jnp, optax, optaxclip

@@ -102,8 +102,9 @@ def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
   p = fixture.params()
   target = {"params": p, "opt_state": chained.init(p),
             "per_example_state": per_example.init(p)}
-  # States gained fields since (clip_per_example's `nonfinite`): restore
-  # without a target, then into today's layout.
+  # States gained fields since 0.1.0 (clip_per_example's `nonfinite`, the
+  # adaptive clippers' `restarts`, ...): restore without a target, then into
+  # today's layout, the new fields at their initial values.
   checkpointer = ocp.StandardCheckpointer()
   restored = optaxclip.upgrade_state(
       checkpointer.restore(
@@ -133,6 +134,8 @@ def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
   for key, value in saved["stats"].items():
     np.testing.assert_array_equal(np.asarray(logs[key]), value, err_msg=key)
     assert logs[key].dtype == target_logs[key].dtype, key
+  for key in set(logs) - set(saved["stats"]):
+    np.testing.assert_array_equal(logs[key], target_logs[key], err_msg=key)
   np.testing.assert_array_equal(pe_state.key, saved["per_example_key"])
 
   # It continues: the counters move on from where they were (the guarded

@@ -219,10 +219,10 @@ class StatsByTypeTest(parameterized.TestCase):
     self.assertEqual(
         list(logs),
         [f"guard/{f}" for f in ("norm", "threshold", "skipped", "nonfinite",
-                                "consecutive_skips")]
+                                "consecutive_skips", "restarts")]
         + _keys("inner_state/0/clip_global")
         + _keys("inner_state/1/clip_global")
-        + [f"clip_zscore/{f}" for f in (*FIELDS, "threshold")])
+        + [f"clip_zscore/{f}" for f in (*FIELDS, "threshold", "restarts")])
 
   def test_one_walk_of_the_state_whatever_the_number_of_state_classes(self):
     params = _Counted([jnp.ones(3) for _ in range(20)])
@@ -244,8 +244,10 @@ class StatsByTypeTest(parameterized.TestCase):
     pe = optaxclip.clip_per_example(1.0)
     _, pe_state = pe.update({"w": jnp.ones((2, 2))}, pe.init(g))
     logs = {**optaxclip.stats(state), **optaxclip.stats(pe_state)}
-    self.assertLen(logs, 5 + 5 * 3 + 3 * 4 + 5)
-    counters = ("skipped", "nonfinite", "consecutive_skips")
+    # guard 6, five static clippers 3, the adaptive ones 4 (+ restarts for
+    # clip_zscore and clip_relative), clip_per_example 5.
+    self.assertLen(logs, 6 + 5 * 3 + 3 * 4 + 2 + 5)
+    counters = ("skipped", "nonfinite", "consecutive_skips", "restarts")
     for key, value in logs.items():
       want = jnp.int32 if key.endswith(counters) else jnp.float32
       self.assertEqual((key, value.dtype, value.shape), (key, want, ()))
