@@ -191,6 +191,7 @@ def sum_clipped(
   norms: Sequence[jax.Array],
   limits: Sequence[Any],
   keep: jax.Array,
+  factors: Optional[Sequence[jax.Array]] = None,
 ) -> list[jax.Array]:
   """``sum_b keep_b * min(1, limit / norms[b]) * x[b]`` for each leaf.
 
@@ -201,6 +202,9 @@ def sum_clipped(
     limits: per leaf, the clip limit (a scalar).
     keep: ``(B,)`` bool, False for examples to leave out (their elements
       never reach the sum, whatever they hold).
+    factors: per leaf, the ``(B,)`` factors to apply instead of
+      ``min(1, limit / norm)`` (e.g. automatic clipping's
+      ``limit / (norm + gamma)``); each at most ``limit / norm``.
 
   Returns:
     One array per leaf, without the batch axis, in the accumulation dtype.
@@ -214,7 +218,8 @@ def sum_clipped(
   first scaled by an exact power of two (its norm's exponent), its weight
   becoming ``limit / mantissa``.
   """
-  factors = [_norms.clip_factor(n, limit) for n, limit in zip(norms, limits)]
+  if factors is None:
+    factors = [_norms.clip_factor(n, limit) for n, limit in zip(norms, limits)]
   tiny = _any_of([f < _SMALL_FACTOR for f in factors])
   ordinary = jnp.all(keep) & ~jnp.any(tiny)
 
