@@ -205,7 +205,7 @@ class _Measured:
       if axis_name
       else None
     )
-    self.dtype = jnp.promote_types(
+    self.dtype = _norms.promote_types(
       state_dtype, _norms.tree_accumulation_dtype(self.leaves)
     )
     if scope == "global":

@@ -236,7 +236,7 @@ def guard(
       if axis_name
       else None
     )
-    dtype = jnp.promote_types(
+    dtype = _norms.promote_types(
       state.mean.dtype, _norms.tree_accumulation_dtype(leaves)
     )
     norm = jax.lax.stop_gradient(

@@ -170,7 +170,8 @@ def clip_value(max_delta: float) -> optax.GradientTransformation:
         factor = jnp.where(over, limit / jnp.where(over, mag, 1), 1)
         out.append(_norms.scale_leaf(x, factor))
       else:
-        out.append(jnp.clip(x, -limit, limit).astype(x.dtype))
+        out.append(jnp.clip(x.astype(limit.dtype), -limit, limit
+                            ).astype(x.dtype))
       # Both statistics in one pass (see largest_and_count_above).
       biggest, n_over = _norms.largest_and_count_above(x, limit)
       largest = jnp.maximum(largest, biggest)
