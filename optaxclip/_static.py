@@ -13,6 +13,7 @@ import optax
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _packing
 from optaxclip import _sharding
 from optaxclip import _stats
 
@@ -216,15 +217,18 @@ def _units(norms: Sequence[jax.Array]) -> int:
   return sum(n.size for n in norms)
 
 
-def _per_unit_clip(leaves, norms, limits, ord, across=None):  # pylint: disable=redefined-builtin
+def _per_unit_clip(leaves, norms, limits, ord, across=None, packing=None):  # pylint: disable=redefined-builtin
   """Scales each unit to its limit; returns updates and the statistics.
 
-  ``across``: per leaf, the mapped axes over which devices hold other units
-  of it (their statistics are summed across them; see combine_norms).
+  ``norms`` and ``limits`` are per array of ``packing`` (see _packing) when
+  given, else per leaf. ``across``: per such array, the mapped axes over
+  which devices hold other units of it (their statistics are summed across
+  them; see combine_norms).
   """
-  across = [()] * len(leaves) if across is None else across
+  across = [()] * len(norms) if across is None else across
   factors = [_norms.clip_factor(n, lim) for n, lim in zip(norms, limits)]
-  out = [_norms.scale_leaf(x, f) for x, f in zip(leaves, factors)]
+  leaf_factors = factors if packing is None else packing.unit_values(factors)
+  out = [_norms.scale_leaf(x, f) for x, f in zip(leaves, leaf_factors)]
   clipped_norms = [n * f for n, f in zip(norms, factors)]
   scaled = sum((_norms._psum_sharded(_norms.count(f < 1), names, names)  # pylint: disable=protected-access
                 for f, names in zip(factors, across)),
@@ -238,7 +242,6 @@ def _per_unit_clip(leaves, norms, limits, ord, across=None):  # pylint: disable=
   return out, stats
 
 
-@_compiled.compiled_once
 def clip_norm(
     max_norm: float,
     *,
@@ -307,12 +310,13 @@ def clip_norm(
     axes = [_leaf_axes(x, axis, path, "clip_norm")
             for x, path in zip(leaves, paths)]
     splits = _sharding.resolve(updates, sharded, axis_name, "clip_norm")
-    norms = _norms.unit_norms(
-        leaves, p, axes, axis_name=axis_name,
-        sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)])
-    out, stats = _per_unit_clip(
-        leaves, norms, [max_norm] * len(leaves), p,
+    packed = _packing.Packing(
+        leaves, axes, [_sharding.axes_of(s, a) for s, a in zip(splits, axes)],
         [_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
+    norms = _norms.unit_norms(packed.arrays, p, packed.axes,
+                              axis_name=axis_name, sharded=packed.sharded)
+    out, stats = _per_unit_clip(leaves, norms, [max_norm] * len(norms), p,
+                                packed.across, packed)
     return jax.tree.unflatten(treedef, out), ClipNormState(*stats)
 
   return optax.GradientTransformation(
@@ -443,11 +447,15 @@ def clip_block_rms(
     del params, state
     leaves, treedef = _flatten(updates, "clip_block_rms")
     flags = sharded_flags(updates, sharded, "clip_block_rms", axis_name)
-    norms = _norms.unit_norms(leaves, 2.0, axis_name=axis_name, sharded=flags)
-    sizes = [x.size * _sharding.size(f) for x, f in zip(leaves, flags)]
+    # Packed leaves share their size (the unit size): one limit per array.
+    packed = _packing.Packing(leaves, sharded=flags)
+    norms = _norms.unit_norms(packed.arrays, 2.0, packed.axes,
+                              axis_name=axis_name, sharded=packed.sharded)
+    sizes = [(x.size if ax is None else x.shape[1]) * _sharding.size(f)
+             for x, ax, f in zip(packed.arrays, packed.axes, packed.sharded)]
     limits = [jnp.asarray(threshold, n.dtype) * math.sqrt(max(size, 1))
               for size, n in zip(sizes, norms)]
-    out, stats = _per_unit_clip(leaves, norms, limits, 2.0)
+    out, stats = _per_unit_clip(leaves, norms, limits, 2.0, packing=packed)
     return jax.tree.unflatten(treedef, out), ClipBlockRMSState(*stats)
 
   return optax.GradientTransformation(
@@ -587,15 +595,19 @@ def clip_unitwise(
             else _leaf_axes(x, axis, path, "clip_unitwise")
             for x, s, path in zip(leaves, splits, paths)]
     flags = [_sharding.axes_of(s, a) for s, a in zip(splits, axes)]
-    g_norms = _norms.unit_norms(leaves, 2.0, axes, axis_name=axis_name,
-                                sharded=flags)
-    w_norms = _norms.unit_norms(param_leaves, 2.0, axes, axis_name=axis_name,
-                                sharded=flags)
+    across = [_sharding.other_axes(s, a) for s, a in zip(splits, axes)]
+    packed = _packing.Packing(leaves, axes, flags, across)
+    g_norms = _norms.unit_norms(packed.arrays, 2.0, packed.axes,
+                                axis_name=axis_name, sharded=packed.sharded)
+    # Params in the same layout (the same shapes; the grouping is the
+    # gradient's).
+    w_norms = _norms.unit_norms(packed.pack_like(param_leaves), 2.0,
+                                packed.axes, axis_name=axis_name,
+                                sharded=packed.sharded)
     limits = [clipping * jnp.maximum(w, jnp.asarray(eps, w.dtype))
               for w in w_norms]
-    out, stats = _per_unit_clip(
-        leaves, g_norms, limits, 2.0,
-        [_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
+    out, stats = _per_unit_clip(leaves, g_norms, limits, 2.0, packed.across,
+                                packed)
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(*stats)
 
   return optax.GradientTransformation(
