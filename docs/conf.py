@@ -9,15 +9,15 @@ import optaxclip
 
 project = "optaxclip"
 author = "The optaxclip authors"
-copyright = "2026, The optaxclip authors"  # pylint: disable=redefined-builtin
+copyright = "2026, The optaxclip authors"  # noqa: A001 (Sphinx's name)
 version = release = optaxclip.__version__
 
 extensions = [
-    "myst_parser",
-    "sphinx.ext.autodoc",
-    "sphinx.ext.autosummary",
-    "sphinx.ext.napoleon",
-    "sphinx.ext.viewcode",
+  "myst_parser",
+  "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
+  "sphinx.ext.napoleon",
+  "sphinx.ext.viewcode",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
@@ -40,5 +40,6 @@ myst_enable_extensions = ["dollarmath"]
 
 html_theme = "alabaster"
 html_title = f"optaxclip {release}"
-html_theme_options = {"description": "Gradient clipping for JAX, as optax "
-                                     "transformations"}
+html_theme_options = {
+  "description": "Gradient clipping for JAX, as optax transformations"
+}

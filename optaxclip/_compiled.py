@@ -15,11 +15,13 @@ arguments of one shared jitted function, keyed on the factory and its other
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Hashable
 import functools
 import inspect
 import math
 import threading
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Optional
+import warnings
 
 import jax
 
@@ -83,8 +85,11 @@ def _raw_update(transformation) -> Callable:
 
 def _build_shared(factory: Callable, static: dict[str, Any]) -> Callable:
   def run(dynamic, updates, state, params):
-    # Traced hyperparameters are accepted unchecked by the factory.
-    transformation = factory(**static, **dynamic)
+    # Traced hyperparameters are accepted unchecked by the factory; its
+    # deprecation warnings were given when the user built it.
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      transformation = factory(**static, **dynamic)
     return _raw_update(transformation)(updates, state, params)
   return jax.jit(run)
 

@@ -35,9 +35,10 @@ number of leaves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import functools
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +113,8 @@ def _names(axis_name: AxisName) -> tuple[str, ...]:
 
 def _split_axes(sharded, axis_name: AxisName) -> tuple[str, ...]:
   """One leaf's ``sharded`` entry as the names of ``axis_name`` it is split
-  over: ``True`` all of them, ``False`` none, a tuple of names those."""
+  over: ``True`` all of them, ``False`` none, a tuple of names those.
+  """
   names = _names(axis_name)
   if isinstance(sharded, (tuple, list)):
     return tuple(n for n in names if n in sharded)
@@ -156,14 +158,14 @@ def may_span_devices(x: jax.Array) -> bool:
     return False
   sharding = getattr(typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty:
+  if sharding is None or mesh is None or mesh.empty:
     return False
   used = set()
   for entry in sharding.spec:
     used.update(entry if isinstance(entry, tuple) else (entry,))
   types = getattr(mesh, "axis_types", None) or (None,) * len(mesh.axis_names)
-  for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, types):
-    kind = getattr(kind, "name", str(kind))
+  for name, size, axis_type in zip(mesh.axis_names, mesh.axis_sizes, types):
+    kind = getattr(axis_type, "name", str(axis_type))
     if size == 1 or kind == "Manual":
       continue
     if kind == "Explicit" and name not in used:
@@ -179,7 +181,8 @@ def _concatenable(x: jax.Array) -> bool:
 def _sharded_flags(leaves, sharded, axis_name: AxisName = None
                    ) -> list[tuple[str, ...]]:
   """Per leaf, the names of ``axis_name`` it is split over (``sharded=None``:
-  all of them, for every leaf)."""
+  all of them, for every leaf).
+  """
   if sharded is None:
     return [_names(axis_name)] * len(leaves)
   if len(sharded) != len(leaves):
@@ -280,7 +283,8 @@ def _merge_scaled(parts, p: float):
 
 def _across_devices(m, q, p, sharded, axis_name: AxisName):
   """``(M, q)`` of a leaf split over (some of) ``axis_name``, merged over the
-  devices that hold its parts (``sharded``: see _split_axes)."""
+  devices that hold its parts (``sharded``: see _split_axes).
+  """
   names = _split_axes(sharded, axis_name)
   if not names:
     return m, q
@@ -297,7 +301,8 @@ def _scaled_norm(m, q, p):
 def _flat_parts(arrays) -> list[jax.Array]:
   """The arrays as 1-D parts: those on one device concatenated into one, the
   others (that may span devices: no all-gather) raveled on their own. Same
-  shapes in, same partition out."""
+  shapes in, same partition out.
+  """
   local = [jnp.ravel(a) for a in arrays if not may_span_devices(a)]
   parts = [jnp.ravel(a) for a in arrays if may_span_devices(a)]
   if local:
@@ -321,11 +326,11 @@ def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
 
 def unit_norms(
     leaves: Sequence[jax.Array],
-    ord: float = 2.0,  # pylint: disable=redefined-builtin
+    ord: float = 2.0,
     axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
     *,
     axis_name: AxisName = None,
-    sharded: Optional[Sequence[bool]] = None,
+    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> list[jax.Array]:
   """The p-norm of each unit of each leaf, with reduced axes kept as size 1.
 
@@ -431,10 +436,10 @@ def _pieces(leaves, flags) -> list[tuple[jax.Array, bool]]:
 
 def global_norm(
     leaves: Sequence[jax.Array],
-    ord: float = 2.0,  # pylint: disable=redefined-builtin
+    ord: float = 2.0,
     *,
     axis_name: AxisName = None,
-    sharded: Optional[Sequence[bool]] = None,
+    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> jax.Array:
   """The p-norm of all leaves taken together, as one vector.
 
@@ -492,7 +497,8 @@ def global_norm(
     for f, idx in groups.items():
       if idx:
         m, q = _merge_scaled([
-            tuple(v.reshape(()) for v in _scaled_sum(arrays_[i], p, None, dtype))
+            tuple(v.reshape(())
+                  for v in _scaled_sum(arrays_[i], p, None, dtype))
             for i in idx], p)
         parts.append(_across_devices(m, q, p, f, axis_name))
     return _scaled_norm(*_merge_scaled(parts, p), p)
@@ -533,7 +539,7 @@ def largest_and_count_above(x: jax.Array, limit: Any):
   return _largest_and_count_custom(x, limit, dtype)
 
 
-def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0,  # pylint: disable=redefined-builtin
+def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0,
                   *, across: Optional[Sequence[tuple[str, ...]]] = None
                   ) -> jax.Array:
   """The p-norm of a set of unit norms: the norm of the whole they partition.
@@ -558,11 +564,10 @@ def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0,  # pylint: disab
     if local:
       own.append(jnp.concatenate(local) if len(local) > 1 else local[0])
     parts[names] = own
-  biggest = None
-  for names, own in parts.items():
-    local = functools.reduce(jnp.maximum, [v.max(initial=0) for v in own])
-    local = _pmax(local, names)
-    biggest = local if biggest is None else jnp.maximum(biggest, local)
+  biggest = functools.reduce(jnp.maximum, [
+      _pmax(functools.reduce(jnp.maximum, [v.max(initial=0) for v in own]),
+            names)
+      for names, own in parts.items()])
   if math.isinf(ord):
     return biggest
   # An infinite unit norm makes the whole infinite (inf / inf would be NaN).
@@ -572,7 +577,7 @@ def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0,  # pylint: disab
     partial = sum(jnp.sum(_power(v / scale, ord)) for v in own)
     total = total + (jax.lax.psum(partial, names) if names else partial)
   return jnp.where(jnp.isinf(biggest), biggest,
-                   biggest * safe_root(total, ord))
+                   biggest * safe_root(jnp.asarray(total), ord))
 
 
 def clip_factor(norm: jax.Array, limit: Any) -> jax.Array:
@@ -583,11 +588,12 @@ def clip_factor(norm: jax.Array, limit: Any) -> jax.Array:
   """
   limit = jnp.asarray(limit, norm.dtype)
   above = norm > limit
-  return jnp.where(above, limit / jnp.where(above, norm, 1), 1).astype(norm.dtype)
+  return jnp.where(above, limit / jnp.where(above, norm, 1),
+                   1).astype(norm.dtype)
 
 
 def scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-  """``x * factor`` computed in the accumulation dtype, returned in x's dtype."""
+  """``x * factor`` computed in the accumulation dtype, in ``x``'s dtype."""
   return (x * factor.astype(accumulation_dtype(x.dtype))).astype(x.dtype)
 
 

@@ -62,10 +62,10 @@ def resolve(updates: Any, sharded: Any, axis_name: Any,
   if callable(sharded):
     return [_entry(who, sharded(path, leaf), axis_name, path, leaf)
             for path, leaf in with_path]
-  entries = dict(
-      (tuple(path), spec) for path, spec in
+  entries = {
+      tuple(path): spec for path, spec in
       jax.tree_util.tree_flatten_with_path(
-          sharded, is_leaf=_checks.is_shard_spec)[0])
+          sharded, is_leaf=_checks.is_shard_spec)[0]}
   out = []
   for path, leaf in with_path:
     path = tuple(path)
@@ -114,7 +114,8 @@ def size(names: tuple[str, ...]) -> int:
 
 def global_shape(x: Any, sharding: LeafSharding) -> Optional[tuple[int, ...]]:
   """The leaf's global shape, or ``None`` when its dimensions are unknown
-  (split, with no PartitionSpec)."""
+  (split, with no PartitionSpec).
+  """
   shape = tuple(getattr(x, "shape", ()))
   if not sharding.axes:
     return shape

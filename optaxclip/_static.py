@@ -1,10 +1,12 @@
 """Clippers with a fixed threshold: by value, per-tensor norm, global norm,
-block RMS and unit-wise (AGC)."""
+block RMS and unit-wise (AGC).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -217,7 +219,7 @@ def _units(norms: Sequence[jax.Array]) -> int:
   return sum(n.size for n in norms)
 
 
-def _per_unit_clip(leaves, norms, limits, ord, across=None, packing=None):  # pylint: disable=redefined-builtin
+def _per_unit_clip(leaves, norms, limits, ord, across=None, packing=None):
   """Scales each unit to its limit; returns updates and the statistics.
 
   ``norms`` and ``limits`` are per array of ``packing`` (see _packing) when
@@ -230,7 +232,7 @@ def _per_unit_clip(leaves, norms, limits, ord, across=None, packing=None):  # py
   leaf_factors = factors if packing is None else packing.unit_values(factors)
   out = [_norms.scale_leaf(x, f) for x, f in zip(leaves, leaf_factors)]
   clipped_norms = [n * f for n, f in zip(norms, factors)]
-  scaled = sum((_norms._psum_sharded(_norms.count(f < 1), names, names)  # pylint: disable=protected-access
+  scaled = sum((_norms._psum_sharded(_norms.count(f < 1), names, names)  # noqa: SLF001
                 for f, names in zip(factors, across)),
                jnp.zeros((), jnp.float32))
   units = sum(n.size * _sharding.size(names)
@@ -245,7 +247,7 @@ def _per_unit_clip(leaves, norms, limits, ord, across=None, packing=None):  # py
 def clip_norm(
     max_norm: float,
     *,
-    ord: Union[float, str, None] = None,  # pylint: disable=redefined-builtin
+    ord: Union[float, str, None] = None,
     axis: Axis = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     sharded: Sharded = True,
@@ -327,11 +329,11 @@ def clip_norm(
 def clip_global(
     max_norm: float,
     *,
-    ord: Union[float, str, None] = None,  # pylint: disable=redefined-builtin
+    ord: Union[float, str, None] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
-  """Scales the whole update so that its global ``ord``-norm is at most ``max_norm``.
+  """Scales the whole update to a global ``ord``-norm of at most ``max_norm``.
 
   The global-norm clipping of Pascanu et al., ``tf.clip_by_global_norm``,
   Keras' ``global_clipnorm``, ``torch.nn.utils.clip_grad_norm_`` and
@@ -524,7 +526,7 @@ def clip_unitwise(
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
-  """Adaptive gradient clipping (AGC): ``||g_u|| <= clipping * max(||w_u||, eps)``.
+  """Adaptive gradient clipping: ``||g_u|| <= clipping * max(||w_u||, eps)``.
 
   Each unit ``u`` of each leaf (an output unit of a layer: see
   :func:`default_unit_axes`) is clipped relative to the norm of the matching

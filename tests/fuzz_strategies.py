@@ -97,10 +97,10 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import ml_dtypes
-import np_refs
 import numpy as np
 import optax
 
+import np_refs
 import optaxclip
 
 # --------------------------------------------------------------------------
@@ -302,7 +302,7 @@ def _nest(draw, items: list) -> Any:
 
 
 @st.composite
-def trees(draw, dtypes=REAL, shapes=SHAPES, min_leaves=0, max_leaves=4,  # pylint: disable=redefined-outer-name
+def trees(draw, dtypes=REAL, shapes=SHAPES, min_leaves=0, max_leaves=4,
           nonfinite=False, large=False):
   """A pytree of :func:`arrays` leaves in dict / list nesting."""
   n = draw(st.integers(min_leaves, max_leaves))
@@ -325,10 +325,11 @@ def like(draw, tree, nonfinite=False):
 
 @st.composite
 def per_example_trees(draw, batch_sizes=(1, 2, 4, 8), dtypes=("float32",),
-                      shapes=((), (3,), (2, 2)), max_leaves=3,  # pylint: disable=redefined-outer-name
+                      shapes=((), (3,), (2, 2)), max_leaves=3,
                       nonfinite=False):
   """Leaves with a leading batch axis; some whole examples zero, huge (above
-  2**126) or non-finite."""
+  2**126) or non-finite.
+  """
   batch = draw(st.sampled_from(tuple(batch_sizes)))
   n = draw(st.integers(1, max_leaves))
   items = []
@@ -463,7 +464,8 @@ def ord_value(o) -> float:
 def static_configs(draw, names=STATIC + ("clipped",), ords=ORDS, axes=(None,),
                    limit=None):
   """A static clipper; ``limit`` None leaves the first argument at 1.0 (set
-  it with ``Config.with_limit`` or pass it to ``static_runner``)."""
+  it with ``Config.with_limit`` or pass it to ``static_runner``).
+  """
   name = draw(st.sampled_from(tuple(names)))
   lim = 1.0 if limit is None else limit
   if name == "clip_value":
@@ -560,7 +562,7 @@ def _combine(values, p) -> float:
   return float(_unit_pnorm(flat, p, None).reshape(())) if flat.size else 0.0
 
 
-def measure_tree(tree_leaves, ord=2.0) -> float:  # pylint: disable=redefined-builtin
+def measure_tree(tree_leaves, ord=2.0) -> float:
   """The global ``ord``-norm of a list of leaves, float64 (overflow-safe)."""
   return _combine([_unit_pnorm(x, ord_value(ord), None) for x in tree_leaves],
                   ord_value(ord))
@@ -682,9 +684,10 @@ def static_runner(config: Config):
 @functools.cache
 def step_runner(config: Config):
   """``(tx, jit((g, state, params) -> (updates, state)))`` of a concrete
-  config: ``tx.init`` starts a history, the jitted step continues it."""
+  config: ``tx.init`` starts a history, the jitted step continues it.
+  """
   tx = config.make()
-  return tx, jax.jit(lambda g, state, params: tx.update(g, state, params))
+  return tx, jax.jit(tx.update)
 
 
 def mesh(n: int) -> jax.sharding.Mesh:

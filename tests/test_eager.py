@@ -26,7 +26,7 @@ TRANSFORMATIONS = {
     "clip_unitwise": lambda: optaxclip.clip_unitwise(0.1),
     "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=1),
     "clip_percentile": lambda: optaxclip.clip_percentile(10.0),
-    "clip_relative": lambda: optaxclip.clip_relative(),
+    "clip_relative": optaxclip.clip_relative,
     "guard": lambda: optaxclip.guard(optax.adam(1e-2)),
     "clipped": lambda: optaxclip.clipped(optax.adam(1e-2), global_clipnorm=1.0),
     "clip_per_example": lambda: optaxclip.clip_per_example(
@@ -77,7 +77,8 @@ def test_eager_and_jitted_updates_agree():
 
 def test_eager_update_with_a_function_in_extra_args():
   """Extra arguments may hold functions (optax's line searches take
-  ``value_fn``); jit cannot take those, so such a call runs as written."""
+  ``value_fn``); jit cannot take those, so such a call runs as written.
+  """
   calls = []
 
   def value_fn(params):
@@ -155,7 +156,8 @@ def test_injected_hyperparameter_change_takes_effect_without_compiling(
 
 def test_equal_configurations_share_one_compiled_update(caplog):
   """Two transformations built alike compile once between them; a different
-  static argument compiles its own."""
+  static argument compiles its own.
+  """
   grads = {"w": jnp.arange(3.0)}
   optaxclip.clip_norm(0.25, ord=1).update(grads, None)
   with jax.log_compiles(True), caplog.at_level(logging.WARNING):

@@ -1,4 +1,8 @@
-"""The examples and the README's code run, at tiny sizes, so they never rot."""
+"""The examples, the README's and the guides' code run, so they never rot.
+
+The examples run at tiny sizes; the Python blocks of README.md and of
+docs/*.md each run on their own, as a reader would paste them.
+"""
 
 import importlib.util
 import math
@@ -46,8 +50,9 @@ def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
   variants = _load(ROOT / "examples" / "lstm_exploding.py").VARIANTS
   rows = {}
   for name in variants:
-    row = re.search(rf"^{name} +(\S+) +(\S+) +(\S+) +(\d+)% +(yes|no) +(yes|no)$",
-                    stdout, re.M)
+    row = re.search(
+        rf"^{name} +(\S+) +(\S+) +(\S+) +(\d+)% +(yes|no) +(yes|no)$",
+        stdout, re.M)
     assert row, f"no row for {name}:\n{stdout}"
     rows[name] = row.groups()
   for name, (final, best, norm, _, diverged, _) in rows.items():
@@ -78,7 +83,7 @@ def _run_blocks(markdown, name):
   blocks = _python_blocks(markdown)
   for i, code in enumerate(blocks):
     namespace = {"__name__": f"{name}_block_{i}"}
-    exec(compile(code, f"{name} python block {i}", "exec"), namespace)  # pylint: disable=exec-used
+    exec(compile(code, f"{name} python block {i}", "exec"), namespace)  # noqa: S102
   return len(blocks)
 
 
@@ -104,11 +109,19 @@ def test_readme_has_the_two_setup_commands_verbatim():
   assert 'python -m pip install -e ".[test]" && python -m pytest' in lines
 
 
+def test_readme_has_the_docs_preview_command():
+  # The same build as .ci/run's, warnings as errors.
+  assert ('python -m pip install -e ".[docs]" && '
+          "python -m sphinx -W -b html docs docs/_build/html") in (
+              README.splitlines())
+  assert "-m sphinx -W " in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
 def test_readme_links_to_every_docs_page():
-  for page in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "docs/api.rst"]:
+  for page in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "docs/api.rst"]:
     if page.stem in ("index", "changelog", "contributing") or (
         page.stem.startswith("benchmark_")):
-      continue  # the README links these itself: CHANGELOG.md, benchmarks/
+      continue  # reached from the docs' index and from the guides
     assert f"](docs/{page.name})" in README, page.name
 
 
