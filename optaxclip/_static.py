@@ -15,7 +15,6 @@ import optax
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
-from optaxclip import _packing
 from optaxclip import _sharding
 from optaxclip import _stats
 
@@ -219,18 +218,15 @@ def _units(norms: Sequence[jax.Array]) -> int:
   return sum(n.size for n in norms)
 
 
-def _per_unit_clip(leaves, norms, limits, ord, across=None, packing=None):
+def _per_unit_clip(leaves, norms, limits, ord, across=None):
   """Scales each unit to its limit; returns updates and the statistics.
 
-  ``norms`` and ``limits`` are per array of ``packing`` (see _packing) when
-  given, else per leaf. ``across``: per such array, the mapped axes over
-  which devices hold other units of it (their statistics are summed across
-  them; see combine_norms).
+  ``across``: per leaf, the mapped axes over which devices hold other units
+  of it (their statistics are summed across them; see combine_norms).
   """
-  across = [()] * len(norms) if across is None else across
+  across = [()] * len(leaves) if across is None else across
   factors = [_norms.clip_factor(n, lim) for n, lim in zip(norms, limits)]
-  leaf_factors = factors if packing is None else packing.unit_values(factors)
-  out = [_norms.scale_leaf(x, f) for x, f in zip(leaves, leaf_factors)]
+  out = [_norms.scale_leaf(x, f) for x, f in zip(leaves, factors)]
   clipped_norms = [n * f for n, f in zip(norms, factors)]
   scaled = sum((_norms._psum_sharded(_norms.count(f < 1), names, names)  # noqa: SLF001
                 for f, names in zip(factors, across)),
@@ -244,6 +240,7 @@ def _per_unit_clip(leaves, norms, limits, ord, across=None, packing=None):
   return out, stats
 
 
+@_compiled.compiled_once
 def clip_norm(
     max_norm: float,
     *,
@@ -312,13 +309,12 @@ def clip_norm(
     axes = [_leaf_axes(x, axis, path, "clip_norm")
             for x, path in zip(leaves, paths)]
     splits = _sharding.resolve(updates, sharded, axis_name, "clip_norm")
-    packed = _packing.Packing(
-        leaves, axes, [_sharding.axes_of(s, a) for s, a in zip(splits, axes)],
+    norms = _norms.unit_norms(
+        leaves, p, axes, axis_name=axis_name,
+        sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)])
+    out, stats = _per_unit_clip(
+        leaves, norms, [max_norm] * len(leaves), p,
         [_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
-    norms = _norms.unit_norms(packed.arrays, p, packed.axes,
-                              axis_name=axis_name, sharded=packed.sharded)
-    out, stats = _per_unit_clip(leaves, norms, [max_norm] * len(norms), p,
-                                packed.across, packed)
     return jax.tree.unflatten(treedef, out), ClipNormState(*stats)
 
   return optax.GradientTransformation(
@@ -449,15 +445,11 @@ def clip_block_rms(
     del params, state
     leaves, treedef = _flatten(updates, "clip_block_rms")
     flags = sharded_flags(updates, sharded, "clip_block_rms", axis_name)
-    # Packed leaves share their size (the unit size): one limit per array.
-    packed = _packing.Packing(leaves, sharded=flags)
-    norms = _norms.unit_norms(packed.arrays, 2.0, packed.axes,
-                              axis_name=axis_name, sharded=packed.sharded)
-    sizes = [(x.size if ax is None else x.shape[1]) * _sharding.size(f)
-             for x, ax, f in zip(packed.arrays, packed.axes, packed.sharded)]
+    norms = _norms.unit_norms(leaves, 2.0, axis_name=axis_name, sharded=flags)
+    sizes = [x.size * _sharding.size(f) for x, f in zip(leaves, flags)]
     limits = [jnp.asarray(threshold, n.dtype) * math.sqrt(max(size, 1))
               for size, n in zip(sizes, norms)]
-    out, stats = _per_unit_clip(leaves, norms, limits, 2.0, packing=packed)
+    out, stats = _per_unit_clip(leaves, norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipBlockRMSState(*stats)
 
   return optax.GradientTransformation(
@@ -597,19 +589,15 @@ def clip_unitwise(
             else _leaf_axes(x, axis, path, "clip_unitwise")
             for x, s, path in zip(leaves, splits, paths)]
     flags = [_sharding.axes_of(s, a) for s, a in zip(splits, axes)]
-    across = [_sharding.other_axes(s, a) for s, a in zip(splits, axes)]
-    packed = _packing.Packing(leaves, axes, flags, across)
-    g_norms = _norms.unit_norms(packed.arrays, 2.0, packed.axes,
-                                axis_name=axis_name, sharded=packed.sharded)
-    # Params in the same layout (the same shapes; the grouping is the
-    # gradient's).
-    w_norms = _norms.unit_norms(packed.pack_like(param_leaves), 2.0,
-                                packed.axes, axis_name=axis_name,
-                                sharded=packed.sharded)
+    g_norms = _norms.unit_norms(leaves, 2.0, axes, axis_name=axis_name,
+                                sharded=flags)
+    w_norms = _norms.unit_norms(param_leaves, 2.0, axes, axis_name=axis_name,
+                                sharded=flags)
     limits = [clipping * jnp.maximum(w, jnp.asarray(eps, w.dtype))
               for w in w_norms]
-    out, stats = _per_unit_clip(leaves, g_norms, limits, 2.0, packed.across,
-                                packed)
+    out, stats = _per_unit_clip(
+        leaves, g_norms, limits, 2.0,
+        [_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(*stats)
 
   return optax.GradientTransformation(
