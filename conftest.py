@@ -6,14 +6,36 @@ before jax is first imported, which is why it lives here.
 
 import os
 
-os.environ["XLA_FLAGS"] = " ".join(filter(None, (
-    os.environ.get("XLA_FLAGS", ""),
-    "--xla_force_host_platform_device_count=8",
-)))
+os.environ["XLA_FLAGS"] = " ".join(
+  filter(
+    None,
+    (
+      os.environ.get("XLA_FLAGS", ""),
+      "--xla_force_host_platform_device_count=8",
+    ),
+  )
+)
 
 import hypothesis
 
 hypothesis.settings.register_profile(
-    "ci", max_examples=40, deadline=None, derandomize=True,
-    suppress_health_check=[hypothesis.HealthCheck.too_slow])
+  "ci",
+  max_examples=40,
+  deadline=None,
+  derandomize=True,
+  suppress_health_check=[hypothesis.HealthCheck.too_slow],
+)
+# Release checks: many more examples, a fresh random seed each run (the fuzz
+# suite's invariants over far more of the input space; minutes, not seconds).
+# HYPOTHESIS_PROFILE=release python -m pytest tests/test_fuzz*.py
+hypothesis.settings.register_profile(
+  "release",
+  max_examples=1000,
+  deadline=None,
+  derandomize=False,
+  suppress_health_check=[
+    hypothesis.HealthCheck.too_slow,
+    hypothesis.HealthCheck.data_too_large,
+  ],
+)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

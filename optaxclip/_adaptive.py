@@ -645,6 +645,23 @@ def percentile_linear(values: jax.Array, n: jax.Array, q: Any) -> jax.Array:
   return percentile_sorted(ordered, jnp.broadcast_to(n, values.shape[1:]), q)
 
 
+def _from_release_0_1(history, ordered, filled):
+  """``history`` and ``ordered`` of a state saved by release 0.1.0, whose
+  history held zeros in empty slots and zero norms, and had no ``ordered``
+  (restored at its fresh value): in today's form.
+  """
+  del ordered
+  rows = history.shape[0]
+  slot = jnp.arange(rows).reshape((rows,) + (1,) * (history.ndim - 1))
+  kept = jnp.where((slot < filled) & (history > 0), history, jnp.inf)
+  return kept, jnp.sort(kept, axis=0)
+
+
+def _as_is(history, ordered, filled):
+  del filled
+  return history, ordered
+
+
 @_compiled.compiled_once
 def clip_percentile(
   percentile: float = 10.0,
@@ -737,12 +754,22 @@ def clip_percentile(
     # leaves the window); a zero norm is recorded as +inf: it does not count.
     value = measured.stat_norm.astype(dtype)
     value = jnp.where(value > 0, value, jnp.inf)
-    leaving = state.history[state.index]
+    # A state from release 0.1.0, restored with `ordered` at its fresh value.
+    legacy = (state.filled > 0) & jnp.all(state.ordered == jnp.inf)
+    past, past_order = jax.lax.cond(
+      legacy,
+      _from_release_0_1,
+      _as_is,
+      state.history,
+      state.ordered,
+      state.filled,
+    )
+    leaving = past[state.index]
     recorded, ordered, filled, index = _keep_if(
       finite,
       (
-        state.history.at[state.index].set(value),
-        replace_sorted(state.ordered, leaving, value),
+        past.at[state.index].set(value),
+        replace_sorted(past_order, leaving, value),
         jnp.minimum(state.filled + 1, history).astype(jnp.int32),
         ((state.index + 1) % history).astype(jnp.int32),
       ),
