@@ -148,17 +148,6 @@ class ClipRelativeState(NamedTuple):
 # --- Shared pieces ------------------------------------------------------------
 
 
-def check_patience(patience: Any, who: str) -> None:
-  _checks.check_steps(who, "patience", patience)
-
-
-def check_axis_name(who: str, axis_name: Any, sharded: Any) -> Any:
-  """Checks ``axis_name`` and what can be checked of ``sharded`` now."""
-  _checks.check_axis_name(who, axis_name)
-  _checks.check_sharded(who, sharded, axis_name)
-  return axis_name
-
-
 def stats_dtype(params: Any) -> np.dtype:
   """The dtype of an adaptive state's statistics, fixed at ``init``.
 
@@ -216,7 +205,7 @@ class _Measured:
       if axis_name
       else None
     )
-    self.dtype = jnp.promote_types(
+    self.dtype = _norms.promote_types(
       state_dtype, _norms.tree_accumulation_dtype(self.leaves)
     )
     if scope == "global":
@@ -473,26 +462,26 @@ def clip_zscore(
     1.407
   """
   who = "clip_zscore"
-  _checks.check_probability(f"{who}: alpha", alpha)
-  _checks.check_number(f"{who}: z_thresh", z_thresh, low=0.0, low_open=True)
+  _checks.check_probability("alpha", alpha, who=who)
+  _checks.check_number("z_thresh", z_thresh, who=who, low=0.0, low_open=True)
   _checks.check_number(
-    f"{who}: max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
+    "max_norm", max_norm, who=who, low=0.0, allow_inf=True, allow_none=True
   )
-  _checks.check_number(f"{who}: eps", eps, low=0.0)
+  _checks.check_number("eps", eps, who=who, low=0.0)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
   _checks.check_choice(who, "mode", mode, ("zscore", "percentile"))
   _checks.check_choice(
     who, "clip_option", clip_option, ("adaptive_scaling", "mean")
   )
   _checks.check_number(
-    f"{who}: clip_factor", clip_factor, low=0.0, low_open=True
+    "clip_factor", clip_factor, who=who, low=0.0, low_open=True
   )
   skip_update_on_spike = _checks.check_bool(
     who, "skip_update_on_spike", skip_update_on_spike
   )
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
-  check_patience(patience, who)
-  axis_name = check_axis_name(who, axis_name, sharded)
+  _checks.check_steps(who, "patience", patience)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
   cap = _no_limit(max_norm)
 
   def init_fn(params):
@@ -721,10 +710,10 @@ def clip_percentile(
     (2.5, Array([2.5], dtype=float32))
   """
   who = "clip_percentile"
-  _checks.check_number(f"{who}: percentile", percentile, low=0.0, high=100.0)
+  _checks.check_number("percentile", percentile, who=who, low=0.0, high=100.0)
   history = _checks.check_count(who, "history", history)
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
-  axis_name = check_axis_name(who, axis_name, sharded)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def init_fn(params):
     shape = (history,) + _unit_shape(params, scope)
@@ -825,7 +814,8 @@ def clip_relative(
     (``restarts`` counts these).
 
   Args:
-    factor: the relative threshold (``lambda_rel`` in the paper; > 0).
+    factor: the relative threshold (``lambda_rel`` in the paper; >= 1:
+      below 1 every leaf's limit, and so its update, decays to zero).
     beta: EMA smoothing of each ``gamma_i``, in (0, 1).
     warmup_steps: steps of global clipping that set the ``gamma_i`` (>= 1).
     warmup_max_norm: the global norm limit during warm-up (``lambda_abs``;
@@ -857,14 +847,18 @@ def clip_relative(
     (Array([1.2], dtype=float32), Array([0.8], dtype=float32))
   """
   who = "clip_relative"
-  _checks.check_number(f"{who}: factor", factor, low=0.0, low_open=True)
-  _checks.check_probability(f"{who}: beta", beta)
+  _checks.check_number(
+    "factor", factor, who=who, low=1.0,
+    why="below 1 a leaf's limit is under its own recent clipped norm: every"
+    " step is clipped and the limit keeps shrinking",
+  )
+  _checks.check_probability("beta", beta, who=who)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
   _checks.check_number(
-    f"{who}: warmup_max_norm", warmup_max_norm, low=0.0, allow_inf=True
+    "warmup_max_norm", warmup_max_norm, who=who, low=0.0, allow_inf=True
   )
-  check_patience(patience, who)
-  axis_name = check_axis_name(who, axis_name, sharded)
+  _checks.check_steps(who, "patience", patience)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def init_fn(params):
     shape = _unit_shape(params, "leaf")

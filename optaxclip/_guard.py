@@ -197,15 +197,15 @@ def guard(
   _checks.check_transformation(who, "inner", inner)
   skip_nonfinite = _checks.check_bool(who, "skip_nonfinite", skip_nonfinite)
   _checks.check_number(
-    f"{who}: spike_z", spike_z, low=0.0, low_open=True, allow_none=True
+    "spike_z", spike_z, who=who, low=0.0, low_open=True, allow_none=True
   )
   _checks.check_number(
-    f"{who}: max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
+    "max_norm", max_norm, who=who, low=0.0, allow_inf=True, allow_none=True
   )
-  _checks.check_probability(f"{who}: alpha", alpha)
+  _checks.check_probability("alpha", alpha, who=who)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
-  _adaptive.check_patience(patience, who)
-  axis_name = _adaptive.check_axis_name(who, axis_name, sharded)
+  _checks.check_steps(who, "patience", patience)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -236,7 +236,7 @@ def guard(
       if axis_name
       else None
     )
-    dtype = jnp.promote_types(
+    dtype = _norms.promote_types(
       state.mean.dtype, _norms.tree_accumulation_dtype(leaves)
     )
     norm = jax.lax.stop_gradient(
