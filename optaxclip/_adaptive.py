@@ -316,7 +316,8 @@ def running_moments(
     restart: per unit, whether the statistics restart at ``x``.
 
   Returns:
-    The new ``(count, mean, var)``.
+    The new ``(count, mean, var)``; the variance saturates at the dtype's
+    largest finite value.
   """
   warming = count < warmup_steps
   warm_mean, warm_var = welford(count, mean, var, x)
@@ -327,6 +328,9 @@ def running_moments(
     alpha * var + (1 - alpha) * (x - mean) ** 2,
     jnp.where(warming, warm_var, ema_var),
   )
+  # A spread beyond the dtype's range (norms above ~1e19 in float32, ~1e154
+  # in float64) saturates rather than turning into inf, then NaN.
+  new_var = jnp.minimum(new_var, jnp.finfo(var.dtype).max)
   take = finite & (take | restart)
   new_count = jnp.where(finite, jnp.minimum(count + 1, warmup_steps), count)
   return (
