@@ -31,7 +31,7 @@ they share:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,12 +43,14 @@ from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _static
 from optaxclip import _stats
+from optaxclip._typing import AxisName
+from optaxclip._typing import Scalar
+from optaxclip._typing import Scope
 
 _F32 = jnp.float32
 _INT32_MAX = np.iinfo(np.int32).max
 ADAPTIVE_FIELDS = (*_stats.CLIP_FIELDS, "threshold")
 SCOPES = ("global", "leaf")
-AxisName = Optional[Union[str, tuple[str, ...]]]
 
 
 @_stats.register("clip_zscore", (*ADAPTIVE_FIELDS, "restarts"))
@@ -360,17 +362,17 @@ def add_count(total: jax.Array, n: jax.Array) -> jax.Array:
 @_compiled.compiled_once
 def clip_zscore(
   *,
-  alpha: float = 0.97,
-  z_thresh: float = 2.5,
-  max_norm: Optional[float] = None,
-  eps: float = 1e-6,
-  warmup_steps: int = 25,
-  mode: str = "zscore",
-  clip_option: str = "adaptive_scaling",
-  clip_factor: float = 1.0,
+  alpha: Scalar = 0.97,
+  z_thresh: Scalar = 2.5,
+  max_norm: Optional[Scalar] = None,
+  eps: Scalar = 1e-6,
+  warmup_steps: Scalar = 25,
+  mode: Literal["zscore", "percentile"] = "zscore",
+  clip_option: Literal["adaptive_scaling", "mean"] = "adaptive_scaling",
+  clip_factor: Scalar = 1.0,
   skip_update_on_spike: bool = False,
-  scope: str = "global",
-  patience: int = 25,
+  scope: Scope = "global",
+  patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
 ) -> optax.GradientTransformation:
@@ -657,10 +659,10 @@ def _as_is(history, ordered, filled):
 
 @_compiled.compiled_once
 def clip_percentile(
-  percentile: float = 10.0,
+  percentile: Scalar = 10.0,
   *,
   history: int = 1024,
-  scope: str = "global",
+  scope: Scope = "global",
   axis_name: AxisName = None,
   sharded: Any = True,
 ) -> optax.GradientTransformation:
@@ -784,12 +786,12 @@ def clip_percentile(
 
 @_compiled.compiled_once
 def clip_relative(
-  factor: float = 1.05,
+  factor: Scalar = 1.05,
   *,
-  beta: float = 0.98,
-  warmup_steps: int = 100,
-  warmup_max_norm: float = 1.0,
-  patience: int = 25,
+  beta: Scalar = 0.98,
+  warmup_steps: Scalar = 100,
+  warmup_max_norm: Scalar = 1.0,
+  patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
 ) -> optax.GradientTransformation:

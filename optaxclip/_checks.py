@@ -212,7 +212,7 @@ def leaf_axes(who: str, axis: Optional[tuple[int, ...]], x: Any,
 
 
 def check_choice(who: str, name: str, value: Any, choices: Sequence[str],
-                 aliases: Optional[Mapping[str, str]] = None) -> str:
+                 aliases: Optional[Mapping[str, str]] = None) -> Any:
   """One of ``choices``; a deprecated alias is accepted with a warning.
 
   Returns:

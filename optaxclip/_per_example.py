@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,10 @@ from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _stats
+from optaxclip._typing import AxisName
+from optaxclip._typing import Scalar
+from optaxclip._typing import Scope
+from optaxclip._typing import Seed
 
 STAT_FIELDS = (
   "norm",
@@ -451,15 +455,15 @@ def noise_and_adapt(
 
 @_compiled.compiled_once
 def clip_per_example(
-  l2_clip: float,
+  l2_clip: Scalar,
   *,
-  scope: str = "global",
-  reduce: str = "mean",
-  noise_multiplier: float = 0.0,
-  seed: int = 0,
-  target_quantile: Optional[float] = None,
-  quantile_lr: float = 0.2,
-  axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+  scope: Scope = "global",
+  reduce: Literal["mean", "sum"] = "mean",
+  noise_multiplier: Scalar = 0.0,
+  seed: Seed = 0,
+  target_quantile: Optional[Scalar] = None,
+  quantile_lr: Scalar = 0.2,
+  axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
   """Clips each example's gradient, aggregates the batch, adds Gaussian noise.
 
@@ -566,7 +570,7 @@ def clip_per_example(
   )
   _checks.check_number("quantile_lr", quantile_lr, who=who, low=0.0)
   axis_name = _checks.check_axis_name(who, axis_name)
-  no_noise = (
+  no_noise = bool(
     _checks.is_concrete_number(noise_multiplier) and noise_multiplier == 0
   )
   _checks.check_finite_with_noise(who, l2_clip, noise_multiplier)
