@@ -18,28 +18,19 @@ import optaxclip
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 STEP_ROWS = (
-  "one read pass alone (jitted sum of squares)",
-  "adam + read (floor)",
-  "adam + scale (floor)",
-  "clip_global",
-  "clip_global + stats()",
-  "clip_norm",
-  "clip_value",
-  "clip_block_rms",
-  "clip_unitwise",
-)
+    "one read pass alone (jitted sum of squares)", "adam + read (floor)",
+    "adam + scale (floor)",
+    "clip_global", "clip_global + stats()", "clip_norm", "clip_value",
+    "clip_block_rms", "clip_unitwise")
 OPTAX_TWINS = {
-  "clip_global": "optax.clip_by_global_norm",
-  "clip_value": "optax.clip",
-  "clip_block_rms": "optax.clip_by_block_rms",
-  "clip_unitwise": "optax.adaptive_grad_clip",
+    "clip_global": "optax.clip_by_global_norm",
+    "clip_value": "optax.clip",
+    "clip_block_rms": "optax.clip_by_block_rms",
+    "clip_unitwise": "optax.adaptive_grad_clip",
 }
-ADAPTIVE_ROWS = {
-  "clip_zscore": "clip_zscore",
-  "clip_percentile": "clip_percentile",
-  "clip_relative": "clip_relative",
-  "guard": "guard(adam)",
-}
+ADAPTIVE_ROWS = {"clip_zscore": "clip_zscore",
+                 "clip_percentile": "clip_percentile",
+                 "clip_relative": "clip_relative", "guard": "guard(adam)"}
 RATIO = re.compile(r"^(\d+\.\d+)x")
 
 
@@ -73,20 +64,10 @@ def test_quick_run_writes_a_sane_report(tmp_path):
   out = tmp_path / "RESULTS.md"
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   proc = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "run.py"),
-      "--quick",
-      "--out",
-      str(out),
-    ],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=False,
-  )
+      [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick",
+       "--out", str(out)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+      check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   text = out.read_text(encoding="utf-8")
   assert text == proc.stdout.rstrip("\n") + "\n"
@@ -94,9 +75,8 @@ def test_quick_run_writes_a_sane_report(tmp_path):
   tables = _tables(text)
   step_tables = [t for t in tables if t.startswith("(")]
   assert [t[:3] for t in step_tables] == ["(a)", "(b)", "(c)"]
-  expected = list(STEP_ROWS) + [
-    row for name, row in ADAPTIVE_ROWS.items() if hasattr(optaxclip, name)
-  ]
+  expected = list(STEP_ROWS) + [row for name, row in ADAPTIVE_ROWS.items()
+                                if hasattr(optaxclip, name)]
   for title in step_tables:
     rows = {cells[0].split(" <sub>")[0]: cells for cells in tables[title]}
     assert sorted(rows) == sorted(expected), title
@@ -108,15 +88,11 @@ def test_quick_run_writes_a_sane_report(tmp_path):
       if not name.startswith("one read pass alone"):
         temps = cells[6].split(" / ")
         assert float(temps[0]) >= 0, cells
-  compile_rows = next(
-    rows for title, rows in tables.items() if title.startswith("Compile time")
-  )
+  compile_rows = next(rows for title, rows in tables.items()
+                      if title.startswith("Compile time"))
   names = [cells[0].split(" (")[0] for cells in compile_rows]
-  assert names == [
-    "adam",
-    "chain(clip_global, adam)",
-    "chain(optax.clip_by_global_norm, adam)",
-  ]
+  assert names == ["adam", "chain(clip_global, adam)",
+                   "chain(optax.clip_by_global_norm, adam)"]
   for cells in compile_rows:
     assert float(cells[1]) > 0 and float(cells[2]) > 0
     _ratio(cells[3])
@@ -126,29 +102,13 @@ def test_quick_run_writes_a_sane_report(tmp_path):
 def test_floors_runs_at_a_tiny_size():
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   proc = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "floors.py"),
-      "--rounds",
-      "2",
-      "--leaves",
-      "3",
-      "--size",
-      "1000",
-    ],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-  )
+      [sys.executable, str(ROOT / "benchmarks" / "floors.py"), "--rounds",
+       "2", "--leaves", "3", "--size", "1000"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+      check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = [
-    _cells(line)
-    for line in proc.stdout.splitlines()
-    if line.startswith("| ") and not line.startswith("| variant")
-  ]
+  rows = [_cells(line) for line in proc.stdout.splitlines()
+          if line.startswith("| ") and not line.startswith("| variant")]
   sys.path.insert(0, str(ROOT / "benchmarks"))
   try:
     floors = importlib.import_module("floors")

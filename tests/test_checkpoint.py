@@ -24,13 +24,9 @@ def gradient_stream(seed=0):
   out = []
   for t in range(STEPS):
     scale = {5: 30.0, 9: 50.0, 13: 8.0}.get(t, 1.0)
-    g = {
-      "dense": {
-        "kernel": rng.standard_normal((4, 3)) * scale,
-        "bias": rng.standard_normal(3),
-      },
-      "scale": rng.standard_normal(()) * 0.1,
-    }
+    g = {"dense": {"kernel": rng.standard_normal((4, 3)) * scale,
+                   "bias": rng.standard_normal(3)},
+         "scale": rng.standard_normal(()) * 0.1}
     if t == 11:
       g["dense"]["bias"][0] = np.nan
     out.append(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g))
@@ -41,20 +37,13 @@ def test_orbax_round_trip_continues_bit_for_bit(tmp_path):
   # All four adaptive states in one optimizer state: the guard skips the NaN
   # step and the x50 spike (max_norm); the clippers see the other spikes.
   tx = optaxclip.guard(
-    optax.chain(
-      optaxclip.clip_zscore(warmup_steps=3, scope="leaf"),
-      optaxclip.clip_percentile(history=8),
-      optaxclip.clip_relative(warmup_steps=3),
-      optax.adam(1e-2),
-    ),
-    max_norm=125.0,
-    spike_z=None,
-    warmup_steps=3,
-  )
-  params = {
-    "dense": {"kernel": jnp.zeros((4, 3)), "bias": jnp.zeros(3)},
-    "scale": jnp.ones(()),
-  }
+      optax.chain(optaxclip.clip_zscore(warmup_steps=3, scope="leaf"),
+                  optaxclip.clip_percentile(history=8),
+                  optaxclip.clip_relative(warmup_steps=3),
+                  optax.adam(1e-2)),
+      max_norm=125.0, spike_z=None, warmup_steps=3)
+  params = {"dense": {"kernel": jnp.zeros((4, 3)), "bias": jnp.zeros(3)},
+            "scale": jnp.ones(())}
 
   @jax.jit
   def step(params, state, g):
@@ -80,9 +69,8 @@ def test_orbax_round_trip_continues_bit_for_bit(tmp_path):
 
   # A fresh process rebuilds the optimizer and restores into its layout.
   fresh = tx.init(params)
-  target = jax.tree.map(
-    ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": fresh}
-  )
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                        {"params": params, "opt_state": fresh})
   restored = checkpointer.restore(tmp_path / "ckpt", target)
   checkpointer.close()
   p, s = restored["params"], restored["opt_state"]
@@ -108,90 +96,62 @@ import make_checkpoint_fixture as fixture  # noqa: E402
 
 
 def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
-  saved = json.loads(
-    (FIXTURE_DIR / "checkpoint_0_1_0" / "stats.json").read_text()
-  )
+  saved = json.loads((FIXTURE_DIR / "checkpoint_0_1_0" / "stats.json")
+                     .read_text())
   chained, per_example = fixture.optimizers()
   p = fixture.params()
   # ClipPerExampleState gained its last field, nonfinite, after 0.1.0: the
   # old state restores into the five older fields and upgrades.
   new_pe = per_example.init(p)
   legacy = collections.namedtuple("ClipPerExampleState", new_pe._fields[:-1])
-  target = {
-    "params": p,
-    "opt_state": chained.init(p),
-    "per_example_state": legacy(*new_pe[:-1]),
-  }
+  target = {"params": p, "opt_state": chained.init(p),
+            "per_example_state": legacy(*new_pe[:-1])}
   # Fields added to the adaptive states and guard since 0.1.0 are not in the
   # checkpoint: they take their fresh values from `target` (orbax's fallback
   # transform).
-  added = {
-    rf".*\b{field}$": ocp.Transform(use_fallback=True)
-    for field in (
-      "consecutive_spikes",
-      "consecutive_clips",
-      "restarts",
-      "ordered",
-    )
-  }
+  added = {rf".*\b{field}$": ocp.Transform(use_fallback=True) for field in (
+      "consecutive_spikes", "consecutive_clips", "restarts", "ordered")}
   checkpointer = ocp.PyTreeCheckpointer()
   restored = checkpointer.restore(
-    fixture.extract(FIXTURE_DIR / "checkpoint_0_1_0", tmp_path),
-    args=ocp.args.PyTreeRestore(
-      item=target,
-      transforms=added,
-      restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-    ),
-  )
+      fixture.extract(FIXTURE_DIR / "checkpoint_0_1_0", tmp_path),
+      args=ocp.args.PyTreeRestore(
+          item=target, transforms=added,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
   checkpointer.close()
   p, state = restored["params"], restored["opt_state"]
   pe_state = optaxclip.ClipPerExampleState(*restored["per_example_state"])
   assert int(pe_state.nonfinite) == 0
 
   # Into today's declared classes, every one of them.
-  for cls in (
-    optaxclip.GuardState,
-    optaxclip.ClipValueState,
-    optaxclip.ClipNormState,
-    optaxclip.ClipGlobalState,
-    optaxclip.ClipBlockRMSState,
-    optaxclip.ClipUnitwiseState,
-    optaxclip.ClipZscoreState,
-    optaxclip.ClipPercentileState,
-    optaxclip.ClipRelativeState,
-    optaxclip.ClipPerExampleState,
-  ):
-    found = optax.tree_utils.tree_get_all_with_path(
-      (state, pe_state), cls.__name__
-    )
+  for cls in (optaxclip.GuardState, optaxclip.ClipValueState,
+              optaxclip.ClipNormState, optaxclip.ClipGlobalState,
+              optaxclip.ClipBlockRMSState, optaxclip.ClipUnitwiseState,
+              optaxclip.ClipZscoreState, optaxclip.ClipPercentileState,
+              optaxclip.ClipRelativeState, optaxclip.ClipPerExampleState):
+    found = optax.tree_utils.tree_get_all_with_path((state, pe_state),
+                                                    cls.__name__)
     assert len(found) == 1 and isinstance(found[0][1], cls), cls
   logs = {**optaxclip.stats(state), **optaxclip.stats(pe_state)}
   assert logs.pop("clip_per_example/nonfinite") == 0
   # The same statistics, and the counters added since, at zero.
   assert [k for k in logs if k in saved["stats"]] == list(saved["stats"])
   for key, value in logs.items():
-    np.testing.assert_array_equal(
-      np.asarray(value), saved["stats"].get(key, 0), err_msg=key
-    )
+    np.testing.assert_array_equal(np.asarray(value),
+                                  saved["stats"].get(key, 0), err_msg=key)
   assert {k.split("/")[-1] for k in logs if k not in saved["stats"]} == {
-    "restarts"
-  }
+      "restarts"}
   np.testing.assert_array_equal(pe_state.key, saved["per_example_key"])
 
   # It continues: the counters move on from where they were (the guarded
   # clippers see the steps the guard lets through; no step is NaN).
   before = state
-  p, state, pe_state = fixture.run(
-    3, p, state, pe_state, first_step=saved["steps"]
-  )
+  p, state, pe_state = fixture.run(3, p, state, pe_state,
+                                   first_step=saved["steps"])
   passed = 3 - (int(state.skipped) - int(before.skipped))
   assert int(state.nonfinite) == int(before.nonfinite)
-  assert (
-    int(state.inner_state[6].index)
-    == (int(before.inner_state[6].index) + passed) % 4
-  )
-  for leaf in jax.tree.leaves(
-    (p, optaxclip.stats(state), optaxclip.stats(pe_state))
-  ):
+  assert int(state.inner_state[6].index) == (
+      int(before.inner_state[6].index) + passed) % 4
+  for leaf in jax.tree.leaves((p, optaxclip.stats(state),
+                               optaxclip.stats(pe_state))):
     assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
   assert not np.array_equal(pe_state.key, saved["per_example_key"])

@@ -14,9 +14,8 @@ import optaxclip
 
 def test_per_example_layer_scope_is_a_deprecated_alias_of_leaf():
   tree = {"w": jnp.array([[3.0, 4.0], [0.3, 0.4]]), "b": jnp.ones((2, 1))}
-  with pytest.warns(
-    DeprecationWarning, match=r"clip_per_example: scope='layer' is deprecated"
-  ):
+  with pytest.warns(DeprecationWarning,
+                    match=r"clip_per_example: scope='layer' is deprecated"):
     old = optaxclip.clip_per_example(1.0, scope="layer")
   with warnings.catch_warnings():
     warnings.simplefilter("error")
