@@ -745,6 +745,14 @@ def _per_example_property(config, tree):
   config=fz.per_example_configs(),
   tree=fz.per_example_trees(huge=False),
 )
+# Found by this suite: a tiny l2_clip and an example norm below 0.5.
+@hypothesis.example(
+  config=fz.Config(
+    "clip_per_example",
+    (("l2_clip", 1e-20), ("reduce", "sum"), ("scope", "global")),
+  ),
+  tree={"a": np.array([-0.31744668], F32)},
+)
 def test_per_example_sensitivity_bound(config, tree):
   """clip_per_example on finite examples of ordinary size (zero ones
   included): each moves the sum by at most l2_clip; l2_clip=inf is the plain
