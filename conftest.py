@@ -1,7 +1,10 @@
 """Test-session set-up, shared by tests/ and the doctests in optaxclip/.
 
 Eight host devices let the sharding tests run on a CPU; the flag must be set
-before jax is first imported, which is why it lives here.
+before jax is first imported, which is why it lives here. The suite runs
+with JAX's standard dtype promotion: optax.adam fails under "strict" (its bias
+correction raises a float to an int32 power), so tests/test_strict_dtypes.py
+audits the clippers alone under strict promotion.
 """
 
 import os
