@@ -749,8 +749,9 @@ def clip_percentile(
     # leaves the window); a zero norm is recorded as +inf: it does not count.
     value = measured.stat_norm.astype(dtype)
     value = jnp.where(value > 0, value, jnp.inf)
-    # A state from release 0.1.0, restored with `ordered` at its fresh value.
-    legacy = (state.filled > 0) & jnp.all(state.ordered == jnp.inf)
+    # A state from release 0.1.0, restored with `ordered` at its fresh value
+    # (all +inf: the sorted first row tells, without a pass over the rest).
+    legacy = (state.filled > 0) & jnp.all(state.ordered[0] == jnp.inf)
     past, past_order = jax.lax.cond(
       legacy,
       _from_release_0_1,
@@ -854,7 +855,10 @@ def clip_relative(
   """
   who = "clip_relative"
   _checks.check_number(
-    "factor", factor, who=who, low=1.0,
+    "factor",
+    factor,
+    who=who,
+    low=1.0,
     why="below 1 a leaf's limit is under its own recent clipped norm: every"
     " step is clipped and the limit keeps shrinking",
   )
