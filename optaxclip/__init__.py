@@ -32,6 +32,7 @@ from optaxclip._static import clip_unitwise
 from optaxclip._static import clip_value
 from optaxclip._static import default_unit_axes
 from optaxclip._stats import stats
+from optaxclip._stats import upgrade_state
 from optaxclip._wrappers import clipped
 
 __version__ = "0.1.0"
@@ -64,4 +65,5 @@ __all__ = (
   "dp_noise",
   "guard",
   "stats",
+  "upgrade_state",
 )

@@ -593,13 +593,8 @@ def dp_noise(
     )
   _checks.check_number("quantile_lr", quantile_lr, who="dp_noise", low=0.0)
   reduce = _checks.check_choice("dp_noise", "reduce", reduce, ("mean", "sum"))
-  if isinstance(seed, (bool, np.bool_)) or not isinstance(
-    seed, (numbers.Integral, jax.Array, np.ndarray)
-  ):
-    raise TypeError(f"dp_noise: seed must be an integer; got {seed!r}.")
-  _per_example.check_finite_clip_with_noise(
-    "dp_noise", l2_clip, noise_multiplier
-  )
+  make_key = _checks.check_seed("dp_noise", seed)
+  _checks.check_finite_with_noise("dp_noise", l2_clip, noise_multiplier)
   no_noise = (
     _checks.is_concrete_number(noise_multiplier) and noise_multiplier == 0
   )
@@ -610,7 +605,7 @@ def dp_noise(
     return DpNoiseState(
       *_stats.zeros(3),
       clip_norm=_stats.as_stat(l2_clip),
-      key=jax.random.PRNGKey(seed),
+      key=make_key(),
       nonfinite=jnp.zeros((), jnp.int32),
     )
 

@@ -771,3 +771,21 @@ def test_relative_leaf_norm_stays_within_factor_of_gamma(leaf_norms):
 def test_bad_hyperparameters_fail_at_construction(make, error, message):
   with pytest.raises(error, match=message):
     make()
+
+
+def test_percentile_state_from_release_0_1_continues_like_a_fresh_one():
+  # Release 0.1.0 kept no sorted copy (restored at its fresh +inf) and held
+  # zeros in empty slots; the update rebuilds the sorted window from it.
+  tx = optaxclip.clip_percentile(50.0, history=4)
+  update = jax.jit(tx.update)
+  state = tx.init(global_tree(1.0))
+  for g in (2.0, 1.0):
+    _, state = update(global_tree(g), state)
+  legacy = state._replace(
+      history=jnp.where(jnp.isinf(state.history), 0.0, state.history),
+      ordered=jnp.full_like(state.ordered, jnp.inf))
+  for g in (3.0, 4.0, 0.5):
+    out, state = update(global_tree(g), state)
+    legacy_out, legacy = update(global_tree(g), legacy)
+    chex.assert_trees_all_equal((out, state), (legacy_out, legacy))
+  np.testing.assert_allclose(float(state.threshold), 2.0, rtol=RTOL)  # 1,3,4,.5
