@@ -285,3 +285,28 @@ def test_clip_relative_factor_one_is_the_smallest_accepted():
   optaxclip.clip_relative(1.0)
   with pytest.raises(ValueError, match=r"^clip_relative: factor must be >= 1"):
     optaxclip.clip_relative(np.nextafter(1.0, 0.0))
+
+
+@pytest.mark.parametrize("name", [
+    "clip_value", "clip_norm", "clip_global", "clip_block_rms",
+    "clip_zscore", "clip_percentile", "clip_relative"])
+def test_an_integer_leaf_is_named_when_the_update_is_traced(name):
+  g = {"a": jnp.ones(2), "n": jnp.ones(2, jnp.int32)}
+  tx = getattr(optaxclip, name)(**({"max_delta": 1.0} if name == "clip_value"
+                                   else {}) | (
+      {"max_norm": 1.0} if name in ("clip_norm", "clip_global") else {}) | (
+      {"threshold": 1.0} if name == "clip_block_rms" else {}))
+  with pytest.raises(TypeError, match=rf"^{name}: updates leaf \['n'\] must "
+                     r"be float or complex .*; got dtype int32\."):
+    tx.update(g, tx.init(g))
+
+
+def test_params_errors_of_clip_unitwise():
+  tx = optaxclip.clip_unitwise(0.1)
+  g = {"a": jnp.ones((2, 2))}
+  with pytest.raises(ValueError, match=r"^clip_unitwise: params must be "
+                     r"given .*; got None\."):
+    tx.update(g, tx.init(g))
+  with pytest.raises(ValueError, match=r"^clip_unitwise: params leaf \['a'\] "
+                     r"must have the update's shape \(2, 2\); got \(2,\)\."):
+    tx.update(g, tx.init(g), {"a": jnp.ones(2)})
