@@ -12,12 +12,12 @@ they share:
   so the state's dtypes never change from step to step (no retrace).
 * **Non-finite steps.** A step whose norm is NaN or infinite leaves the
   statistics untouched (one bad step must not poison them) and gives a
-  non-finite update, as ``torch.nn.utils.clip_grad_norm_`` and optax do: a
-  unit (the tree, or a leaf with per-leaf scope) with a NaN norm, or an
-  infinite norm and no finite limit, comes out all NaN; one with an infinite
-  norm and a finite limit is scaled by 0 (its infinite elements become NaN).
-  No finite part of such a unit passes unclipped, its ``clipped_norm`` is
-  NaN, and :func:`guard` can skip the step.
+  non-finite update, the policy of every clipper (``optaxclip/_norms.py``):
+  every value of a unit (the tree, or a leaf with per-leaf scope) whose norm
+  is NaN or infinite comes out NaN, so no finite part of it passes
+  unclipped and :func:`guard` can skip the step. ``clipped_norm`` is then
+  NaN (it describes the update returned) and such units count as clipped in
+  ``clip_fraction``.
 * **No absorbing state.** Whatever the history (zeros, equal norms, NaN), a
   lasting new level of the norm gets through within a bounded number of
   steps: after ``patience`` clipped spikes in a row the statistics restart at
@@ -31,7 +31,7 @@ they share:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,12 +43,14 @@ from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _static
 from optaxclip import _stats
+from optaxclip._typing import AxisName
+from optaxclip._typing import Scalar
+from optaxclip._typing import Scope
 
 _F32 = jnp.float32
 _INT32_MAX = np.iinfo(np.int32).max
 ADAPTIVE_FIELDS = (*_stats.CLIP_FIELDS, "threshold")
 SCOPES = ("global", "leaf")
-AxisName = Optional[Union[str, tuple[str, ...]]]
 
 
 @_stats.register("clip_zscore", (*ADAPTIVE_FIELDS, "restarts"))
@@ -237,15 +239,14 @@ class _Measured:
     limit = jax.lax.stop_gradient(jnp.asarray(limit, self.dtype))
     g = self.stat_norm
     factor = _norms.clip_factor(self.norm, limit)
-    # The non-finite policy (see the module's docstring): NaN where torch
-    # and optax give NaN, so that no finite part passes unclipped.
-    nan_unit = jnp.isnan(g) | (jnp.isinf(g) & ~(limit < jnp.inf))
-    factor = jnp.where(nan_unit, jnp.nan, factor)
+    # The non-finite policy (see the module's docstring): a unit with a
+    # NaN or infinite norm comes out all NaN.
+    factor = jnp.where(self.unit_finite, factor, jnp.nan)
     if self.scope == "global":
       out = [_norms.scale_leaf(x, factor) for x in self.leaves]
     else:
       out = [_norms.scale_leaf(x, factor[i]) for i, x in enumerate(self.leaves)]
-    scaled = jax.lax.stop_gradient(factor) < 1
+    scaled = (jax.lax.stop_gradient(factor) < 1) | ~self.unit_finite
     # Exactly min(norm, limit), without inf * 0; NaN for a non-finite unit,
     # whose output holds NaN.
     clipped = jnp.where(self.unit_finite, jnp.where(scaled, limit, g), jnp.nan)
@@ -316,7 +317,8 @@ def running_moments(
     restart: per unit, whether the statistics restart at ``x``.
 
   Returns:
-    The new ``(count, mean, var)``.
+    The new ``(count, mean, var)``; the variance saturates at the dtype's
+    largest finite value.
   """
   warming = count < warmup_steps
   warm_mean, warm_var = welford(count, mean, var, x)
@@ -327,6 +329,9 @@ def running_moments(
     alpha * var + (1 - alpha) * (x - mean) ** 2,
     jnp.where(warming, warm_var, ema_var),
   )
+  # A spread beyond the dtype's range (norms above ~1e19 in float32, ~1e154
+  # in float64) saturates rather than turning into inf, then NaN.
+  new_var = jnp.minimum(new_var, jnp.finfo(var.dtype).max)
   take = finite & (take | restart)
   new_count = jnp.where(finite, jnp.minimum(count + 1, warmup_steps), count)
   return (
@@ -356,17 +361,17 @@ def add_count(total: jax.Array, n: jax.Array) -> jax.Array:
 @_compiled.compiled_once
 def clip_zscore(
   *,
-  alpha: float = 0.97,
-  z_thresh: float = 2.5,
-  max_norm: Optional[float] = None,
-  eps: float = 1e-6,
-  warmup_steps: int = 25,
-  mode: str = "zscore",
-  clip_option: str = "adaptive_scaling",
-  clip_factor: float = 1.0,
+  alpha: Scalar = 0.97,
+  z_thresh: Scalar = 2.5,
+  max_norm: Optional[Scalar] = None,
+  eps: Scalar = 1e-6,
+  warmup_steps: Scalar = 25,
+  mode: Literal["zscore", "percentile"] = "zscore",
+  clip_option: Literal["adaptive_scaling", "mean"] = "adaptive_scaling",
+  clip_factor: Scalar = 1.0,
   skip_update_on_spike: bool = False,
-  scope: str = "global",
-  patience: int = 25,
+  scope: Scope = "global",
+  patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
 ) -> optax.GradientTransformation:
@@ -653,10 +658,10 @@ def _as_is(history, ordered, filled):
 
 @_compiled.compiled_once
 def clip_percentile(
-  percentile: float = 10.0,
+  percentile: Scalar = 10.0,
   *,
   history: int = 1024,
-  scope: str = "global",
+  scope: Scope = "global",
   axis_name: AxisName = None,
   sharded: Any = True,
 ) -> optax.GradientTransformation:
@@ -743,8 +748,9 @@ def clip_percentile(
     # leaves the window); a zero norm is recorded as +inf: it does not count.
     value = measured.stat_norm.astype(dtype)
     value = jnp.where(value > 0, value, jnp.inf)
-    # A state from release 0.1.0, restored with `ordered` at its fresh value.
-    legacy = (state.filled > 0) & jnp.all(state.ordered == jnp.inf)
+    # A state from release 0.1.0, restored with `ordered` at its fresh value
+    # (all +inf: the sorted first row tells, without a pass over the rest).
+    legacy = (state.filled > 0) & jnp.all(state.ordered[0] == jnp.inf)
     past, past_order = jax.lax.cond(
       legacy,
       _from_release_0_1,
@@ -779,12 +785,12 @@ def clip_percentile(
 
 @_compiled.compiled_once
 def clip_relative(
-  factor: float = 1.05,
+  factor: Scalar = 1.05,
   *,
-  beta: float = 0.98,
-  warmup_steps: int = 100,
-  warmup_max_norm: float = 1.0,
-  patience: int = 25,
+  beta: Scalar = 0.98,
+  warmup_steps: Scalar = 100,
+  warmup_max_norm: Scalar = 1.0,
+  patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
 ) -> optax.GradientTransformation:
@@ -848,7 +854,10 @@ def clip_relative(
   """
   who = "clip_relative"
   _checks.check_number(
-    "factor", factor, who=who, low=1.0,
+    "factor",
+    factor,
+    who=who,
+    low=1.0,
     why="below 1 a leaf's limit is under its own recent clipped norm: every"
     " step is clipped and the limit keeps shrinking",
   )

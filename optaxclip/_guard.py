@@ -14,6 +14,8 @@ from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _static
 from optaxclip import _stats
+from optaxclip._typing import AxisName
+from optaxclip._typing import Scalar
 
 
 @_stats.register(
@@ -100,12 +102,12 @@ def guard(
   inner: optax.GradientTransformation,
   *,
   skip_nonfinite: bool = True,
-  spike_z: Optional[float] = None,
-  max_norm: Optional[float] = None,
-  alpha: float = 0.97,
-  warmup_steps: int = 25,
-  patience: int = 25,
-  axis_name: _adaptive.AxisName = None,
+  spike_z: Optional[Scalar] = None,
+  max_norm: Optional[Scalar] = None,
+  alpha: Scalar = 0.97,
+  warmup_steps: Scalar = 25,
+  patience: Scalar = 25,
+  axis_name: AxisName = None,
   sharded: Any = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Skips the whole ``inner`` update when the gradient is NaN/Inf or spikes.

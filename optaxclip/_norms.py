@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-AxisName = Union[None, str, tuple]
+from optaxclip._typing import AxisName
 
 # Leaves with at most this many elements are concatenated into one buffer for
 # a tree-wide reduction: one reduction instead of one per leaf keeps compile

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,10 @@ from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _stats
+from optaxclip._typing import AxisName
+from optaxclip._typing import Scalar
+from optaxclip._typing import Scope
+from optaxclip._typing import Seed
 
 STAT_FIELDS = (
   "norm",
@@ -189,6 +193,7 @@ def sum_clipped(
   norms: Sequence[jax.Array],
   limits: Sequence[Any],
   keep: jax.Array,
+  factors: Optional[Sequence[jax.Array]] = None,
 ) -> list[jax.Array]:
   """``sum_b keep_b * min(1, limit / norms[b]) * x[b]`` for each leaf.
 
@@ -199,6 +204,9 @@ def sum_clipped(
     limits: per leaf, the clip limit (a scalar).
     keep: ``(B,)`` bool, False for examples to leave out (their elements
       never reach the sum, whatever they hold).
+    factors: per leaf, the ``(B,)`` factors to apply instead of
+      ``min(1, limit / norm)`` (e.g. automatic clipping's
+      ``limit / (norm + gamma)``); each at most ``limit / norm``.
 
   Returns:
     One array per leaf, without the batch axis, in the accumulation dtype.
@@ -212,7 +220,8 @@ def sum_clipped(
   first scaled by an exact power of two (its norm's exponent), its weight
   becoming ``limit / mantissa``.
   """
-  factors = [_norms.clip_factor(n, limit) for n, limit in zip(norms, limits)]
+  if factors is None:
+    factors = [_norms.clip_factor(n, limit) for n, limit in zip(norms, limits)]
   tiny = _any_of([f < _SMALL_FACTOR for f in factors])
   ordinary = jnp.all(keep) & ~jnp.any(tiny)
 
@@ -451,15 +460,15 @@ def noise_and_adapt(
 
 @_compiled.compiled_once
 def clip_per_example(
-  l2_clip: float,
+  l2_clip: Scalar,
   *,
-  scope: str = "global",
-  reduce: str = "mean",
-  noise_multiplier: float = 0.0,
-  seed: int = 0,
-  target_quantile: Optional[float] = None,
-  quantile_lr: float = 0.2,
-  axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+  scope: Scope = "global",
+  reduce: Literal["mean", "sum"] = "mean",
+  noise_multiplier: Scalar = 0.0,
+  seed: Seed = 0,
+  target_quantile: Optional[Scalar] = None,
+  quantile_lr: Scalar = 0.2,
+  axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
   """Clips each example's gradient, aggregates the batch, adds Gaussian noise.
 
@@ -561,12 +570,16 @@ def clip_per_example(
   _checks.check_number("noise_multiplier", noise_multiplier, who=who, low=0.0)
   make_key = _checks.check_seed(who, seed)
   _checks.check_number(
-    "target_quantile", target_quantile, who=who, low=0.0, high=1.0,
+    "target_quantile",
+    target_quantile,
+    who=who,
+    low=0.0,
+    high=1.0,
     allow_none=True,
   )
   _checks.check_number("quantile_lr", quantile_lr, who=who, low=0.0)
   axis_name = _checks.check_axis_name(who, axis_name)
-  no_noise = (
+  no_noise = bool(
     _checks.is_concrete_number(noise_multiplier) and noise_multiplier == 0
   )
   _checks.check_finite_with_noise(who, l2_clip, noise_multiplier)

@@ -17,8 +17,11 @@ from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _sharding
 from optaxclip import _stats
+from optaxclip._typing import Axis
+from optaxclip._typing import AxisName
+from optaxclip._typing import Ord
+from optaxclip._typing import Scalar
 
-Axis = Optional[Union[int, Sequence[int]]]
 
 @_stats.register("clip_value")
 class ClipValueState(NamedTuple):
@@ -125,7 +128,7 @@ def sharded_flags(updates: Any, sharded: Sharded, who: str,
 
 
 @_compiled.compiled_once
-def clip_value(max_delta: float) -> optax.GradientTransformation:
+def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
   """Clips each element of the updates into ``[-max_delta, max_delta]``.
 
   The element-wise clipping of ``tf.clip_by_value``, Keras' ``clipvalue``,
@@ -216,11 +219,11 @@ def _per_unit_clip(leaves, norms, limits, ord, across=None):
 
 @_compiled.compiled_once
 def clip_norm(
-    max_norm: float,
+    max_norm: Scalar,
     *,
-    ord: Union[float, str, None] = None,
+    ord: Ord = None,
     axis: Axis = None,
-    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    axis_name: AxisName = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Clips each leaf (or each slice of it) to ``ord``-norm at most ``max_norm``.
@@ -298,10 +301,10 @@ def clip_norm(
 
 @_compiled.compiled_once
 def clip_global(
-    max_norm: float,
+    max_norm: Scalar,
     *,
-    ord: Union[float, str, None] = None,
-    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    ord: Ord = None,
+    axis_name: AxisName = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Scales the whole update to a global ``ord``-norm of at most ``max_norm``.
@@ -374,9 +377,9 @@ def clip_global(
 
 @_compiled.compiled_once
 def clip_block_rms(
-    threshold: float,
+    threshold: Scalar,
     *,
-    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    axis_name: AxisName = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Clips each leaf to a root-mean-square of at most ``threshold``.
@@ -489,11 +492,11 @@ def _global_unit_axes(x, split: _sharding.LeafSharding, path: str):
 
 @_compiled.compiled_once
 def clip_unitwise(
-    clipping: float = 0.01,
+    clipping: Scalar = 0.01,
     *,
-    eps: float = 1e-3,
+    eps: Scalar = 1e-3,
     axis: Axis = None,
-    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    axis_name: AxisName = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Adaptive gradient clipping: ``||g_u|| <= clipping * max(||w_u||, eps)``.

@@ -11,8 +11,15 @@ from jax.typing import ArrayLike
 # array (under jit, or from optax.inject_hyperparams).
 Scalar = ArrayLike
 
-# The mapped axis name of shard_map / pmap, or a tuple of several.
-AxisName = Union[str, tuple[str, ...]]
+# The mapped axis name of shard_map / pmap, a tuple of several, or None (no
+# mapped axis).
+AxisName = Optional[Union[str, tuple[str, ...]]]
+
+# A norm's order: a number >= 1, "inf" (or inf), or None for 2.
+Ord = Optional[Union[float, Literal["inf"]]]
+
+# A seed: an int, or a raw or typed key of the default PRNG.
+Seed = ArrayLike
 
 # Reduction axes: one, several, or None for the whole leaf.
 Axis = Optional[Union[int, Sequence[int]]]

@@ -8,14 +8,15 @@ import optax
 
 from optaxclip import _checks
 from optaxclip import _static
+from optaxclip._typing import Scalar
 
 
 def clipped(
     inner: optax.GradientTransformation,
     *,
-    clipvalue: Optional[float] = None,
-    clipnorm: Optional[float] = None,
-    global_clipnorm: Optional[float] = None,
+    clipvalue: Optional[Scalar] = None,
+    clipnorm: Optional[Scalar] = None,
+    global_clipnorm: Optional[Scalar] = None,
 ) -> optax.GradientTransformation:
   """Returns ``inner`` with Keras-style gradient clipping chained before it.
 

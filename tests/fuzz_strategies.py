@@ -52,8 +52,10 @@ Values
   leaves in dict / list nesting (an empty tree when 0 leaves).
   ``like(tree, nonfinite=False, magnitudes="all")``: a strategy of a tree
   of the same structure, shapes and dtypes (params for clip_unitwise).
-  ``per_example_trees(batch_sizes=(1, 2, 4, 8), ...)``: every leaf with a
-  leading batch axis; whole examples may be zero, huge or non-finite.
+  ``per_example_trees(batch_sizes=(1, 2, 4, 8), ..., nonfinite=False,
+  magnitudes="ordinary", huge=True)``: every leaf with a leading batch
+  axis; whole examples may be zero, huge (half the dtype's largest value)
+  or non-finite.
   ``has_nonfinite(tree)``, ``leaves(tree)``.
 
 Clipper configurations
@@ -79,6 +81,8 @@ Float64 oracles (NumPy, no JAX)
   subnormals to zero needs (the dtype's smallest normal): values below it may
   come back as 0, a platform behaviour, not a clipper's.
   ``round_tol(dtype)``: the relative rounding of one element of that dtype.
+  ``oracle_per_example(leaves, l2_clip, scope)`` -> ``(sum, contributions,
+  nonfinite)`` of ``clip_per_example(..., reduce="sum")`` without noise.
 
 Running under JAX
   ``to_jax(tree)``: the host tree as JAX arrays (call inside :func:`x64`).
@@ -87,6 +91,8 @@ Running under JAX
   reuse one compiled program.
   ``step_runner(config)``: cached ``(tx, jit((g, state, params) ->
   (updates, state)))`` for histories of adaptive clippers and guard.
+  ``sharded_runner(config, n)``: the same with every leaf split along its
+  first axis over ``n`` devices in ``shard_map`` (``axis_name="d"``).
   ``mesh(n)``: a 1-D mesh of the first ``n`` devices, axis ``"d"``.
 """
 
@@ -95,6 +101,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -416,38 +423,36 @@ def per_example_trees(
   batch_sizes=(1, 2, 4, 8),
   dtypes=("float32",),
   shapes=((), (3,), (2, 2)),
-  max_leaves=3,  # pylint: disable=redefined-outer-name
+  max_leaves=3,
   nonfinite=False,
+  magnitudes="ordinary",
+  huge=True,
 ):
-  """Leaves with a leading batch axis; some whole examples zero, huge (above
-  2**126) or non-finite.
+  """Leaves with a leading batch axis; some whole examples zero, huge (with
+  ``huge``: half the dtype's largest value in every element, far above
+  2**126) or, with ``nonfinite``, holding a NaN / Inf.
   """
   batch = draw(st.sampled_from(tuple(batch_sizes)))
   n = draw(st.integers(1, max_leaves))
   items = []
   for _ in range(n):
     shape = (batch,) + draw(st.sampled_from(tuple(shapes)))
-    items.append(draw(arrays(draw(dtype_names(dtypes)), shape)))
+    dtype = draw(dtype_names(dtypes))
+    items.append(draw(arrays(dtype, shape, magnitudes=magnitudes)))
+  kinds = ("keep", "keep", "zero") + (("huge",) if huge else ())
+  kinds += ("nonfinite", "nonfinite") if nonfinite else ()
   for b in range(batch):
-    what = draw(
-      st.sampled_from(
-        ("keep", "keep", "zero", "huge") + (("nonfinite",) if nonfinite else ())
-      )
-    )
-    if what == "keep":
-      continue
+    what = draw(st.sampled_from(kinds))
     for x in items:
+      rows = x.reshape(batch, -1)  # a view: writes go to x
       if what == "zero":
-        x[b] = 0
+        rows[b] = 0
       elif what == "huge":
-        top = float(_finfo(x.dtype).max)
-        x[b] = np.asarray(
-          np.sign(x[b].astype(np.float64)) * top * 0.5,
-        ).astype(x.dtype)
-      elif x[b].size:
-        x[b].reshape(-1)[draw(st.integers(0, x[b].size - 1))] = draw(
-          st.sampled_from(NONFINITE)
-        )
+        top = float(_finfo(x.dtype).max) * 0.5
+        rows[b] = np.where(rows[b].astype(np.float64) < 0, -top, top)
+      elif what == "nonfinite" and rows.shape[1]:
+        i = draw(st.integers(0, rows.shape[1] - 1))
+        rows[b, i] = draw(st.sampled_from(NONFINITE))
   return _nest(draw, items)
 
 
@@ -653,15 +658,19 @@ def guard_configs(draw):
 
 @st.composite
 def per_example_configs(draw, l2_clips=None):
+  """clip_per_example without noise, ``reduce="sum"`` (the sum each
+  example moves by at most ``l2_clip``); ``l2_clip`` drawn from 0, tiny, 1,
+  huge and inf unless ``l2_clips`` (a strategy) is given.
+  """
   l2 = draw(
     l2_clips
     if l2_clips is not None
-    else st.sampled_from((0.0, 1e-30, 1.0, 1e30))
+    else st.sampled_from((0.0, 1e-30, 1.0, 1e30, math.inf))
   )
   return _config(
     "clip_per_example",
     l2_clip=l2,
-    scope=draw(st.sampled_from(("global", "layer"))),
+    scope=draw(st.sampled_from(("global", "leaf"))),
     reduce="sum",
   )
 
@@ -862,6 +871,40 @@ def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
   return Oracle(out, measures, lims, factors, stats, unit_measure)
 
 
+def oracle_per_example(tree_leaves, l2_clip, scope="global"):
+  """What ``clip_per_example(l2_clip, scope=scope, reduce="sum")`` without
+  noise must return: ``(sum, contributions, nonfinite)`` with ``sum`` the
+  float64 leaves, ``contributions[b]`` example ``b``'s clipped leaves (zero
+  for an example holding a NaN / Inf) and ``nonfinite`` their count.
+  """
+  xs = [_f64(x) for x in tree_leaves]
+  batch = xs[0].shape[0] if xs else 0
+  k = len(xs)
+  contributions, nonfinite = [], 0
+  for b in range(batch):
+    parts = [x[b] for x in xs]
+    if not all(np.all(np.isfinite(p)) for p in parts):
+      nonfinite += 1
+      contributions.append([np.zeros_like(p) for p in parts])
+      continue
+    if scope == "global":
+      norm = measure_tree(parts)
+      f = _factor(norm, l2_clip)
+      contributions.append([_times(p, f) for p in parts])
+    else:
+      limit = _WIDE(l2_clip) / _WIDE(math.sqrt(k))
+      contributions.append(
+        [_times(p, _factor(_unit_pnorm(p, 2.0, None), limit)) for p in parts]
+      )
+  total = [
+    np.sum([c[i] for c in contributions], axis=0)
+    if batch
+    else np.zeros(x.shape[1:])
+    for i, x in enumerate(xs)
+  ]
+  return total, contributions, nonfinite
+
+
 # --------------------------------------------------------------------------
 # Running under JAX
 # --------------------------------------------------------------------------
@@ -912,6 +955,38 @@ def step_runner(config: Config):
   """
   tx = config.make()
   return tx, FastJit(tx.update)
+
+
+@functools.cache
+def sharded_runner(config: Config, n: int):
+  """:func:`static_runner` with every leaf split along its first axis over
+  ``n`` devices inside ``shard_map`` (the clipper built with
+  ``axis_name="d"``); the statistics come back from device 0.
+  """
+  kw = dict(config.kwargs)
+  factory = getattr(optaxclip, config.name, None)
+  if (
+    factory is not None and "axis_name" in inspect.signature(factory).parameters
+  ):
+    kw["axis_name"] = "d"  # clip_value is element-wise: it needs none
+  with_axis = Config(config.name, tuple(sorted(kw.items())))
+  spec = jax.sharding.PartitionSpec
+
+  def local(g, limit):
+    tx = with_axis.make(limit)
+    return tx.update(g, tx.init(g))
+
+  def mapped(g, limit):
+    specs = jax.tree.map(lambda _: spec("d"), g)
+    return jax.shard_map(
+      local,
+      mesh=mesh(n),
+      in_specs=(specs, spec()),
+      out_specs=(specs, spec()),
+      check_vma=False,
+    )(g, limit)
+
+  return FastJit(mapped)
 
 
 def mesh(n: int) -> jax.sharding.Mesh:
