@@ -1049,3 +1049,54 @@ def test_second_step_neither_retraces_nor_transfers(config, dtype):
       for g in gs:
         _, state = tx.update(g, state, p)
         jax.block_until_ready(state)
+
+
+@st.composite
+def _sharded_history_case(draw):
+  config = draw(
+    st.one_of(fz.adaptive_configs(scopes=("global",)), fz.guard_configs())
+  )
+  n = draw(st.sampled_from((1, 2, 8)))
+  tree = draw(
+    fz.trees(
+      dtypes=("float32",),
+      shapes=((8,), (16, 2)),
+      min_leaves=1,
+      max_leaves=2,
+      magnitudes="ordinary",
+    )
+  )
+  levels = draw(
+    st.lists(st.sampled_from((0.0, 1e-3, 1.0, 1e3)), min_size=3, max_size=8)
+  )
+  return config, n, tree, levels
+
+
+@_examples(5)
+@hypothesis.given(case=_sharded_history_case())
+def test_sharded_adaptive_and_guard_match_one_device(case):
+  """Adaptive clippers and guard with axis_name over 1, 2 or 8 devices (every
+  leaf split): step by step the updates and the whole state of one device.
+  """
+  config, n, tree, levels = case
+  tx1, step1 = fz.step_runner(config)
+  txn, stepn = fz.sharded_step_runner(config, n)
+  g0 = fz.to_jax(tree)
+  s1, sn = tx1.init(g0), txn.init(g0)
+  base = float(fz.measure_tree(fz.leaves(tree))) or 1.0
+  for i, level in enumerate(levels):
+    g = jax.tree.map(lambda x, lv=level: (x / base * lv).astype(x.dtype), tree)
+    g = fz.to_jax(g)
+    o1, s1 = step1(g, s1, None)
+    on, sn = stepn(g, sn)
+    msg = f"{config!r} on {n} devices, step {i} (levels {levels})"
+    for a, b in zip(_host(on), _host(o1)):
+      np.testing.assert_allclose(
+        a, b, rtol=4 * REL, atol=1e-6 * level + 1e-30, err_msg=msg
+      )
+    for a, b in zip(jax.tree.leaves(sn), jax.tree.leaves(s1)):
+      a, b = np.asarray(a), np.asarray(b)
+      if jnp.issubdtype(a.dtype, jnp.floating):
+        np.testing.assert_allclose(a, b, rtol=4 * REL, atol=1e-30, err_msg=msg)
+      else:
+        np.testing.assert_array_equal(a, b, err_msg=msg)
