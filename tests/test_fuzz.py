@@ -982,8 +982,33 @@ def _derivative_property(config, g, w, v, params, ratio, order):
   )
 
 
-@_examples(8)
+def _derivative_example(config, scale, ratio, seed=0):
+  rng = np.random.default_rng(seed)
+  tree = lambda s: jax.tree.map(
+    lambda shape: (s * rng.normal(size=shape)).astype(F32),
+    DERIV_LAYOUT,
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
+  return config, tree(scale), tree(1.0), tree(scale), None, ratio
+
+
+@pytest.mark.xfail(
+  strict=True,
+  raises=AssertionError,
+  reason=(
+    "issue 10 items 1-2: the first derivative of a clipped norm whose "
+    "squares overflow float32 (|g| ~ 1e19) is off by 10% (NaN elsewhere), "
+    "fix pending in branch numerics"
+  ),
+)
+@_examples(8, xfailing=True)
 @hypothesis.given(case=_derivative_case())
+# Found by this suite (release profile): clip_global of a gradient of 1e19.
+@hypothesis.example(
+  case=_derivative_example(
+    fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))), 1e19, 0.3
+  )
+)
 def test_first_derivative_through_update(case):
   """jax.grad through every static clipper's update equals finite
   differences of the float64 oracle, clipped or not, at magnitudes from
