@@ -220,16 +220,21 @@ def _raise():
   raise ValueError
 
 
-def _units(norms: Sequence[jax.Array]) -> int:
-  return sum(n.size for n in norms)
+def _units(norms: Sequence[_norms.Scaled]) -> int:
+  return sum(n.value.size for n in norms)
 
 
 def _per_unit_clip(leaves, norms, limits, ord):  # pylint: disable=redefined-builtin
-  """Scales each unit to its limit; returns updates and the statistics."""
-  factors = [_norms.clip_factor(n, lim) for n, lim in zip(norms, limits)]
+  """Scales each unit to its limit; returns updates and the statistics.
+
+  ``norms`` are :class:`_norms.Scaled`, as are the factors: exact for norms
+  beyond the dtype's range and factors below its smallest normal number.
+  """
+  factors = [_norms.clip_scale(n, lim) for n, lim in zip(norms, limits)]
   out = [_norms.scale_leaf(x, f) for x, f in zip(leaves, factors)]
   clipped_norms = [n * f for n, f in zip(norms, factors)]
-  scaled = sum((_norms.count(f < 1) for f in factors), jnp.zeros((), jnp.float32))
+  scaled = sum((_norms.count(_norms.is_scaled_down(f)) for f in factors),
+               jnp.zeros((), jnp.float32))
   stats = (_stats.as_stat(_norms.combine_norms(norms, ord)),
            _stats.as_stat(_norms.combine_norms(clipped_norms, ord)),
            _fraction(scaled, _units(norms)))
@@ -299,7 +304,7 @@ def clip_norm(
     paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
     axes = [_leaf_axes(x, axis, path, "clip_norm")
             for x, path in zip(leaves, paths)]
-    norms = _norms.unit_norms(
+    norms = _norms.unit_norms_scaled(
         leaves, p, axes, axis_name=axis_name,
         sharded=sharded_flags(updates, sharded, "clip_norm"))
     out, stats = _per_unit_clip(leaves, norms, [max_norm] * len(leaves), p)
@@ -364,15 +369,15 @@ def clip_global(
   def update_fn(updates, state, params=None):
     del params, state
     leaves, treedef = _flatten(updates, "clip_global")
-    norm = _norms.global_norm(
+    norm = _norms.global_norm_scaled(
         leaves, p, axis_name=axis_name,
         sharded=sharded_flags(updates, sharded, "clip_global"))
-    factor = _norms.clip_factor(norm, max_norm)
+    factor = _norms.clip_scale(norm, max_norm)
     out = [_norms.scale_leaf(x, factor) for x in leaves]
     new_state = ClipGlobalState(
-        norm=_stats.as_stat(norm),
-        clipped_norm=_stats.as_stat(norm * factor),
-        clip_fraction=_stats.as_stat(factor < 1))
+        norm=_stats.as_stat(norm.as_float()),
+        clipped_norm=_stats.as_stat((norm * factor).as_float()),
+        clip_fraction=_stats.as_stat(_norms.is_scaled_down(factor)))
     return jax.tree.unflatten(treedef, out), new_state
 
   return optax.GradientTransformation(
@@ -425,10 +430,11 @@ def clip_block_rms(
     del params, state
     leaves, treedef = _flatten(updates, "clip_block_rms")
     flags = sharded_flags(updates, sharded, "clip_block_rms")
-    norms = _norms.unit_norms(leaves, 2.0, axis_name=axis_name, sharded=flags)
+    norms = _norms.unit_norms_scaled(leaves, 2.0, axis_name=axis_name,
+                                     sharded=flags)
     devices = _norms.axis_size(axis_name)
     sizes = [x.size * (devices if f else 1) for x, f in zip(leaves, flags)]
-    limits = [jnp.asarray(threshold, n.dtype) * math.sqrt(max(size, 1))
+    limits = [jnp.asarray(threshold, n.value.dtype) * math.sqrt(max(size, 1))
               for size, n in zip(sizes, norms)]
     out, stats = _per_unit_clip(leaves, norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipBlockRMSState(*stats)
@@ -461,6 +467,16 @@ def default_unit_axes(x: jax.Array) -> Optional[tuple[int, ...]]:
   if x.ndim == 4:
     return (0, 1, 2)
   return tuple(range(x.ndim - 1))
+
+
+def _unitwise_limit(w_norm, clipping, eps):
+  """``clipping * max(||w||, eps)`` as a Scaled (params' norms may exceed the
+  dtype's range)."""
+  dtype = w_norm.value.dtype
+  small = w_norm.as_float() < jnp.asarray(eps, dtype)
+  value = jnp.where(small, jnp.asarray(eps, dtype), w_norm.value)
+  return _norms.Scaled(jnp.asarray(clipping, dtype) * value,
+                       jnp.where(small, 0, w_norm.exponent))
 
 
 def clip_unitwise(
@@ -535,12 +551,11 @@ def clip_unitwise(
             else _leaf_axes(x, axis, path, "clip_unitwise")
             for x, path in zip(leaves, paths)]
     flags = sharded_flags(updates, sharded, "clip_unitwise")
-    g_norms = _norms.unit_norms(leaves, 2.0, axes, axis_name=axis_name,
-                                sharded=flags)
-    w_norms = _norms.unit_norms(param_leaves, 2.0, axes, axis_name=axis_name,
-                                sharded=flags)
-    limits = [clipping * jnp.maximum(w, jnp.asarray(eps, w.dtype))
-              for w in w_norms]
+    g_norms = _norms.unit_norms_scaled(leaves, 2.0, axes, axis_name=axis_name,
+                                       sharded=flags)
+    w_norms = _norms.unit_norms_scaled(param_leaves, 2.0, axes,
+                                       axis_name=axis_name, sharded=flags)
+    limits = [_unitwise_limit(w, clipping, eps) for w in w_norms]
     out, stats = _per_unit_clip(leaves, g_norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(*stats)
 
