@@ -12,8 +12,38 @@ Three rules hold for every norm computed here:
   ``M`` the largest magnitude so far, as BLAS ``nrm2`` does (Blue, 1978;
   Anderson, "Algorithm 978: Safe scaling in the Level 1 BLAS", 2017).
   Ordinary steps pay for the fast path alone.
-* Derivatives are finite everywhere: at a zero gradient and exactly on a
-  clipping threshold (meta-learning differentiates through ``update``).
+* No division by a data-dependent scale: XLA compiles ``x / s`` as
+  ``x * (1 / s)``, and for ``s`` above 2**126 the reciprocal is subnormal and
+  flushed to zero. Values are rescaled by exact powers of two instead, and
+  norms and clip factors that may leave the dtype's range (the norm of
+  finite float32 values can exceed 3.4e38; ``1e-3 / 1.4e37`` is below
+  2**-126) are carried as :class:`Scaled`, ``value * 2**exponent``, until
+  they scale a leaf.
+* Derivatives of every order are finite everywhere: at a zero gradient and
+  exactly on a clipping threshold (meta-learning differentiates through
+  ``update``; Hessian-vector products through the optimizer need the second
+  order).
+
+Non-finite gradients (the policy of every clipper)
+--------------------------------------------------
+
+A NaN or an infinity in the gradient makes the clipped update non-finite,
+as in PyTorch's ``clip_grad_norm_`` and optax's ``clip_by_global_norm``, so
+that the failure is visible and :func:`optaxclip.guard` (or
+``optax.apply_if_finite``) can skip the step; a finite value is never passed
+through unclipped because a non-finite one hid the norm. Precisely: every
+value of a clipping unit whose norm is NaN or infinite comes out NaN (its
+factor from :func:`clip_scale` is NaN). The unit is the whole tree for a
+global clipper (``clip_global``, the ``scope="global"`` adaptive ones), a
+leaf or a slice for the per-unit ones, and a leaf for ``clip_value``
+(which, unlike ``optax.clip``, does not turn an infinity into
+``max_delta``). Units without a NaN or inf are clipped as usual. The
+statistics describe the update returned: ``norm`` is what was measured
+(inf, or NaN when a NaN was seen), ``clipped_norm`` is NaN, and the units
+made NaN count as clipped in ``clip_fraction``. Helpers for other
+transformations: :func:`clip_scale` (the factor, NaN for a non-finite
+norm), :func:`scale_leaf`, :func:`is_scaled_down` (for ``clip_fraction``),
+:func:`combine_norms` (NaN/inf-aware).
 
 ``axis_name`` support: inside ``shard_map`` or ``pmap``, the partial sums of
 leaves that are sharded over the named axis (or axes) are ``psum``-ed, and the
@@ -190,7 +220,8 @@ def as_scaled(x: Union[jax.Array, Scaled]) -> Scaled:
   if isinstance(x, Scaled):
     return x
   x = jnp.asarray(x)
-  return Scaled(x, jnp.zeros(x.shape, jnp.int32))
+  # zeros_like: the same varying axes as x inside shard_map (lax.cond).
+  return Scaled(x, jnp.zeros_like(x, dtype=jnp.int32))
 
 
 def _normalized(x: Scaled) -> tuple[jax.Array, jax.Array]:
@@ -661,6 +692,47 @@ def largest_and_count_above(x: jax.Array, limit: Any):
   if may_span_devices(x):
     return _largest_and_count_plain(x, limit, dtype)
   return _largest_and_count_custom(x, limit, dtype)
+
+
+# Leaves above this size have clip_value's count estimated from a sample.
+EXACT_COUNT_SIZE = 1 << 16
+# The sample: every SAMPLE_STRIDE-th element (a prime, so that it does not
+# line up with the rows of a matrix of any usual width).
+SAMPLE_STRIDE = 257
+
+
+def largest_magnitude(x: jax.Array) -> jax.Array:
+  """``max |x|`` in the accumulation dtype (0 for an empty leaf; NaN if x
+  holds a NaN, else inf if it holds an inf).
+
+  For real leaves, from ``max(x)`` and ``min(x)``: plain reductions, which
+  XLA:CPU runs at memory speed, where ``max(abs(x))`` takes half as long
+  again (benchmarks/floors.py).
+  """
+  dtype = accumulation_dtype(x.dtype)
+  if x.size == 0:
+    return jnp.zeros((), dtype)
+  if jnp.iscomplexobj(x):
+    return jnp.max(magnitude(x, dtype))
+  return jnp.maximum(jnp.max(x), -jnp.min(x)).astype(dtype)
+
+
+def count_above(x: jax.Array, limit: Any) -> jax.Array:
+  """The number of elements with ``|x| > limit``, a float32 scalar.
+
+  Exact for leaves of at most ``EXACT_COUNT_SIZE`` elements and for leaves
+  that may span devices; for larger ones, estimated from every
+  ``SAMPLE_STRIDE``-th element (scaled to the leaf's size). An exact count
+  of a large leaf is a reduction of a comparison, which XLA:CPU neither
+  vectorises nor fuses: it cost ``clip_value`` 0.5x an Adam step.
+  """
+  dtype = accumulation_dtype(x.dtype)
+  limit = jnp.asarray(limit, dtype)
+  flat = jnp.ravel(x)
+  if flat.size <= EXACT_COUNT_SIZE or may_span_devices(x):
+    return count(magnitude(flat, dtype) > limit)
+  sample = flat[::SAMPLE_STRIDE]
+  return count(magnitude(sample, dtype) > limit) * (flat.size / sample.size)
 
 
 def _flat_scaled(norms: Sequence[Scaled]) -> list[Scaled]:
