@@ -11,7 +11,7 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, (
     "--xla_force_host_platform_device_count=8",
 )))
 
-import hypothesis  # pylint: disable=wrong-import-position
+import hypothesis
 
 hypothesis.settings.register_profile(
     "ci", max_examples=40, deadline=None, derandomize=True,

@@ -30,17 +30,16 @@ import argparse
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
-  if str(path) not in sys.path:
-    sys.path.insert(0, str(path))
+# This checkout's optaxclip and benchmarks, not installed ones:
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import optax  # pylint: disable=wrong-import-position
+import jax
+import jax.numpy as jnp
+import optax
 
-import optaxclip  # pylint: disable=wrong-import-position
-import run  # pylint: disable=wrong-import-position
+import optaxclip
+import run
 
 MAX_NORM = 1.0  # the global norm of the gradients below is ~5: always clipped
 MAX_LEAF_NORM = 0.1  # each leaf's norm is ~0.63
@@ -85,7 +84,7 @@ def value_clip(stats: str):
       if stats == "max":
         largest = jnp.maximum(largest, jnp.max(jnp.abs(x)))
       elif stats == "max+count":
-        biggest, over = optaxclip._norms.largest_and_count_above(x, MAX_DELTA)  # pylint: disable=protected-access
+        biggest, over = optaxclip._norms.largest_and_count_above(x, MAX_DELTA)
         largest, count = jnp.maximum(largest, biggest), count + over
     clipped = jax.tree.map(lambda x: jnp.clip(x, -MAX_DELTA, MAX_DELTA),
                            updates)

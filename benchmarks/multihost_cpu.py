@@ -1,4 +1,4 @@
-"""Several hosts on one machine: the clippers across 2 processes x 4 CPU devices.
+"""Several hosts on one machine: the clippers on 2 processes x 4 CPU devices.
 
 Starts two processes that join with ``jax.distributed.initialize`` (CPU
 collectives over gloo) into one 8-device mesh, then in each:
@@ -22,7 +22,7 @@ PORT = int(os.environ.get("MULTIHOST_PORT", "12377"))
 
 
 def data():
-  import numpy as np  # pylint: disable=import-outside-toplevel
+  import numpy as np
   rng = np.random.default_rng(0)
   tree = {"kernel": rng.normal(size=(16, 4)).astype(np.float32),
           "scale": rng.normal(size=(3,)).astype(np.float32)}
@@ -30,18 +30,20 @@ def data():
 
 
 def per_example(axis_name=None):
-  import optaxclip  # pylint: disable=import-outside-toplevel
+  import optaxclip
   return optaxclip.clip_per_example(1.0, noise_multiplier=0.5,
                                     target_quantile=0.5, axis_name=axis_name)
 
 
 def worker(process_id):
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  import optaxclip  # pylint: disable=import-outside-toplevel
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  import numpy as np
+  import optax
+
+  import optaxclip
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"localhost:{PORT}", num_processes=2,
@@ -84,8 +86,8 @@ def main():
       sys.exit(f"a worker failed:\n{stderr[-3000:]}")
     results.append(json.loads(stdout.strip().splitlines()[-1]))
 
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
   tree, batch = data()
   want_norm = float(np.sqrt(sum(np.sum(x.astype(np.float64) ** 2)
                                 for x in tree.values())))
@@ -96,7 +98,8 @@ def main():
     print(f"process {r['process']} ({r['local_devices']} of {r['devices']} "
           f"devices): clip_global norm {r['norm']:.6f} (numpy {want_norm:.6f})"
           f"; clip_per_example over the data axis: clip norm "
-          f"{r['dp_clip_norm']:.6f} (one process {float(want_state.clip_norm):.6f})"
+          f"{r['dp_clip_norm']:.6f} "
+          f"(one process {float(want_state.clip_norm):.6f})"
           f", max |mean - one process| {dp_err:.1e}")
     assert abs(r["norm"] - want_norm) <= 1e-5 * want_norm
     assert dp_err <= 1e-5

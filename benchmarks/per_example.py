@@ -27,7 +27,8 @@ import optaxclip
 
 def batch_of(rng, batch, shapes, scale=1.0):
   """Per-example gradients; each example scaled by a log-normal factor so
-  that the per-example norms spread as real ones do."""
+  that the per-example norms spread as real ones do.
+  """
   spread = np.exp(0.5 * rng.normal(size=batch))
   return {k: jnp.asarray((scale * spread.reshape(-1, *[1] * len(s))
                           * rng.normal(size=(batch, *s))).astype(np.float32))
@@ -45,15 +46,16 @@ def main():
   rng = np.random.default_rng(0)
   grads = batch_of(rng, args.batch, shapes, scale=0.05)
   leaves = jax.tree.leaves(grads)
-  norms = np.sqrt(sum(np.sum(np.asarray(x, np.float64).reshape(args.batch, -1) ** 2,
-                             axis=1) for x in leaves))
+  norms = np.sqrt(sum(
+      np.sum(np.asarray(x, np.float64).reshape(args.batch, -1) ** 2, axis=1)
+      for x in leaves))
   clip = float(np.median(norms))
   print(f"B={args.batch} examples of {n_params} parameters in {len(leaves)} "
         f"leaves; clip norm {clip:.4f} (the median per-example norm)")
 
   for scope, theirs in (
-      ("global", lambda l: optax.per_example_global_norm_clip(l, clip)[0]),
-      ("layer", lambda l: optax.per_example_layer_norm_clip(l, clip)[0])):
+      ("global", lambda g: optax.per_example_global_norm_clip(g, clip)[0]),
+      ("layer", lambda g: optax.per_example_layer_norm_clip(g, clip)[0])):
     tx = optaxclip.clip_per_example(clip, scope=scope, reduce="sum")
     ours = jax.tree.leaves(jax.jit(tx.update)(grads, tx.init(None))[0])
     want = jax.jit(theirs)(leaves)
@@ -89,10 +91,11 @@ def main():
         f"{np.median(np.concatenate(all_norms)):.4f}, last clip fraction "
         f"{float(state.clip_fraction):.2f}")
   for batch, z in ((256, 1.0), (1024, 1.1), (4096, 3.0)):
-    from optaxclip import _per_example  # pylint: disable=import-outside-toplevel
+    from optaxclip import _per_example
     sigma_b = float(_per_example.count_noise_std(batch, z))
     print(f"  with noise, B={batch}, z={z}: count noise sigma_b = {sigma_b:g}, "
-          f"sum noise multiplier {float(_per_example.sum_noise_multiplier(z, sigma_b)):.5f}")
+          "sum noise multiplier "
+          f"{float(_per_example.sum_noise_multiplier(z, sigma_b)):.5f}")
 
   tx = optaxclip.clip_per_example(clip, reduce="sum")
   ours = jax.jit(lambda g: tx.update(g, tx.init(None))[0])

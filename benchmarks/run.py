@@ -38,6 +38,7 @@ It prints a markdown report and writes it to ``benchmarks/RESULTS.md``
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import concurrent.futures
 import dataclasses
 import datetime
@@ -51,19 +52,19 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
+
+# This checkout's optaxclip, not an installed one:
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optaxclip
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))  # this checkout's optaxclip, not an installed one
-
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-import optax  # pylint: disable=wrong-import-position
-
-import optaxclip  # pylint: disable=wrong-import-position
-
 LEARNING_RATE = 1e-3
 GRAD_SCALE = 1e-3  # gradients ~ N(0, 1e-3): every clipper below is active
 ADAPTIVE = ("clip_zscore", "clip_percentile", "clip_relative", "guard")
@@ -92,7 +93,7 @@ class Sizes:
   optax_compile: bool = True
 
   @classmethod
-  def quick(cls) -> "Sizes":
+  def quick(cls) -> Sizes:
     return cls(many_leaves=4, many_size=1024, blocks=1, width=32, vocab=64,
                context=16, compile_leaves=20, compile_size=100, rounds=3,
                compile_repeats=1, optax_compile=True,
@@ -310,7 +311,7 @@ class Stepper:
 def _temp_bytes(compiled) -> Optional[int]:
   try:
     return int(compiled.memory_analysis().temp_size_in_bytes)
-  except Exception:  # pylint: disable=broad-except
+  except Exception:  # noqa: BLE001
     return None
 
 
@@ -337,8 +338,9 @@ def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
   (blocking inside). Each round visits the variants in a new random order,
   and times two steps of each variant between two adam steps (adam, variant,
   variant, adam): the ratio of the two sums is that round's figure, so load
-  that comes and goes on a shared machine hits both sides of a ratio alike. ``rounds=None`` fits the rounds
-  (3 to 15) to ``budget_s`` seconds of timed steps.
+  that comes and goes on a shared machine hits both sides of a ratio alike.
+  ``rounds=None`` fits the rounds (3 to 15) to ``budget_s`` seconds of timed
+  steps.
   """
   shared = {"params": jax.tree.map(jnp.copy, params)}
   shared["adam"] = _take_adam(adam().init(shared["params"]))
@@ -349,7 +351,7 @@ def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
     try:
       return name, Stepper(make_tx(), shared["params"], grads, with_stats,
                            compiler_options), ""
-    except Exception as err:  # pylint: disable=broad-except
+    except Exception as err:  # noqa: BLE001
       return name, None, f"{type(err).__name__}: {err}"
 
   # Two at a time: XLA compiles outside the GIL, tracing does not.
@@ -371,7 +373,7 @@ def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
     try:
       fn()
       fn()
-    except Exception as err:  # pylint: disable=broad-except
+    except Exception as err:  # noqa: BLE001
       results[name].error = f"{type(err).__name__}: {err}"
       log(f"  {name}: failed to run: {results[name].error[:200]}")
       del runners[name]
@@ -396,7 +398,8 @@ def time_variants(variants: dict[str, Callable[[], Any]], params, grads,
         step()
         t.append(time.perf_counter())
     for i, name in enumerate(order):
-      before, mine, after = (t[2 * i + 1] - t[2 * i], t[2 * i + 2] - t[2 * i + 1],
+      before, mine, after = (t[2 * i + 1] - t[2 * i],
+                             t[2 * i + 2] - t[2 * i + 1],
                              t[2 * i + 3] - t[2 * i + 2])
       results[name].ratios.append(2 * mine / (before + after))
       results[name].ms.append(mine * 1e3)
@@ -419,7 +422,7 @@ def read_pass_fn(grads) -> Callable[[], None]:
 
 def torch_reference(params, grads, rounds: int):
   """Median ratio of clip_grad_norm_(foreach) + Adam over Adam, in torch."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
 
   leaves = jax.tree.leaves(params)
   bf16 = leaves[0].dtype == jnp.bfloat16
@@ -516,23 +519,23 @@ def machine_lines() -> list[str]:
     pass
   devices = ", ".join(sorted({f"{d.platform}:{d.device_kind}"
                               for d in jax.devices()}))
-  import jaxlib  # pylint: disable=import-outside-toplevel
+  import jaxlib
   versions = (f"python {platform.python_version()}, jax {jax.__version__}, "
               f"jaxlib {jaxlib.__version__}, optax {optax.__version__}, "
               f"optaxclip {optaxclip.__version__}, numpy {np.__version__}")
   if importlib.util.find_spec("torch") is not None:
-    import torch  # pylint: disable=import-outside-toplevel
+    import torch
     versions += f", torch {torch.__version__}"
   try:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
   except OSError:
     load = "?"
   return [
-      f"- Machine: {os.cpu_count()} cores, {model} ({platform.system()} "
-      f"{platform.release()}); devices: {len(jax.devices())} x {devices}",
+      (f"- Machine: {os.cpu_count()} cores, {model} ({platform.system()} "
+       f"{platform.release()}); devices: {len(jax.devices())} x {devices}"),
       f"- Versions: {versions}",
-      f"- Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; "
-      f"load average at the start: {load}",
+      (f"- Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; "
+       f"load average at the start: {load}"),
   ]
 
 
@@ -546,12 +549,12 @@ def step_table(title: str, n_params: int, n_leaves: int, rows: list[Row],
   lines = [
       f"### {title}",
       "",
-      f"{n_params / 1e6:.1f}M parameters in {n_leaves} leaves; adam's step: "
-      f"{adam_ms:.1f} ms (median); {rounds} rounds; adam's temporaries: "
-      f"{fmt_mb(adam_res.temp_bytes)} MiB.",
+      (f"{n_params / 1e6:.1f}M parameters in {n_leaves} leaves; adam's step: "
+       f"{adam_ms:.1f} ms (median); {rounds} rounds; adam's temporaries: "
+       f"{fmt_mb(adam_res.temp_bytes)} MiB."),
       "",
-      "| variant | optaxclip / adam | target | met | optax equivalent | "
-      "optax / adam | temp MiB (optaxclip / optax) |",
+      ("| variant | optaxclip / adam | target | met | optax equivalent | "
+       "optax / adam | temp MiB (optaxclip / optax) |"),
       "|---|---|---|---|---|---|---|",
   ]
   floor_read = 1 + floor.median() if floor.ratios else math.nan
@@ -601,8 +604,9 @@ def run_tree(title, shapes, dtype, sizes: Sizes, budget_s: float, log):
       torch_line = (f"| torch {version}: clip_grad_norm_(foreach=True) + "
                     f"Adam(foreach=True) / Adam ({ms:.1f} ms) | "
                     f"{ratio:.3f}x | | | | | |")
-    except Exception as err:  # pylint: disable=broad-except
-      torch_line = f"| torch reference | failed: {type(err).__name__} | | | | | |"
+    except Exception as err:  # noqa: BLE001 (the row says it failed)
+      torch_line = (f"| torch reference | failed: {type(err).__name__} "
+                    "| | | | | |")
   log(f"  done in {time.perf_counter() - t0:.0f} s")
   lines = step_table(title, count_params(params), len(jax.tree.leaves(params)),
                      rows, results, results.pop("read"), torch_line)
@@ -634,11 +638,11 @@ def run_compile(sizes: Sizes, log) -> tuple[list[str], dict[str, Any]]:
          for name, ms in measured.items()}
   base = med["adam"][0] + med["adam"][1]
   lines = [
-      f"### Compile time: {sizes.compile_leaves} leaves of "
-      f"{sizes.compile_size} float32",
+      (f"### Compile time: {sizes.compile_leaves} leaves of "
+       f"{sizes.compile_size} float32"),
       "",
-      "| step | trace + lower s | XLA compile s | total / adam | target | met |"
-      " temp KiB |",
+      ("| step | trace + lower s | XLA compile s | total / adam | target "
+       "| met | temp KiB |"),
       "|---|---|---|---|---|---|---|",
   ]
   summary = {}
@@ -700,22 +704,23 @@ def main(argv: Optional[list[str]] = None) -> int:
   budget = 2.0 if args.quick else 40.0  # seconds of timed steps per tree
 
   command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
-  lines = ["# optaxclip benchmarks", ""] + machine_lines() + [
+  lines = [
+      "# optaxclip benchmarks", "", *machine_lines(),
       f"- Command: `{command}`" + (" (quick sizes: not for quoting)"
                                    if args.quick else ""),
       "",
-      "Each step ratio is the median over rounds of (the variant's step time "
-      "/ the mean of the two adam steps around it: each round runs adam, v1, "
-      "adam, v2, adam, ... with the variants in a new random order); the "
-      "interquartile range is in "
-      "parentheses. Steps donate params and state, as a training loop does. "
-      "Floors: `one read pass alone` is a jitted float32 sum of squares of "
-      "the gradients on its own (1 + its time over adam's); `adam + read` "
-      "adds that pass to adam's step (no norm-based clipper can cost less); "
-      "`adam + scale` multiplies every leaf by a factor from the state (what "
-      "scaling the update costs). Temp is the compiled step's temporary "
-      "memory (`memory_analysis().temp_size_in_bytes`); adam's own is in "
-      "each table's heading.",
+      ("Each step ratio is the median over rounds of (the variant's step time "
+       "/ the mean of the two adam steps around it: each round runs adam, v1, "
+       "adam, v2, adam, ... with the variants in a new random order); the "
+       "interquartile range is in "
+       "parentheses. Steps donate params and state, as a training loop does. "
+       "Floors: `one read pass alone` is a jitted float32 sum of squares of "
+       "the gradients on its own (1 + its time over adam's); `adam + read` "
+       "adds that pass to adam's step (no norm-based clipper can cost less); "
+       "`adam + scale` multiplies every leaf by a factor from the state (what "
+       "scaling the update costs). Temp is the compiled step's temporary "
+       "memory (`memory_analysis().temp_size_in_bytes`); adam's own is in "
+       "each table's heading."),
       "",
       "## Step time over adam's own step",
       "",
@@ -731,7 +736,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
       lines += pool.submit(run_section, key, sizes, budget).result()
     # A crash or a kill late in the run keeps the tables so far.
-    out.write_text("\n".join(lines + ["(run in progress)"]) + "\n",
+    out.write_text("\n".join([*lines, "(run in progress)"]) + "\n",
                    encoding="utf-8")
   missing = [n for n in ADAPTIVE if not hasattr(optaxclip, n)]
   if missing:

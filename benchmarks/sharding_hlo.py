@@ -15,15 +15,17 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, (
     os.environ.get("XLA_FLAGS", ""),
     "--xla_force_host_platform_device_count=8")))
 
-import argparse  # pylint: disable=wrong-import-position
-import re  # pylint: disable=wrong-import-position
+import argparse
+import re
 
-import jax  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-import optax  # pylint: disable=wrong-import-position
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
+import jax
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
 
-import optaxclip  # pylint: disable=wrong-import-position
+import optaxclip
 
 
 def fsdp_tree(mesh, n_layers):
@@ -46,8 +48,10 @@ def count(hlo):
   gathers = re.findall(r" all-gather(?:-start)?\(", hlo)
   entry = hlo[hlo.index("\nENTRY"):]
   entry = entry[:entry.index("\n}")]
-  entry_reduces = re.findall(r"= (\S+|\([^)]*\)) all-reduce(?:-start)?\(", entry)
-  return len(reduces), len(entry_reduces), _elements(entry_reduces), len(gathers)
+  entry_reduces = re.findall(r"= (\S+|\([^)]*\)) all-reduce(?:-start)?\(",
+                             entry)
+  return (len(reduces), len(entry_reduces), _elements(entry_reduces),
+          len(gathers))
 
 
 def _elements(types):
@@ -91,7 +95,7 @@ def main():
         with jax.set_mesh(mesh):
           hlo = jax.jit(tx.update).lower(grads, tx.init(grads), grads).compile(
           ).as_text()
-      except Exception as err:  # pylint: disable=broad-except
+      except Exception as err:  # noqa: BLE001 (a row says which fail)
         print(f"{name:32s} {kind:9s} fails: {type(err).__name__}")
         continue
       n, n_entry, (arrays, elements), gathers = count(hlo)

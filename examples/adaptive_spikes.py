@@ -26,7 +26,8 @@ JUMP_AT, JUMP = 180, 2.5  # from here on, norms are 2.5x larger for good
 def norm_stream(steps, seed=0):
   rng = np.random.default_rng(seed)
   t = np.arange(steps)
-  norms = (0.7 + 1.3 * np.exp(-t / 40)) * np.exp(0.12 * rng.standard_normal(steps))
+  norms = ((0.7 + 1.3 * np.exp(-t / 40))
+           * np.exp(0.12 * rng.standard_normal(steps)))
   for step, k in SPIKES.items():
     if step < steps:
       norms[step] *= k
@@ -61,7 +62,8 @@ def run(steps):
     state = tx.init(gradient(1.0))
     for t, n in enumerate(norms):
       _, state = update(gradient(n, bad=t == NAN_STEP), state)
-      s = {k.split("/", 1)[1]: float(v) for k, v in optaxclip.stats(state).items()}
+      s = {k.split("/", 1)[1]: float(v)
+           for k, v in optaxclip.stats(state).items()}
       if name == "guard":
         s["clip_fraction"] = float(s["consecutive_skips"] > 0)
       records[name].append(s)
@@ -70,7 +72,7 @@ def run(steps):
 
 def print_table(norms, records):
   steps = len(norms)
-  interesting = sorted({t for t in range(0, steps, 20)} | {
+  interesting = sorted(set(range(0, steps, 20)) | {
       t + d for t in (*SPIKES, NAN_STEP, JUMP_AT) for d in (-1, 0, 1, 2)
       if 0 <= t + d < steps})
   names = list(records)
@@ -93,14 +95,15 @@ def print_table(norms, records):
 
 
 def plot(norms, records, path):
-  import matplotlib  # pylint: disable=import-outside-toplevel
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt
   fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
   top.semilogy(norms, "k.", label="gradient norm")
   for n, rs in records.items():
     top.semilogy([r["threshold"] for r in rs], label=f"{n} threshold")
-    bottom.plot([r["clip_fraction"] for r in rs], label=n, drawstyle="steps-mid")
+    bottom.plot([r["clip_fraction"] for r in rs], label=n,
+                drawstyle="steps-mid")
   top.set_ylabel("norm")
   top.legend(fontsize=8)
   bottom.set_ylabel("clip fraction / skipped")

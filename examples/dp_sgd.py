@@ -1,4 +1,4 @@
-"""DP-SGD on synthetic data: per-example clipping, noise and an adaptive clip norm.
+"""DP-SGD on synthetic data: per-example clipping, noise, adaptive clip norm.
 
 A two-layer Flax MLP learns a noisy nonlinear regression task (targets from a
 random "teacher" network plus noise). Each step takes per-example gradients
@@ -39,7 +39,10 @@ class MLP(nn.Module):
 def teacher(key, dim):
   """A fixed random two-layer network that labels the data."""
   k_w, k_v = jax.random.split(key)
-  return jax.random.normal(k_w, (dim, 8)) / jnp.sqrt(dim), jax.random.normal(k_v, (8,))
+  return (
+    jax.random.normal(k_w, (dim, 8)) / jnp.sqrt(dim),
+    jax.random.normal(k_v, (8,)),
+  )
 
 
 def synthetic_data(key, n, teacher_weights, noise=0.3):
@@ -52,18 +55,83 @@ def synthetic_data(key, n, teacher_weights, noise=0.3):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--epochs", type=int, default=8)
-  parser.add_argument("--examples", type=int, default=8192)
-  parser.add_argument("--batch-size", type=int, default=256)
-  parser.add_argument("--dim", type=int, default=16)
-  parser.add_argument("--l2-clip", type=float, default=1.0,
-                      help="the starting clip norm")
-  parser.add_argument("--noise-multiplier", type=float, default=1.0)
-  parser.add_argument("--target-quantile", type=float, default=0.5)
-  parser.add_argument("--learning-rate", type=float, default=0.1)
-  parser.add_argument("--seed", type=int, default=0)
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument(
+    "--epochs", type=int, default=8, help="passes over the training examples"
+  )
+  parser.add_argument(
+    "--examples",
+    type=int,
+    default=8192,
+    help="training examples (at least one batch)",
+  )
+  parser.add_argument(
+    "--batch-size", type=int, default=256, help="examples per step (B)"
+  )
+  parser.add_argument(
+    "--dim", type=int, default=16, help="input dimension of the synthetic data"
+  )
+  parser.add_argument(
+    "--l2-clip",
+    type=float,
+    default=1.0,
+    help="the starting per-example clip norm C",
+  )
+  parser.add_argument(
+    "--noise-multiplier",
+    type=float,
+    default=1.0,
+    help="noise standard deviation in units of C (0: none)",
+  )
+  parser.add_argument(
+    "--target-quantile",
+    type=float,
+    default=0.5,
+    help="share of examples the adaptive clip norm leaves unclipped",
+  )
+  parser.add_argument(
+    "--learning-rate",
+    type=float,
+    default=0.1,
+    help="SGD learning rate (momentum 0.9)",
+  )
+  parser.add_argument(
+    "--seed",
+    type=int,
+    default=0,
+    help="seeds the data, the model and the noise",
+  )
   args = parser.parse_args(argv)
+  for name in ("epochs", "examples", "batch_size", "dim"):
+    if getattr(args, name) < 1:
+      parser.error(
+        f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}"
+      )
+  if args.examples < args.batch_size:
+    parser.error(
+      f"--examples ({args.examples}) must be at least one batch "
+      f"(--batch-size {args.batch_size}): an epoch takes "
+      "examples // batch-size steps"
+    )
+  if args.l2_clip <= 0 or args.noise_multiplier < 0 or args.learning_rate <= 0:
+    parser.error(
+      "--l2-clip and --learning-rate must be > 0 and --noise-multiplier >= 0"
+    )
+  if not 0 <= args.target_quantile <= 1:
+    parser.error(
+      f"--target-quantile must be in [0, 1]; got {args.target_quantile}"
+    )
+  if args.noise_multiplier > 0 and args.batch_size <= 10 * (
+    args.noise_multiplier
+  ):
+    parser.error(
+      f"--batch-size must exceed 10 * --noise-multiplier "
+      f"({10 * args.noise_multiplier:g}) to noise the unclipped "
+      "count (Andrew et al. 2021)"
+    )
 
   key = jax.random.PRNGKey(args.seed)
   k_teacher, k_data, k_test, k_init, k_shuffle = jax.random.split(key, 5)
@@ -79,17 +147,23 @@ def main(argv=None):
   # Per-example gradients: the leading axis of every leaf is the batch.
   per_example_grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))
   tx = optax.chain(
-      optaxclip.clip_per_example(
-          args.l2_clip, noise_multiplier=args.noise_multiplier,
-          target_quantile=args.target_quantile, seed=args.seed),
-      optax.sgd(args.learning_rate, momentum=0.9))
+    optaxclip.clip_per_example(
+      args.l2_clip,
+      noise_multiplier=args.noise_multiplier,
+      target_quantile=args.target_quantile,
+      seed=args.seed,
+    ),
+    optax.sgd(args.learning_rate, momentum=0.9),
+  )
   opt_state = tx.init(params)
 
   steps = args.examples // args.batch_size
 
   @jax.jit
   def epoch(params, opt_state, key):
-    order = jax.random.permutation(key, args.examples)[:steps * args.batch_size]
+    order = jax.random.permutation(key, args.examples)[
+      : steps * args.batch_size
+    ]
     batches = order.reshape(steps, args.batch_size)
 
     def step(carry, idx):
@@ -99,28 +173,38 @@ def main(argv=None):
       stats = optaxclip.stats(opt_state)
       return (optax.apply_updates(params, updates), opt_state), stats
 
-    (params, opt_state), stats = jax.lax.scan(step, (params, opt_state),
-                                              batches)
+    (params, opt_state), stats = jax.lax.scan(
+      step, (params, opt_state), batches
+    )
     metrics = {
-        "loss": loss_fn(params, x_test, y_test),
-        "clip_norm": stats["clip_per_example/clip_norm"][-1],
-        "clip_fraction": stats["clip_per_example/clip_fraction"].mean(),
-        "norm": stats["clip_per_example/norm"].mean(),
+      "loss": loss_fn(params, x_test, y_test),
+      "clip_norm": stats["clip_per_example/clip_norm"][-1],
+      "clip_fraction": stats["clip_per_example/clip_fraction"].mean(),
+      "norm": stats["clip_per_example/norm"].mean(),
+      "nonfinite": stats["clip_per_example/nonfinite"].sum(),
     }
     return params, opt_state, metrics
 
-  print(f"{args.examples} examples, batches of {args.batch_size}, "
-        f"noise multiplier {args.noise_multiplier}, target quantile "
-        f"{args.target_quantile}, clip norm starts at {args.l2_clip}")
+  print(
+    f"{args.examples} examples, batches of {args.batch_size}, "
+    f"noise multiplier {args.noise_multiplier}, target quantile "
+    f"{args.target_quantile}, clip norm starts at {args.l2_clip}"
+  )
   start = time.perf_counter()
   for i, k in enumerate(jax.random.split(k_shuffle, args.epochs)):
     params, opt_state, m = epoch(params, opt_state, k)
-    print(f"epoch {i + 1:2d}  test loss {float(m['loss']):.4f}  "
-          "clip norm "
-          f"{float(m['clip_norm']):.4f}  clipped {float(m['clip_fraction']):.2f}"
-          f"  mean example norm {float(m['norm']):.4f}", flush=True)
-  print(f"{args.epochs * steps} steps in {time.perf_counter() - start:.1f} s. "
-        "No privacy accounting was done: see the module docstring.")
+    print(
+      f"epoch {i + 1:2d}  test loss {float(m['loss']):.4f}  "
+      f"clip norm {float(m['clip_norm']):.4f}  "
+      f"clipped {float(m['clip_fraction']):.2f}"
+      f"  mean example norm {float(m['norm']):.4f}  non-finite examples "
+      f"{int(m['nonfinite'])}",
+      flush=True,
+    )
+  print(
+    f"{args.epochs * steps} steps in {time.perf_counter() - start:.1f} s. "
+    "No privacy accounting was done: see the module docstring."
+  )
 
 
 if __name__ == "__main__":

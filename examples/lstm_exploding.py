@@ -38,18 +38,18 @@ import os
 import time
 
 import flax.linen as nn
+from flax.training import train_state
 import jax
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
-from flax.training import train_state
 from tqdm import tqdm
 
 import optaxclip
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+import matplotlib.pyplot as plt
 
 HIDDEN = 32
 BATCH = 32

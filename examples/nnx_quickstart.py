@@ -10,10 +10,10 @@ Run: ``python examples/nnx_quickstart.py`` (well under a minute on a CPU).
 
 import argparse
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 import optaxclip
 

@@ -2,38 +2,66 @@
 (z-score of an EMA), AutoClip (a percentile of recent norms) and AdaGC (per
 leaf, relative to an EMA of its own clipped norms).
 
-All their memory lives in the optax state (float32 statistics, int32
-counters), so they run inside ``jit`` without host transfers, never retrace,
-and survive a checkpoint round trip. A step whose gradient norm is NaN or
-infinite leaves that memory untouched: one bad step must not poison the
-statistics for the rest of training (use :func:`guard` to skip such steps).
+All their memory lives in the optax state, so they run inside ``jit`` without
+host transfers, never retrace, and survive a checkpoint round trip. Rules
+they share:
+
+* **dtype.** Statistics, thresholds and the clip decision are kept in the
+  accumulation dtype of the parameters given to ``init``: float32, or float64
+  when a leaf is float64 (under ``jax_enable_x64``). It is fixed at ``init``,
+  so the state's dtypes never change from step to step (no retrace).
+* **Non-finite steps.** A step whose norm is NaN or infinite leaves the
+  statistics untouched (one bad step must not poison them) and gives a
+  non-finite update, as ``torch.nn.utils.clip_grad_norm_`` and optax do: a
+  unit (the tree, or a leaf with per-leaf scope) with a NaN norm, or an
+  infinite norm and no finite limit, comes out all NaN; one with an infinite
+  norm and a finite limit is scaled by 0 (its infinite elements become NaN).
+  No finite part of such a unit passes unclipped, its ``clipped_norm`` is
+  NaN, and :func:`guard` can skip the step.
+* **No absorbing state.** Whatever the history (zeros, equal norms, NaN), a
+  lasting new level of the norm gets through within a bounded number of
+  steps: after ``patience`` clipped spikes in a row the statistics restart at
+  the new level, and ``restarts`` counts how often that happened.
+* **Many devices.** ``axis_name`` and ``sharded`` mean what they mean for
+  :func:`clip_global`: inside ``shard_map``/``pmap`` every device computes
+  the norms of the whole arrays, takes the same decision and holds the same
+  state, equal to one device's.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _static
 from optaxclip import _stats
 
 _F32 = jnp.float32
+_INT32_MAX = np.iinfo(np.int32).max
 ADAPTIVE_FIELDS = (*_stats.CLIP_FIELDS, "threshold")
 SCOPES = ("global", "leaf")
+AxisName = Optional[Union[str, tuple[str, ...]]]
 
-@_stats.register("clip_zscore", ADAPTIVE_FIELDS)
+
+@_stats.register("clip_zscore", (*ADAPTIVE_FIELDS, "restarts"))
 class ClipZscoreState(NamedTuple):
   """State of :func:`clip_zscore`.
 
+  Float fields are in the statistics dtype chosen at ``init`` (float32, or
+  float64 for float64 parameters).
+
   Attributes:
     norm: the global L2 norm before clipping.
-    clipped_norm: the global L2 norm after clipping.
+    clipped_norm: the global L2 norm of the update returned (NaN when it
+      holds NaN).
     clip_fraction: the share of clipping units (the tree, or each leaf)
       scaled down.
     threshold: the norm above which a step counts as a spike, capped by
@@ -43,81 +71,106 @@ class ClipZscoreState(NamedTuple):
     mean: the mean of the norm: the warm-up's plain mean until it ends, then
       an EMA.
     var: the variance of the norm, likewise.
+    consecutive_spikes: spikes in a row clipped so far, per unit.
+    restarts: how often a unit's statistics restarted at a new level.
   """
-  norm: jax.Array  # float32 scalar
-  clipped_norm: jax.Array  # float32 scalar
-  clip_fraction: jax.Array  # float32 scalar
-  threshold: jax.Array  # float32 scalar
-  count: jax.Array  # int32 scalar
-  mean: jax.Array  # float32: scalar, or (n_leaves,) with scope="leaf"
-  var: jax.Array  # float32: as mean
+
+  norm: jax.Array  # float scalar
+  clipped_norm: jax.Array  # float scalar
+  clip_fraction: jax.Array  # float scalar
+  threshold: jax.Array  # float scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  mean: jax.Array  # float: scalar, or (n_leaves,) with scope="leaf"
+  var: jax.Array  # float: as mean
+  consecutive_spikes: jax.Array  # int32: as mean
+  restarts: jax.Array  # int32 scalar
 
 
 @_stats.register("clip_percentile", ADAPTIVE_FIELDS)
 class ClipPercentileState(NamedTuple):
   """State of :func:`clip_percentile`.
 
+  Float fields are in the statistics dtype chosen at ``init``.
+
   Attributes:
     norm: the global L2 norm before clipping.
-    clipped_norm: the global L2 norm after clipping.
+    clipped_norm: the global L2 norm of the update returned.
     clip_fraction: the share of clipping units scaled down.
     threshold: the percentile of the recent norms (with ``scope='leaf'``,
       the L2 norm of the per-leaf thresholds).
-    filled: how many entries of ``history`` hold a norm.
+    filled: how many entries of ``history`` hold a step's norm.
     index: the slot the next norm goes to.
-    history: a ring buffer of the last norms.
+    history: a ring buffer of the last norms; +inf marks an empty slot or a
+      zero norm, which does not count.
+    ordered: the same values as ``history``, sorted along the first axis
+      (kept so that a step costs one insertion and one removal, no sort).
   """
-  norm: jax.Array  # float32 scalar
-  clipped_norm: jax.Array  # float32 scalar
-  clip_fraction: jax.Array  # float32 scalar
-  threshold: jax.Array  # float32 scalar
+
+  norm: jax.Array  # float scalar
+  clipped_norm: jax.Array  # float scalar
+  clip_fraction: jax.Array  # float scalar
+  threshold: jax.Array  # float scalar
   filled: jax.Array  # int32 scalar
-  index: jax.Array  # int32 scalar
-  history: jax.Array  # float32, (history,) or (history, n_leaves)
+  index: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  history: jax.Array  # float, (history,) or (history, n_leaves)
+  ordered: jax.Array  # float: as history
 
 
-@_stats.register("clip_relative", ADAPTIVE_FIELDS)
+@_stats.register("clip_relative", (*ADAPTIVE_FIELDS, "restarts"))
 class ClipRelativeState(NamedTuple):
   """State of :func:`clip_relative`.
 
+  Float fields are in the statistics dtype chosen at ``init``.
+
   Attributes:
     norm: the global L2 norm before clipping.
-    clipped_norm: the global L2 norm after clipping.
+    clipped_norm: the global L2 norm of the update returned.
     clip_fraction: the share of leaves scaled down.
     threshold: ``warmup_max_norm`` during warm-up, then the L2 norm of the
       per-leaf limits ``factor * gamma_i``.
     count: steps with a finite norm, at most ``warmup_steps``.
-    gamma: the EMA of each leaf's clipped norm (+inf before the first step).
+    gamma: the EMA of each leaf's clipped norm (+inf until the leaf has had
+      a nonzero gradient).
+    consecutive_clips: per leaf, steps in a row clipped after the warm-up.
+    restarts: how often a leaf's ``gamma`` restarted at a new level.
   """
-  norm: jax.Array  # float32 scalar
-  clipped_norm: jax.Array  # float32 scalar
-  clip_fraction: jax.Array  # float32 scalar
-  threshold: jax.Array  # float32 scalar
-  count: jax.Array  # int32 scalar
-  gamma: jax.Array  # float32, (n_leaves,)
+
+  norm: jax.Array  # float scalar
+  clipped_norm: jax.Array  # float scalar
+  clip_fraction: jax.Array  # float scalar
+  threshold: jax.Array  # float scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  gamma: jax.Array  # float, (n_leaves,)
+  consecutive_clips: jax.Array  # int32, (n_leaves,)
+  restarts: jax.Array  # int32 scalar
 
 
 # --- Shared pieces ------------------------------------------------------------
 
 
-def _check_scope(scope: Any, who: str) -> str:
-  if scope not in SCOPES:
-    raise ValueError(f"{who}: scope must be one of {SCOPES}; got {scope!r}.")
-  return scope
+def check_patience(patience: Any, who: str) -> None:
+  _checks.check_steps(who, "patience", patience)
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...], who: str):
-  if value not in choices:
-    raise ValueError(f"{who}: {name} must be one of {choices}; got {value!r}.")
+def check_axis_name(who: str, axis_name: Any, sharded: Any) -> Any:
+  """Checks ``axis_name`` and what can be checked of ``sharded`` now."""
+  _checks.check_axis_name(who, axis_name)
+  _checks.check_sharded(who, sharded, axis_name)
+  return axis_name
 
 
-def _check_count(name: str, value: Any, low: int, who: str) -> int:
-  """A whole-number hyperparameter that fixes the state's layout."""
-  if isinstance(value, jax.Array):
-    raise TypeError(f"{who}: {name} must be a Python int, not an array (with "
-                    f"optax.inject_hyperparams, list it in static_args).")
-  _checks.check_number(f"{who}: {name}", value, low=low, integer=True)
-  return int(value)
+def stats_dtype(params: Any) -> np.dtype:
+  """The dtype of an adaptive state's statistics, fixed at ``init``.
+
+  The accumulation dtype of the parameters' float leaves: float32, or
+  float64 when one is float64 (so float64 trees keep float64 decisions).
+  """
+  leaves = [
+    x
+    for x in jax.tree.leaves(params)
+    if jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.inexact)
+  ]
+  return np.dtype(_norms.tree_accumulation_dtype(leaves))
 
 
 def _unit_shape(params: Any, scope: str) -> tuple[int, ...]:
@@ -125,54 +178,96 @@ def _unit_shape(params: Any, scope: str) -> tuple[int, ...]:
   return () if scope == "global" else (len(jax.tree.leaves(params)),)
 
 
-class _Measured:
-  """The updates' leaves and their norm(s), one pass over the tree."""
+def _stat(x: Any, dtype: Any) -> jax.Array:
+  return jnp.asarray(x).astype(dtype).reshape(())
 
-  def __init__(self, updates: Any, scope: str, who: str,
-               unit_shape: Optional[tuple[int, ...]] = None):
+
+def _total(values: jax.Array, dtype: Any) -> jax.Array:
+  """A scalar: the value itself, or the L2 norm of per-leaf values."""
+  if values.ndim == 0:
+    return _stat(values, dtype)
+  return _stat(_norms.combine_norms([values]), dtype)
+
+
+class _Measured:
+  """The updates' leaves and their norm(s), one pass over the tree.
+
+  Norms are taken in the wider of the state's dtype and the tree's
+  accumulation dtype; with ``axis_name``, of the whole (sharded) arrays.
+  """
+
+  def __init__(
+    self,
+    updates: Any,
+    scope: str,
+    who: str,
+    state_dtype: Any,
+    unit_shape: Optional[tuple[int, ...]] = None,
+    *,
+    axis_name: AxisName = None,
+    sharded: Any = True,
+  ):
     _checks.check_float_leaves(updates, f"{who}: updates")
     self.leaves, self.treedef = jax.tree.flatten(updates)
     self.scope = scope
+    self.state_dtype = state_dtype
+    flags = (
+      _static.sharded_flags(updates, sharded, who, axis_name)
+      if axis_name
+      else None
+    )
+    self.dtype = jnp.promote_types(
+      state_dtype, _norms.tree_accumulation_dtype(self.leaves)
+    )
     if scope == "global":
-      self.norm = _norms.global_norm(self.leaves)
+      norm = _norms.global_norm(self.leaves, axis_name=axis_name, sharded=flags)
     else:
       if unit_shape is not None and unit_shape != (len(self.leaves),):
         raise ValueError(
-            f"{who}: the state was built for {unit_shape[0]} leaves but the "
-            f"updates have {len(self.leaves)}; call init with parameters of "
-            "the same structure as the updates.")
-      dtype = _norms.tree_accumulation_dtype(self.leaves)
-      per_leaf = _norms.unit_norms(self.leaves)
-      self.norm = (jnp.stack([n.reshape(()).astype(dtype) for n in per_leaf])
-                   if per_leaf else jnp.zeros((0,), dtype))
+          f"{who}: the state was built for {unit_shape[0]} leaves but the "
+          f"updates have {len(self.leaves)}; call init with parameters of "
+          "the same structure as the updates."
+        )
+      per_leaf = _norms.unit_norms(
+        self.leaves, axis_name=axis_name, sharded=flags
+      )
+      norm = (
+        jnp.stack([n.reshape(()).astype(self.dtype) for n in per_leaf])
+        if per_leaf
+        else jnp.zeros((0,), self.dtype)
+      )
+    self.norm = norm.astype(self.dtype)
     # Statistics are not differentiated through (as in every reference,
     # where they are Python floats): only the scaling carries gradients.
-    self.stat_norm = jax.lax.stop_gradient(self.norm).astype(_F32)
-    self.finite = jnp.all(jnp.isfinite(self.stat_norm))
+    self.stat_norm = jax.lax.stop_gradient(self.norm)
+    self.unit_finite = jnp.isfinite(self.stat_norm)
+    self.finite = jnp.all(self.unit_finite)
 
   def clip(self, limit: jax.Array):
     """Scales each clipping unit to ``limit``; returns updates and stats."""
-    limit = jax.lax.stop_gradient(jnp.asarray(limit, _F32))
+    limit = jax.lax.stop_gradient(jnp.asarray(limit, self.dtype))
+    g = self.stat_norm
     factor = _norms.clip_factor(self.norm, limit)
+    # The non-finite policy (see the module's docstring): NaN where torch
+    # and optax give NaN, so that no finite part passes unclipped.
+    nan_unit = jnp.isnan(g) | (jnp.isinf(g) & ~(limit < jnp.inf))
+    factor = jnp.where(nan_unit, jnp.nan, factor)
     if self.scope == "global":
       out = [_norms.scale_leaf(x, factor) for x in self.leaves]
     else:
       out = [_norms.scale_leaf(x, factor[i]) for i, x in enumerate(self.leaves)]
     scaled = jax.lax.stop_gradient(factor) < 1
-    # Exactly min(norm, limit), without inf * 0 for an infinite norm.
-    clipped = jnp.where(scaled, limit, self.stat_norm)
-    stats = (_total(self.stat_norm), _total(clipped),
-             _stats.as_stat(jnp.mean(scaled, dtype=_F32) if scaled.size
-                            else 0.0),
-             _total(limit))
+    # Exactly min(norm, limit), without inf * 0; NaN for a non-finite unit,
+    # whose output holds NaN.
+    clipped = jnp.where(self.unit_finite, jnp.where(scaled, limit, g), jnp.nan)
+    dtype = self.state_dtype
+    stats = (
+      _total(g, dtype),
+      _total(clipped, dtype),
+      _stat(jnp.mean(scaled, dtype=_F32) if scaled.size else 0.0, dtype),
+      _total(limit, dtype),
+    )
     return jax.tree.unflatten(self.treedef, out), stats
-
-
-def _total(values: jax.Array) -> jax.Array:
-  """A float32 scalar: the value itself, or the L2 norm of per-leaf values."""
-  if values.ndim == 0:
-    return _stats.as_stat(values)
-  return _stats.as_stat(_norms.combine_norms([values]))
 
 
 def _keep_if(finite: jax.Array, new, old):
@@ -208,21 +303,83 @@ def ema_mean_var(alpha, mean, var, x):
   return new_mean, new_var
 
 
+def running_moments(
+  count, mean, var, x, *, alpha, warmup_steps, finite, take, restart
+):
+  """One step of the norm statistics that :func:`clip_zscore` and
+  :func:`guard` share: a warm-up, then an EMA, and restarts.
+
+  While ``count < warmup_steps`` the plain mean and variance of the values
+  so far (:func:`welford`); then the EMA (:func:`ema_mean_var`). A unit that
+  ``restart``-s has its mean moved to ``x`` and its variance take in the
+  jump ``(x - mean)**2`` as one EMA step would.
+
+  Args:
+    count: int32 scalar, values gathered for the warm-up.
+    mean: the running mean, a scalar or one per unit.
+    var: the running variance, likewise.
+    x: the value to take in, shaped like ``mean``.
+    alpha: the EMA's smoothing.
+    warmup_steps: values that start the statistics.
+    finite: bool scalar; when false nothing changes (a NaN/Inf step).
+    take: per unit, whether to take ``x`` in (false: the unit's statistics
+      stay, as for ZClip's ``skip_update_on_spike``).
+    restart: per unit, whether the statistics restart at ``x``.
+
+  Returns:
+    The new ``(count, mean, var)``.
+  """
+  warming = count < warmup_steps
+  warm_mean, warm_var = welford(count, mean, var, x)
+  ema_mean, ema_var = ema_mean_var(alpha, mean, var, x)
+  new_mean = jnp.where(restart, x, jnp.where(warming, warm_mean, ema_mean))
+  new_var = jnp.where(
+    restart,
+    alpha * var + (1 - alpha) * (x - mean) ** 2,
+    jnp.where(warming, warm_var, ema_var),
+  )
+  take = finite & (take | restart)
+  new_count = jnp.where(finite, jnp.minimum(count + 1, warmup_steps), count)
+  return (
+    new_count.astype(jnp.int32),
+    jnp.where(take, new_mean, mean).astype(mean.dtype),
+    jnp.where(take, new_var, var).astype(var.dtype),
+  )
+
+
+def streak(run: jax.Array, hit: jax.Array, finite: jax.Array) -> jax.Array:
+  """Steps in a row with ``hit``: ``run + 1`` on a hit, else 0 (int32,
+  saturating); unchanged on a non-finite step.
+  """
+  grown = jnp.where(hit, jnp.minimum(run, _INT32_MAX - 1) + 1, 0)
+  return jnp.where(finite, grown, run).astype(jnp.int32)
+
+
+def add_count(total: jax.Array, n: jax.Array) -> jax.Array:
+  """``total + n`` for int32 counters, saturating at the int32 maximum."""
+  n = jnp.sum(jnp.asarray(n, jnp.int32))
+  return (total + jnp.minimum(n, _INT32_MAX - total)).astype(jnp.int32)
+
+
 # --- ZClip -------------------------------------------------------------------
 
 
+@_compiled.compiled_once
 def clip_zscore(
-    *,
-    alpha: float = 0.97,
-    z_thresh: float = 2.5,
-    max_norm: Optional[float] = None,
-    eps: float = 1e-6,
-    warmup_steps: int = 25,
-    mode: str = "zscore",
-    clip_option: str = "adaptive_scaling",
-    clip_factor: float = 1.0,
-    skip_update_on_spike: bool = False,
-    scope: str = "global",
+  *,
+  alpha: float = 0.97,
+  z_thresh: float = 2.5,
+  max_norm: Optional[float] = None,
+  eps: float = 1e-6,
+  warmup_steps: int = 25,
+  mode: str = "zscore",
+  clip_option: str = "adaptive_scaling",
+  clip_factor: float = 1.0,
+  skip_update_on_spike: bool = False,
+  scope: str = "global",
+  patience: int = 25,
+  axis_name: AxisName = None,
+  sharded: Any = True,
 ) -> optax.GradientTransformation:
   r"""ZClip: clips gradient-norm spikes detected by the z-score of an EMA.
 
@@ -249,15 +406,28 @@ def clip_zscore(
 
   * the update is scaled by ``min(1, limit / g)`` exactly (the reference, as
     ``torch.nn.utils.clip_grad_norm_``, divides by ``g + 1e-6``);
-  * the warm-up's mean and variance are accumulated step by step in float32
-    (Welford) instead of from a list of Python floats: the same values up
-    to rounding;
+  * the warm-up's mean and variance are accumulated step by step (Welford)
+    in the statistics dtype instead of from a list of Python floats: the
+    same values up to rounding;
   * a NaN or infinite norm leaves the statistics untouched (in the
     reference it enters them: a NaN would disable clipping for good);
+  * **restarts**: in the reference a lasting rise of the norm can be
+    clipped for ever -- after a warm-up of zeros or of equal norms every
+    later step is clipped to the old level (to 0 after zeros), and a large
+    jump is clipped to near the old mean while the variance decays. Here,
+    when a step is a spike after ``patience`` spikes in a row, or when the
+    statistics have no spread to judge by (variance exactly 0: equal norms
+    so far, zeros included), the step is taken as a new level instead: it
+    is clipped only by ``max_norm``, the mean moves to its norm ``g`` and
+    the variance takes in the jump, ``v <- alpha v + (1 - alpha) (g - m)^2``.
+    ``restarts`` counts these steps; at most ``patience`` spikes in a row
+    are clipped;
   * ``max_norm`` defaults to ``None`` (no fixed cap; the reference uses 1.0)
     and ``warmup_steps`` must be at least 1 (the reference treats 0 as 1);
   * ``scope="leaf"`` (not in the reference) keeps statistics per leaf and
-    clips each leaf on its own.
+    clips each leaf on its own;
+  * ``axis_name`` computes the norm across devices with a collective, like
+    the reference's FSDP branch, and keeps the decision in the state's dtype.
 
   Args:
     alpha: EMA smoothing of the norm's mean and variance, in (0, 1).
@@ -273,6 +443,12 @@ def clip_zscore(
     skip_update_on_spike: leave the statistics unchanged on a spike step.
     scope: ``"global"`` (one norm for the whole tree) or ``"leaf"`` (each
       leaf its own norm, statistics and clipping).
+    patience: spikes in a row clipped before a lasting new level is
+      accepted (>= 1; see the restarts above).
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves are split (as for :func:`clip_global`).
+    sharded: which leaves are split over ``axis_name``: a bool, a pytree
+      prefix of bools or a callable ``(path, leaf) -> bool``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -299,27 +475,37 @@ def clip_zscore(
   who = "clip_zscore"
   _checks.check_probability(f"{who}: alpha", alpha)
   _checks.check_number(f"{who}: z_thresh", z_thresh, low=0.0, low_open=True)
-  _checks.check_number(f"{who}: max_norm", max_norm, low=0.0, allow_inf=True,
-                       allow_none=True)
+  _checks.check_number(
+    f"{who}: max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
+  )
   _checks.check_number(f"{who}: eps", eps, low=0.0)
-  _checks.check_number(f"{who}: warmup_steps", warmup_steps, low=1,
-                       integer=True)
-  _check_choice("mode", mode, ("zscore", "percentile"), who)
-  _check_choice("clip_option", clip_option, ("adaptive_scaling", "mean"), who)
-  _checks.check_number(f"{who}: clip_factor", clip_factor, low=0.0,
-                       low_open=True)
-  if not isinstance(skip_update_on_spike, bool):
-    raise TypeError(f"{who}: skip_update_on_spike must be a bool; got "
-                    f"{skip_update_on_spike!r}.")
-  scope = _check_scope(scope, who)
+  _checks.check_steps(who, "warmup_steps", warmup_steps)
+  _checks.check_choice(who, "mode", mode, ("zscore", "percentile"))
+  _checks.check_choice(
+    who, "clip_option", clip_option, ("adaptive_scaling", "mean")
+  )
+  _checks.check_number(
+    f"{who}: clip_factor", clip_factor, low=0.0, low_open=True
+  )
+  skip_update_on_spike = _checks.check_bool(
+    who, "skip_update_on_spike", skip_update_on_spike
+  )
+  scope = _checks.check_choice(who, "scope", scope, SCOPES)
+  check_patience(patience, who)
+  axis_name = check_axis_name(who, axis_name, sharded)
   cap = _no_limit(max_norm)
 
   def init_fn(params):
     shape = _unit_shape(params, scope)
+    dtype = stats_dtype(params)
     return ClipZscoreState(
-        *_stats.zeros(len(ADAPTIVE_FIELDS)),
-        count=jnp.zeros((), jnp.int32),
-        mean=jnp.zeros(shape, _F32), var=jnp.zeros(shape, _F32))
+      *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
+      count=jnp.zeros((), jnp.int32),
+      mean=jnp.zeros(shape, dtype),
+      var=jnp.zeros(shape, dtype),
+      consecutive_spikes=jnp.zeros(shape, jnp.int32),
+      restarts=jnp.zeros((), jnp.int32),
+    )
 
   def spike_rule(g, mean, var):
     """Returns (spike?, value to clip to on a spike, spike boundary)."""
@@ -338,38 +524,113 @@ def clip_zscore(
 
   def update_fn(updates, state, params=None):
     del params
-    measured = _Measured(updates, scope, who, state.mean.shape)
-    g = measured.stat_norm
+    measured = _Measured(
+      updates,
+      scope,
+      who,
+      state.mean.dtype,
+      state.mean.shape,
+      axis_name=axis_name,
+      sharded=sharded,
+    )
+    g, finite = measured.stat_norm, measured.finite
+    mean = state.mean.astype(measured.dtype)
+    var = state.var.astype(measured.dtype)
     warming = state.count < warmup_steps
 
-    # Warm-up: gather the norm; clip only to max_norm.
-    warm_mean, warm_var = welford(state.count, state.mean, state.var, g)
     # After warm-up: detect a spike against the statistics so far.
-    spike, value, boundary = spike_rule(g, state.mean, state.var)
-    spike = spike & ~warming
-    seen = jnp.where(spike, value, g)
-    ema_mean, ema_var = ema_mean_var(alpha, state.mean, state.var, seen)
-    if skip_update_on_spike:
-      ema_mean = jnp.where(spike, state.mean, ema_mean)
-      ema_var = jnp.where(spike, state.var, ema_var)
+    spike, value, boundary = spike_rule(g, mean, var)
+    spike = spike & ~warming & measured.unit_finite
+    no_scale = var == 0  # equal norms so far: no spread to judge by
+    restart = spike & ((state.consecutive_spikes >= patience) | no_scale)
+    spike = spike & ~restart
+    count, new_mean, new_var = running_moments(
+      state.count,
+      mean,
+      var,
+      jnp.where(spike, value, g),
+      alpha=alpha,
+      warmup_steps=warmup_steps,
+      finite=finite,
+      take=~(spike & skip_update_on_spike),
+      restart=restart,
+    )
 
     limit = jnp.minimum(jnp.where(spike, value, jnp.inf), cap)
     new_updates, stats = measured.clip(limit)
     threshold = jnp.minimum(jnp.where(warming, jnp.inf, boundary), cap)
-    stats = stats[:3] + (_total(threshold),)
-    memory = _keep_if(
-        measured.finite,
-        (jnp.minimum(state.count + 1, warmup_steps).astype(jnp.int32),
-         jnp.where(warming, warm_mean, ema_mean).astype(_F32),
-         jnp.where(warming, warm_var, ema_var).astype(_F32)),
-        (state.count, state.mean, state.var))
-    return new_updates, ClipZscoreState(*stats, *memory)
+    stats = stats[:3] + (_total(threshold, state.mean.dtype),)
+    return new_updates, ClipZscoreState(
+      *stats,
+      count=count,
+      mean=new_mean.astype(state.mean.dtype),
+      var=new_var.astype(state.var.dtype),
+      consecutive_spikes=streak(state.consecutive_spikes, spike, finite),
+      restarts=jnp.where(
+        finite, add_count(state.restarts, restart), state.restarts
+      ),
+    )
 
-  return optax.GradientTransformation(
-      init_fn, _compiled.jit_update(update_fn))
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
 
 
 # --- AutoClip ----------------------------------------------------------------
+
+
+def _rows(x: jax.Array, ndim: int) -> jax.Array:
+  """``x`` (one value per column) shaped to broadcast against rows."""
+  return jnp.reshape(x, (1,) * (ndim - jnp.ndim(x)) + jnp.shape(x))
+
+
+def replace_sorted(
+  ordered: jax.Array, old: jax.Array, new: jax.Array
+) -> jax.Array:
+  """``ordered`` (sorted along axis 0, per column) with one copy of ``old``
+  replaced by ``new``, still sorted: one removal and one insertion.
+
+  ``old`` must be in each column (exactly). Costs two comparison passes and
+  one shifting pass over the array, no sort.
+  """
+  rows = ordered.shape[0]
+  i = jnp.arange(rows).reshape((rows,) + (1,) * (ordered.ndim - 1))
+  old_r, new_r = _rows(old, ordered.ndim), _rows(new, ordered.ndim)
+  # j: the removed position; k: where `new` goes once `old` is out.
+  j = _rows(jnp.argmax(ordered == old_r, axis=0), ordered.ndim)
+  k = _rows(
+    jnp.sum(ordered < new_r, axis=0, dtype=jnp.int32)
+    - (old < new).astype(jnp.int32),
+    ordered.ndim,
+  )
+  pad = jnp.full((1,) + ordered.shape[1:], jnp.inf, ordered.dtype)
+  after = jnp.concatenate([ordered[1:], pad])  # ordered[i + 1]
+  before = jnp.concatenate([pad, ordered[:-1]])  # ordered[i - 1]
+  removed_i = jnp.where(i < j, ordered, after)  # without old, at i
+  removed_prev = jnp.where(i - 1 < j, before, ordered)  # ... at i - 1
+  return jnp.where(i < k, removed_i, jnp.where(i == k, new_r, removed_prev))
+
+
+def percentile_sorted(ordered: jax.Array, n: jax.Array, q: Any) -> jax.Array:
+  """``numpy.percentile(ordered[:n], q, axis=0)`` (method "linear") of
+  values sorted along axis 0; ``n`` (per column) may be traced. +inf where
+  ``n == 0``.
+  """
+  dtype = ordered.dtype
+  last = jnp.maximum(n - 1, 0)
+  rank = jnp.asarray(q, dtype) / 100 * last.astype(dtype)
+  lo = jnp.clip(jnp.floor(rank).astype(jnp.int32), 0, last)
+  hi = jnp.minimum(lo + 1, last)
+  frac = rank - lo.astype(dtype)
+  pick = lambda idx: jnp.take_along_axis(
+    ordered, _rows(idx, ordered.ndim), axis=0
+  )[0]
+  below, above = pick(lo), pick(hi)
+  # numpy's lerp: from the nearer end, so that frac = 1 gives `above` exactly.
+  value = jnp.where(
+    frac < 0.5,
+    below + (above - below) * frac,
+    above - (above - below) * (1 - frac),
+  )
+  return jnp.where(n > 0, value, jnp.inf)
 
 
 def percentile_linear(values: jax.Array, n: jax.Array, q: Any) -> jax.Array:
@@ -381,23 +642,34 @@ def percentile_linear(values: jax.Array, n: jax.Array, q: Any) -> jax.Array:
   rows = values.shape[0]
   valid = (jnp.arange(rows) < n).reshape((rows,) + (1,) * (values.ndim - 1))
   ordered = jnp.sort(jnp.where(valid, values, jnp.inf), axis=0)
-  last = jnp.maximum(n - 1, 0)
-  rank = jnp.asarray(q, _F32) / 100 * last.astype(_F32)
-  lo = jnp.clip(jnp.floor(rank).astype(jnp.int32), 0, last)
-  hi = jnp.minimum(lo + 1, last)
-  frac = rank - lo.astype(_F32)
-  below, above = ordered[lo], ordered[hi]
-  # numpy's lerp: from the nearer end, so that frac = 1 gives `above` exactly.
-  value = jnp.where(frac < 0.5, below + (above - below) * frac,
-                    above - (above - below) * (1 - frac))
-  return jnp.where(n > 0, value, jnp.inf)
+  return percentile_sorted(ordered, jnp.broadcast_to(n, values.shape[1:]), q)
 
 
+def _from_release_0_1(history, ordered, filled):
+  """``history`` and ``ordered`` of a state saved by release 0.1.0, whose
+  history held zeros in empty slots and zero norms, and had no ``ordered``
+  (restored at its fresh value): in today's form.
+  """
+  del ordered
+  rows = history.shape[0]
+  slot = jnp.arange(rows).reshape((rows,) + (1,) * (history.ndim - 1))
+  kept = jnp.where((slot < filled) & (history > 0), history, jnp.inf)
+  return kept, jnp.sort(kept, axis=0)
+
+
+def _as_is(history, ordered, filled):
+  del filled
+  return history, ordered
+
+
+@_compiled.compiled_once
 def clip_percentile(
-    percentile: float = 10.0,
-    *,
-    history: int = 1024,
-    scope: str = "global",
+  percentile: float = 10.0,
+  *,
+  history: int = 1024,
+  scope: str = "global",
+  axis_name: AxisName = None,
+  sharded: Any = True,
 ) -> optax.GradientTransformation:
   """AutoClip: clips to a percentile of the recent gradient norms.
 
@@ -405,21 +677,31 @@ def clip_percentile(
   ``percentile``-th percentile (as ``numpy.percentile`` computes it, linear
   interpolation) of the last ``history`` norms, this step's included, and
   scales the update by ``min(1, threshold / norm)``. At first only the norms
-  seen so far count, so the first step is never clipped.
+  seen so far count, so the first step is never clipped. The recent norms
+  are also kept sorted, so that a step costs one insertion and one removal
+  (a few passes over ``history`` values per unit, no sort).
 
   Differences from the paper: AutoClip keeps every norm since the start of
   training; this keeps the last ``history`` (a ring buffer in the state), so
-  memory is fixed and the threshold follows the norm as training moves on. A
-  NaN or infinite norm is not recorded (one would otherwise stay in the
-  history), and ``scope="leaf"`` (not in the paper) keeps one history per
-  leaf and clips each leaf on its own.
+  memory is fixed and the threshold follows the norm as training moves on:
+  a lasting new level passes within ``history`` steps whatever came before.
+  A NaN or infinite norm is not recorded (one would otherwise stay in the
+  history), nor does a norm of exactly zero count (it has no scale: after a
+  run of zero gradients the first nonzero one is not clipped to 0; it takes
+  its slot, so old norms still leave the window), and ``scope="leaf"`` (not
+  in the paper) keeps one history per leaf and clips each leaf on its own.
 
   Args:
     percentile: which percentile of the recent norms to clip to, in
       [0, 100]; the paper recommends 10.
-    history: how many recent norms to keep (>= 1); the state holds this many
-      float32 values (per leaf with ``scope="leaf"``).
+    history: how many recent norms to keep (>= 1); the state holds twice
+      this many values (per leaf with ``scope="leaf"``) in the statistics
+      dtype.
     scope: ``"global"`` (one norm for the whole tree) or ``"leaf"``.
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves are split (as for :func:`clip_global`).
+    sharded: which leaves are split over ``axis_name``: a bool, a pytree
+      prefix of bools or a callable ``(path, leaf) -> bool``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -440,44 +722,82 @@ def clip_percentile(
   """
   who = "clip_percentile"
   _checks.check_number(f"{who}: percentile", percentile, low=0.0, high=100.0)
-  history = _check_count("history", history, 1, who)
-  scope = _check_scope(scope, who)
+  history = _checks.check_count(who, "history", history)
+  scope = _checks.check_choice(who, "scope", scope, SCOPES)
+  axis_name = check_axis_name(who, axis_name, sharded)
 
   def init_fn(params):
-    shape = _unit_shape(params, scope)
+    shape = (history,) + _unit_shape(params, scope)
+    dtype = stats_dtype(params)
     return ClipPercentileState(
-        *_stats.zeros(len(ADAPTIVE_FIELDS)),
-        filled=jnp.zeros((), jnp.int32), index=jnp.zeros((), jnp.int32),
-        history=jnp.zeros((history,) + shape, _F32))
+      *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
+      filled=jnp.zeros((), jnp.int32),
+      index=jnp.zeros((), jnp.int32),
+      history=jnp.full(shape, jnp.inf, dtype),
+      ordered=jnp.full(shape, jnp.inf, dtype),
+    )
 
   def update_fn(updates, state, params=None):
     del params
-    measured = _Measured(updates, scope, who, state.history.shape[1:])
+    dtype = state.history.dtype
+    measured = _Measured(
+      updates,
+      scope,
+      who,
+      dtype,
+      state.history.shape[1:],
+      axis_name=axis_name,
+      sharded=sharded,
+    )
     finite = measured.finite
-    recorded = state.history.at[state.index].set(measured.stat_norm)
-    filled = jnp.minimum(state.filled + 1, history)
-    recorded, filled, index = _keep_if(
-        finite, (recorded, filled, (state.index + 1) % history),
-        (state.history, state.filled, state.index))
-    threshold = percentile_linear(recorded, filled, percentile)
-    new_updates, stats = measured.clip(threshold)
+    # Recorded in the state's dtype (so that it is found again when it
+    # leaves the window); a zero norm is recorded as +inf: it does not count.
+    value = measured.stat_norm.astype(dtype)
+    value = jnp.where(value > 0, value, jnp.inf)
+    # A state from release 0.1.0, restored with `ordered` at its fresh value.
+    legacy = (state.filled > 0) & jnp.all(state.ordered == jnp.inf)
+    past, past_order = jax.lax.cond(
+      legacy,
+      _from_release_0_1,
+      _as_is,
+      state.history,
+      state.ordered,
+      state.filled,
+    )
+    leaving = past[state.index]
+    recorded, ordered, filled, index = _keep_if(
+      finite,
+      (
+        past.at[state.index].set(value),
+        replace_sorted(past_order, leaving, value),
+        jnp.minimum(state.filled + 1, history).astype(jnp.int32),
+        ((state.index + 1) % history).astype(jnp.int32),
+      ),
+      (state.history, state.ordered, state.filled, state.index),
+    )
+    counted = jnp.sum(ordered < jnp.inf, axis=0, dtype=jnp.int32)
+    threshold = percentile_sorted(ordered, counted, percentile)
+    new_updates, stats = measured.clip(threshold.astype(measured.dtype))
     return new_updates, ClipPercentileState(
-        *stats, filled=filled.astype(jnp.int32), index=index.astype(jnp.int32),
-        history=recorded)
+      *stats, filled=filled, index=index, history=recorded, ordered=ordered
+    )
 
-  return optax.GradientTransformation(
-      init_fn, _compiled.jit_update(update_fn))
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
 
 
 # --- AdaGC -------------------------------------------------------------------
 
 
+@_compiled.compiled_once
 def clip_relative(
-    factor: float = 1.05,
-    *,
-    beta: float = 0.98,
-    warmup_steps: int = 100,
-    warmup_max_norm: float = 1.0,
+  factor: float = 1.05,
+  *,
+  beta: float = 0.98,
+  warmup_steps: int = 100,
+  warmup_max_norm: float = 1.0,
+  patience: int = 25,
+  axis_name: AxisName = None,
+  sharded: Any = True,
 ) -> optax.GradientTransformation:
   r"""AdaGC: clips each leaf relative to an EMA of its own clipped norms.
 
@@ -491,10 +811,18 @@ def clip_relative(
   Differences from the paper: AdaGC is written there as part of AdamW (and
   its divisions carry an epsilon); here it is a transformation to chain
   before any optimizer and the ratios are exact. A NaN or infinite norm
-  leaves ``gamma`` and the step count untouched. As in the paper, a leaf
-  whose gradient is zero during warm-up gets ``gamma_i = 0`` and stays
-  clipped to zero: mask such leaves out (``optax.masked``) if they may wake
-  up later.
+  leaves ``gamma`` and the step count untouched. Two changes keep a leaf
+  from being held back for good (in the paper ``gamma_i`` can only grow by
+  a factor ``1 + (1 - beta)(factor - 1)`` a step, and a zero gradient
+  during warm-up pins it at 0 for ever -- the normal state of LoRA's A
+  matrix at step 0):
+
+  * a leaf whose gradient is exactly zero leaves its ``gamma_i`` as it was
+    (a zero norm has no scale); a leaf that had only zero gradients until
+    the warm-up ended takes its first nonzero norm as ``gamma_i``;
+  * when a leaf is clipped after ``patience`` clipped steps in a row, that
+    step passes unclipped and ``gamma_i`` restarts at its norm
+    (``restarts`` counts these).
 
   Args:
     factor: the relative threshold (``lambda_rel`` in the paper; > 0).
@@ -502,6 +830,12 @@ def clip_relative(
     warmup_steps: steps of global clipping that set the ``gamma_i`` (>= 1).
     warmup_max_norm: the global norm limit during warm-up (``lambda_abs``;
       >= 0).
+    patience: clipped steps in a row, per leaf, before a lasting new level
+      is accepted (>= 1).
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves are split (as for :func:`clip_global`).
+    sharded: which leaves are split over ``axis_name``: a bool, a pytree
+      prefix of bools or a callable ``(path, leaf) -> bool``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -525,38 +859,77 @@ def clip_relative(
   who = "clip_relative"
   _checks.check_number(f"{who}: factor", factor, low=0.0, low_open=True)
   _checks.check_probability(f"{who}: beta", beta)
-  _checks.check_number(f"{who}: warmup_steps", warmup_steps, low=1,
-                       integer=True)
-  _checks.check_number(f"{who}: warmup_max_norm", warmup_max_norm, low=0.0,
-                       allow_inf=True)
+  _checks.check_steps(who, "warmup_steps", warmup_steps)
+  _checks.check_number(
+    f"{who}: warmup_max_norm", warmup_max_norm, low=0.0, allow_inf=True
+  )
+  check_patience(patience, who)
+  axis_name = check_axis_name(who, axis_name, sharded)
 
   def init_fn(params):
+    shape = _unit_shape(params, "leaf")
+    dtype = stats_dtype(params)
     return ClipRelativeState(
-        *_stats.zeros(len(ADAPTIVE_FIELDS)),
-        count=jnp.zeros((), jnp.int32),
-        gamma=jnp.full(_unit_shape(params, "leaf"), jnp.inf, _F32))
+      *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
+      count=jnp.zeros((), jnp.int32),
+      gamma=jnp.full(shape, jnp.inf, dtype),
+      consecutive_clips=jnp.zeros(shape, jnp.int32),
+      restarts=jnp.zeros((), jnp.int32),
+    )
 
   def update_fn(updates, state, params=None):
     del params
-    measured = _Measured(updates, "leaf", who, state.gamma.shape)
-    norms = measured.stat_norm
+    measured = _Measured(
+      updates,
+      "leaf",
+      who,
+      state.gamma.dtype,
+      state.gamma.shape,
+      axis_name=axis_name,
+      sharded=sharded,
+    )
+    norms, finite = measured.stat_norm, measured.finite
+    gamma = state.gamma.astype(measured.dtype)
     warming = state.count < warmup_steps
     total = _norms.combine_norms([norms])
     warm_limit = norms * _norms.clip_factor(total, warmup_max_norm)
-    limit = jnp.where(warming, warm_limit, factor * state.gamma)
+    relative = factor * gamma
+    over = ~warming & (norms > relative) & measured.unit_finite
+    restart = over & (state.consecutive_clips >= patience)
+    over = over & ~restart
+    limit = jnp.where(
+      warming, warm_limit, jnp.where(restart, jnp.inf, relative)
+    )
     new_updates, stats = measured.clip(limit)
     clipped = jnp.minimum(norms, limit)
-    gamma = jnp.where(warming, jnp.minimum(state.gamma, clipped),
-                      beta * state.gamma + (1 - beta) * clipped)
-    threshold = jnp.where(warming, jnp.asarray(warmup_max_norm, _F32),
-                          stats[3])
-    count, gamma = _keep_if(
-        measured.finite,
-        (jnp.minimum(state.count + 1, warmup_steps).astype(jnp.int32),
-         gamma.astype(_F32)),
-        (state.count, state.gamma))
+    unseen = jnp.isinf(gamma)  # no nonzero norm yet
+    new_gamma = jnp.where(
+      warming,
+      jnp.minimum(gamma, clipped),
+      jnp.where(unseen | restart, clipped, beta * gamma + (1 - beta) * clipped),
+    )
+    new_gamma = jnp.where(norms > 0, new_gamma, gamma)  # zero: no scale
+    threshold = jnp.where(
+      warming,
+      jnp.asarray(warmup_max_norm, stats[3].dtype),
+      _total(relative, stats[3].dtype),
+    )
+    count, new_gamma, restarts = _keep_if(
+      finite,
+      (
+        jnp.minimum(state.count + 1, warmup_steps).astype(jnp.int32),
+        new_gamma.astype(state.gamma.dtype),
+        add_count(state.restarts, restart),
+      ),
+      (state.count, state.gamma, state.restarts),
+    )
     return new_updates, ClipRelativeState(
-        *stats[:3], _stats.as_stat(threshold), count=count, gamma=gamma)
+      *stats[:3],
+      _stat(threshold, state.gamma.dtype),
+      count=count,
+      gamma=new_gamma,
+      consecutive_clips=streak(state.consecutive_clips, over, finite),
+      restarts=restarts,
+    )
 
-  return optax.GradientTransformation(
-      init_fn, _compiled.jit_update(update_fn))
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))

@@ -12,14 +12,26 @@ from optaxclip import _adaptive
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _static
 from optaxclip import _stats
 
-_F32 = jnp.float32
 
 @_stats.register(
-    "guard", ("norm", "threshold", "skipped", "nonfinite", "consecutive_skips"))
+  "guard",
+  (
+    "norm",
+    "threshold",
+    "skipped",
+    "nonfinite",
+    "consecutive_skips",
+    "restarts",
+  ),
+)
 class GuardState(NamedTuple):
   """State of :func:`guard`.
+
+  Float fields are in the statistics dtype chosen at ``init`` (float32, or
+  float64 for float64 parameters).
 
   Attributes:
     norm: this step's global L2 gradient norm.
@@ -33,36 +45,68 @@ class GuardState(NamedTuple):
     mean: the mean of the norm (the warm-up's plain mean, then an EMA).
     var: the variance of the norm, likewise.
     inner_state: the state of the guarded transformation.
+    consecutive_spikes: spikes in a row skipped so far.
+    restarts: how often the statistics restarted at a new level.
   """
-  norm: jax.Array  # float32 scalar
-  threshold: jax.Array  # float32 scalar
+
+  norm: jax.Array  # float scalar
+  threshold: jax.Array  # float scalar
   skipped: jax.Array  # int32 scalar
   nonfinite: jax.Array  # int32 scalar
   consecutive_skips: jax.Array  # int32 scalar
-  count: jax.Array  # int32 scalar
-  mean: jax.Array  # float32 scalar
-  var: jax.Array  # float32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  mean: jax.Array  # float scalar
+  var: jax.Array  # float scalar
   inner_state: Any
+  consecutive_spikes: jax.Array  # int32 scalar
+  restarts: jax.Array  # int32 scalar
+
+
+def _varying_axes(x: Any) -> frozenset:
+  """The mesh axes over which ``x`` (an array or a struct) varies inside
+  ``shard_map``; empty elsewhere.
+  """
+  kind = getattr(x, "manual_axis_type", None)
+  if kind is None and not isinstance(x, jax.ShapeDtypeStruct):
+    kind = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(getattr(kind, "varying", ()) or ())
+
+
+def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
+  """``x`` made to vary over ``axes`` too (both branches of a ``cond``
+  inside ``shard_map`` must agree on it).
+  """
+  missing = tuple(sorted(axes - _varying_axes(x)))
+  if not missing:
+    return x
+  return jax.lax.pcast(x, missing, to="varying")
 
 
 def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> jax.Array:
   """Zeros of the struct's shape and dtype, and of its sharding when that is
-  explicit (on an Explicit mesh both branches of a cond must agree)."""
+  explicit (on an Explicit mesh both branches of a cond must agree).
+  """
   sharding = getattr(struct, "sharding", None)
   spec = getattr(sharding, "spec", None) or ()
   if any(entry is not None for entry in spec):
-    return jnp.zeros(struct.shape, struct.dtype, out_sharding=sharding)
-  return jnp.zeros(struct.shape, struct.dtype)
+    zeros = jnp.zeros(struct.shape, struct.dtype, out_sharding=sharding)
+  else:
+    zeros = jnp.zeros(struct.shape, struct.dtype)
+  return _vary(zeros, _varying_axes(struct))
 
 
+@_compiled.compiled_once
 def guard(
-    inner: optax.GradientTransformation,
-    *,
-    skip_nonfinite: bool = True,
-    spike_z: Optional[float] = None,
-    max_norm: Optional[float] = None,
-    alpha: float = 0.97,
-    warmup_steps: int = 25,
+  inner: optax.GradientTransformation,
+  *,
+  skip_nonfinite: bool = True,
+  spike_z: Optional[float] = None,
+  max_norm: Optional[float] = None,
+  alpha: float = 0.97,
+  warmup_steps: int = 25,
+  patience: int = 25,
+  axis_name: _adaptive.AxisName = None,
+  sharded: Any = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Skips the whole ``inner`` update when the gradient is NaN/Inf or spikes.
 
@@ -79,17 +123,36 @@ def guard(
   The statistics start as the plain mean and variance of the first
   ``warmup_steps`` finite norms and then follow every finite norm ``x``,
   ``m <- alpha m + (1 - alpha) x`` then ``v <- alpha v + (1 - alpha)
-  (x - m)^2`` (the update order of ZClip, :func:`clip_zscore`), a spike
-  entering at the spike bound ``m + spike_z s`` rather than at its own
-  size (as in ZClip's "percentile" mode). So one spike barely moves the
-  bound, while a lasting rise in the norm lifts it step by step (the
-  standard deviation grows geometrically while such steps are skipped)
+  (x - m)^2`` (the update order of ZClip, :func:`clip_zscore`, and the same
+  code), a spike entering at the spike bound ``m + spike_z s`` rather than
+  at its own size (as in ZClip's "percentile" mode). So one spike barely
+  moves the bound, while a lasting rise in the norm lifts it step by step
+  (the standard deviation grows geometrically while such steps are skipped)
   until the new level passes. NaN/Inf norms never enter.
+
+  No absorbing state: when the statistics cannot rise -- a warm-up of equal
+  norms (variance 0: all zeros when a loss is switched on by a schedule, or
+  masked batches) -- or rise too slowly, a spike that comes after
+  ``patience`` skipped spikes in a row is taken as a new level instead: it
+  passes (unless ``max_norm`` or a NaN/Inf stops it), the mean moves to its
+  norm and the variance takes in the jump (``restarts`` counts these). So
+  at most ``patience`` spikes in a row are skipped. Statistics with no
+  spread (variance exactly 0: equal norms so far, zeros included) cannot
+  judge a spike: the first norm above their mean restarts them at once. A
+  level
+  above ``max_norm`` is skipped for as long as it lasts: that is the fixed
+  limit asked for.
 
   Unlike ``optax.apply_if_finite``, it also catches spikes, counts what it
   skipped, and never gives up and applies a non-finite update (watch
   ``consecutive_skips`` to detect a run that has diverged). It is the
   skip-the-batch remedy PaLM used for loss spikes, inside the optimizer.
+
+  The norm and the statistics are in the accumulation dtype of the
+  parameters given to ``init`` (float64 ones keep float64: a finite norm of
+  1e200 is finite). With ``axis_name`` (inside ``shard_map`` or ``pmap``),
+  every device computes the norm of the whole arrays and takes the same
+  decision, so the inner states stay equal across devices.
 
   Args:
     inner: the transformation to guard (usually the whole optimizer chain).
@@ -99,6 +162,12 @@ def guard(
     max_norm: skip steps whose norm is above it (>= 0); ``None`` for none.
     alpha: EMA smoothing of the norm's mean and variance, in (0, 1).
     warmup_steps: finite norms to gather before spikes are detected (>= 1).
+    patience: spikes in a row skipped before a lasting new level is
+      accepted (>= 1).
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves are split (as for :func:`clip_global`).
+    sharded: which leaves are split over ``axis_name``: a bool, a pytree
+      prefix of bools or a callable ``(path, leaf) -> bool``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -125,84 +194,135 @@ def guard(
     (Array([-3., -4.], dtype=float32), 0)
   """
   who = "guard"
-  if not (callable(getattr(inner, "init", None))
-          and callable(getattr(inner, "update", None))):
-    raise TypeError(f"{who}: inner must be an optax.GradientTransformation; "
-                    f"got {type(inner).__name__}.")
-  if not isinstance(skip_nonfinite, bool):
-    raise TypeError(f"{who}: skip_nonfinite must be a bool; got "
-                    f"{skip_nonfinite!r}.")
-  _checks.check_number(f"{who}: spike_z", spike_z, low=0.0, low_open=True,
-                       allow_none=True)
-  _checks.check_number(f"{who}: max_norm", max_norm, low=0.0, allow_inf=True,
-                       allow_none=True)
+  _checks.check_transformation(who, "inner", inner)
+  skip_nonfinite = _checks.check_bool(who, "skip_nonfinite", skip_nonfinite)
+  _checks.check_number(
+    f"{who}: spike_z", spike_z, low=0.0, low_open=True, allow_none=True
+  )
+  _checks.check_number(
+    f"{who}: max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
+  )
   _checks.check_probability(f"{who}: alpha", alpha)
-  _checks.check_number(f"{who}: warmup_steps", warmup_steps, low=1,
-                       integer=True)
+  _checks.check_steps(who, "warmup_steps", warmup_steps)
+  _adaptive.check_patience(patience, who)
+  axis_name = _adaptive.check_axis_name(who, axis_name, sharded)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     # A fresh array per field: a donated state must not hold one buffer twice.
-    counter = lambda: jnp.zeros((), jnp.int32)
+    def counter():
+      return jnp.zeros((), jnp.int32)
+
+    dtype = _adaptive.stats_dtype(params)
     return GuardState(
-        norm=jnp.zeros((), _F32), threshold=jnp.full((), jnp.inf, _F32),
-        skipped=counter(), nonfinite=counter(), consecutive_skips=counter(),
-        count=counter(), mean=jnp.zeros((), _F32), var=jnp.zeros((), _F32),
-        inner_state=inner.init(params))
+      norm=jnp.zeros((), dtype),
+      threshold=jnp.full((), jnp.inf, dtype),
+      skipped=counter(),
+      nonfinite=counter(),
+      consecutive_skips=counter(),
+      count=counter(),
+      mean=jnp.zeros((), dtype),
+      var=jnp.zeros((), dtype),
+      inner_state=inner.init(params),
+      consecutive_spikes=counter(),
+      restarts=counter(),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     _checks.check_float_leaves(updates, f"{who}: updates")
+    leaves = jax.tree.leaves(updates)
+    flags = (
+      _static.sharded_flags(updates, sharded, who, axis_name)
+      if axis_name
+      else None
+    )
+    dtype = jnp.promote_types(
+      state.mean.dtype, _norms.tree_accumulation_dtype(leaves)
+    )
     norm = jax.lax.stop_gradient(
-        _norms.global_norm(jax.tree.leaves(updates))).astype(_F32)
+      _norms.global_norm(leaves, axis_name=axis_name, sharded=flags)
+    ).astype(dtype)
+    mean, var = state.mean.astype(dtype), state.var.astype(dtype)
     finite = jnp.isfinite(norm)
     warming = state.count < warmup_steps
 
-    threshold = jnp.full((), jnp.inf, _F32)
-    if max_norm is not None:
-      threshold = jnp.minimum(threshold, max_norm)
+    cap = jnp.asarray(jnp.inf if max_norm is None else max_norm, dtype)
+    spike = restart = jnp.zeros((), bool)
     seen = norm  # what the statistics take in
+    bound = jnp.asarray(jnp.inf, dtype)
     if spike_z is not None:
-      bound = jnp.where(warming, jnp.inf,
-                        state.mean + spike_z * jnp.sqrt(state.var))
-      threshold = jnp.minimum(threshold, bound)
-      seen = jnp.minimum(norm, bound)
-    skip = norm > threshold
+      bound = jnp.where(warming, jnp.inf, mean + spike_z * jnp.sqrt(var))
+      spike = finite & (norm > bound)
+      no_scale = var == 0  # equal norms so far: no spread to judge by
+      restart = spike & ((state.consecutive_spikes >= patience) | no_scale)
+      spike = spike & ~restart
+      seen = jnp.where(spike, bound, norm)
+    threshold = jnp.minimum(cap, jnp.where(restart, jnp.inf, bound))
+    # An infinite norm is above any finite bound, whatever skip_nonfinite.
+    skip = (norm > cap) | spike | (jnp.isinf(norm) & (bound < jnp.inf))
     if skip_nonfinite:
       skip = skip | ~finite
 
+    old_inner = state.inner_state
+    # inner's outputs may differ from the updates in dtype: ask for them.
+    out_shapes = jax.eval_shape(
+      lambda: inner.update(updates, old_inner, params, **extra_args)
+    )
+    # Inside shard_map both branches must vary over the same mesh axes.
+    state_axes = jax.tree.map(
+      lambda new, old: _varying_axes(new) | _varying_axes(old),
+      out_shapes[1],
+      old_inner,
+    )
+
     def step():
-      return inner.update(updates, state.inner_state, params, **extra_args)
+      new_updates, new_inner = inner.update(
+        updates, old_inner, params, **extra_args
+      )
+      return new_updates, jax.tree.map(_vary, new_inner, state_axes)
 
     def skip_step():
-      zeros = jax.tree.map(_zeros_like_struct, out_shapes)
-      return zeros, state.inner_state
+      zeros = jax.tree.map(_zeros_like_struct, out_shapes[0])
+      return zeros, jax.tree.map(_vary, old_inner, state_axes)
 
-    # inner's outputs may differ from the updates in dtype: ask for them.
-    out_shapes = jax.eval_shape(step)[0]
     # A cond rather than selecting between both results: a skipped step
     # costs nothing, and the state is not copied. The real step goes in the
     # true branch: on XLA:CPU the other order was measured 4x slower.
     new_updates, new_inner = jax.lax.cond(~skip, step, skip_step)
 
-    warm_mean, warm_var = _adaptive.welford(state.count, state.mean,
-                                            state.var, seen)
-    ema_mean, ema_var = _adaptive.ema_mean_var(alpha, state.mean, state.var,
-                                               seen)
-    count = jnp.where(finite, jnp.minimum(state.count + 1, warmup_steps),
-                      state.count)
-    mean = jnp.where(finite, jnp.where(warming, warm_mean, ema_mean),
-                     state.mean)
-    var = jnp.where(finite, jnp.where(warming, warm_var, ema_var), state.var)
+    count, new_mean, new_var = _adaptive.running_moments(
+      state.count,
+      mean,
+      var,
+      seen,
+      alpha=alpha,
+      warmup_steps=warmup_steps,
+      finite=finite,
+      take=jnp.ones((), bool),
+      restart=restart,
+    )
     return new_updates, GuardState(
-        norm=norm, threshold=_stats.as_stat(threshold),
-        skipped=jnp.where(skip, optax.safe_increment(state.skipped),
-                          state.skipped),
-        nonfinite=jnp.where(finite, state.nonfinite,
-                            optax.safe_increment(state.nonfinite)),
-        consecutive_skips=jnp.where(
-            skip, optax.safe_increment(state.consecutive_skips), 0),
-        count=count.astype(jnp.int32), mean=mean.astype(_F32),
-        var=var.astype(_F32), inner_state=new_inner)
+      norm=norm.astype(state.norm.dtype),
+      threshold=threshold.astype(state.threshold.dtype),
+      skipped=jnp.where(
+        skip, optax.safe_increment(state.skipped), state.skipped
+      ),
+      nonfinite=jnp.where(
+        finite, state.nonfinite, optax.safe_increment(state.nonfinite)
+      ),
+      consecutive_skips=jnp.where(
+        skip, optax.safe_increment(state.consecutive_skips), 0
+      ),
+      count=count,
+      mean=new_mean.astype(state.mean.dtype),
+      var=new_var.astype(state.var.dtype),
+      inner_state=new_inner,
+      consecutive_spikes=_adaptive.streak(
+        state.consecutive_spikes, spike, finite
+      ),
+      restarts=_adaptive.add_count(state.restarts, restart),
+    )
 
   return optax.GradientTransformationExtraArgs(
-      init_fn, _compiled.jit_update(update_fn))
+    init_fn, _compiled.jit_update(update_fn)
+  )

@@ -65,9 +65,10 @@ number of leaves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import functools
 import math
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -241,12 +242,30 @@ def _reduce_axes(x: jax.Array, axes: Optional[tuple[int, ...]]):
   return tuple(range(x.ndim)) if axes is None else axes
 
 
-def _psum_sharded(value, sharded: bool, axis_name: AxisName):
-  return jax.lax.psum(value, axis_name) if (sharded and axis_name) else value
+def _names(axis_name: AxisName) -> tuple[str, ...]:
+  if not axis_name:
+    return ()
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def _pmax(value, axis_name: AxisName):
-  return jax.lax.pmax(value, axis_name) if axis_name else value
+def _split_axes(sharded, axis_name: AxisName) -> tuple[str, ...]:
+  """One leaf's ``sharded`` entry as the names of ``axis_name`` it is split
+  over: ``True`` all of them, ``False`` none, a tuple of names those.
+  """
+  names = _names(axis_name)
+  if isinstance(sharded, (tuple, list)):
+    return tuple(n for n in names if n in sharded)
+  return names if sharded else ()
+
+
+def _psum_sharded(value, sharded, axis_name: AxisName):
+  """``value`` summed over the axes a leaf is split over (see _split_axes)."""
+  names = _split_axes(sharded, axis_name)
+  return jax.lax.psum(value, names) if names else value
+
+
+def _pmax(value, names: tuple[str, ...]):
+  return jax.lax.pmax(value, names) if names else value
 
 
 def axis_size(axis_name: AxisName) -> int:
@@ -276,14 +295,14 @@ def may_span_devices(x: jax.Array) -> bool:
     return False
   sharding = getattr(typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty:
+  if sharding is None or mesh is None or mesh.empty:
     return False
   used = set()
   for entry in sharding.spec:
     used.update(entry if isinstance(entry, tuple) else (entry,))
   types = getattr(mesh, "axis_types", None) or (None,) * len(mesh.axis_names)
-  for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, types):
-    kind = getattr(kind, "name", str(kind))
+  for name, size, axis_type in zip(mesh.axis_names, mesh.axis_sizes, types):
+    kind = getattr(axis_type, "name", str(axis_type))
     if size == 1 or kind == "Manual":
       continue
     if kind == "Explicit" and name not in used:
@@ -296,12 +315,16 @@ def _concatenable(x: jax.Array) -> bool:
   return x.size <= SMALL_LEAF_SIZE and not may_span_devices(x)
 
 
-def _sharded_flags(leaves, sharded) -> list[bool]:
+def _sharded_flags(leaves, sharded, axis_name: AxisName = None
+                   ) -> list[tuple[str, ...]]:
+  """Per leaf, the names of ``axis_name`` it is split over (``sharded=None``:
+  all of them, for every leaf).
+  """
   if sharded is None:
-    return [True] * len(leaves)
+    return [_names(axis_name)] * len(leaves)
   if len(sharded) != len(leaves):
     raise ValueError("sharded flags do not match the leaves.")
-  return [bool(s) for s in sharded]
+  return [_split_axes(s, axis_name) for s in sharded]
 
 
 # --------------------------------------------------------------------------
@@ -409,13 +432,16 @@ def _merge_scaled(parts, p: float):
   return sum(qi * _power(pow2(ei - e, qi.dtype), p) for qi, ei in parts), e
 
 
-def _across_devices(q, e, p, sharded: bool, axis_name: AxisName):
-  """``(q, E)`` of a leaf sharded over ``axis_name``, merged over devices."""
-  if not (sharded and axis_name):
+def _across_devices(q, e, p, sharded, axis_name: AxisName):
+  """``(q, E)`` of a leaf split over (some of) ``axis_name``, merged over the
+  devices that hold its parts (``sharded``: see _split_axes).
+  """
+  names = _split_axes(sharded, axis_name)
+  if not names:
     return q, e
-  total_e = jax.lax.pmax(e, axis_name)
+  total_e = jax.lax.pmax(e, names)
   return jax.lax.psum(q * _power(pow2(e - total_e, q.dtype), p),
-                      axis_name), total_e
+                      names), total_e
 
 
 def _scaled_norm(q, e, p) -> Scaled:
@@ -426,7 +452,8 @@ def _scaled_norm(q, e, p) -> Scaled:
 def _flat_parts(arrays) -> list[jax.Array]:
   """The arrays as 1-D parts: those on one device concatenated into one, the
   others (that may span devices: no all-gather) raveled on their own. Same
-  shapes in, same partition out."""
+  shapes in, same partition out.
+  """
   local = [jnp.ravel(a) for a in arrays if not may_span_devices(a)]
   parts = [jnp.ravel(a) for a in arrays if may_span_devices(a)]
   if local:
@@ -450,11 +477,11 @@ def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
 
 def unit_norms(
     leaves: Sequence[jax.Array],
-    ord: float = 2.0,  # pylint: disable=redefined-builtin
+    ord: float = 2.0,
     axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
     *,
     axis_name: AxisName = None,
-    sharded: Optional[Sequence[bool]] = None,
+    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> list[jax.Array]:
   """The p-norm of each unit of each leaf, with reduced axes kept as size 1.
 
@@ -487,7 +514,8 @@ def unit_norms_scaled(
     ord: the norm's order p >= 1, or ``math.inf``.
     axes: per leaf, the axes a unit spans (``None``: the whole leaf).
     axis_name: mapped axis name(s) over which sharded leaves are summed.
-    sharded: per leaf, whether it is sharded over ``axis_name``.
+    sharded: per leaf, the names of ``axis_name`` it is split over (a tuple;
+      partial sums are summed over exactly those), or a bool: all or none.
 
   Returns:
     One :class:`Scaled` per leaf, of the leaf's rank, holding each unit's
@@ -498,13 +526,13 @@ def unit_norms_scaled(
   if not leaves:
     return []
   axes = [None] * len(leaves) if axes is None else list(axes)
-  flags = _sharded_flags(leaves, sharded)
+  flags = _sharded_flags(leaves, sharded, axis_name)
   p = ord
 
   def maxima(leaves_):
     return [
         _pmax(jnp.max(magnitude(x), axis=_reduce_axes(x, ax), keepdims=True,
-                      initial=0), axis_name if f else None)
+                      initial=0), f)
         for x, ax, f in zip(leaves_, axes, flags)]
 
   if math.isinf(p):
@@ -577,10 +605,10 @@ def _pieces(leaves, flags) -> list[tuple[jax.Array, bool]]:
 
 def global_norm(
     leaves: Sequence[jax.Array],
-    ord: float = 2.0,  # pylint: disable=redefined-builtin
+    ord: float = 2.0,
     *,
     axis_name: AxisName = None,
-    sharded: Optional[Sequence[bool]] = None,
+    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> jax.Array:
   """The p-norm of all leaves taken together, as one vector.
 
@@ -608,7 +636,8 @@ def global_norm_scaled(
     leaves: float or complex arrays.
     ord: the norm's order p >= 1, or ``math.inf``.
     axis_name: mapped axis name(s) over which sharded leaves are summed.
-    sharded: per leaf, whether it is sharded over ``axis_name``.
+    sharded: per leaf, the names of ``axis_name`` it is split over (a tuple;
+      partial sums are summed over exactly those), or a bool: all or none.
 
   Returns:
     A scalar :class:`Scaled` in the accumulation dtype (float32 unless a
@@ -616,14 +645,15 @@ def global_norm_scaled(
   """
   leaves = list(leaves)
   dtype = tree_accumulation_dtype(leaves)
-  flags = _sharded_flags(leaves, sharded)
+  flags = _sharded_flags(leaves, sharded, axis_name)
   pieces = _pieces(leaves, flags)
   if not pieces:
     return as_scaled(jnp.zeros((), dtype))
   p = ord
   arrays = [a for a, _ in pieces]
-  groups = {f: [i for i, (_, g) in enumerate(pieces) if g == f]
-            for f in (False, True)}
+  groups = {}
+  for i, (_, f) in enumerate(pieces):
+    groups.setdefault(f, []).append(i)
 
   if math.isinf(p):
     biggest = jnp.zeros((), dtype)
@@ -631,7 +661,7 @@ def global_norm_scaled(
       if idx:
         local = functools.reduce(jnp.maximum, [
             jnp.max(magnitude(arrays[i], dtype), initial=0) for i in idx])
-        biggest = jnp.maximum(biggest, _pmax(local, axis_name if f else None))
+        biggest = jnp.maximum(biggest, _pmax(local, f))
     return as_scaled(biggest)
 
   total = jnp.zeros((), dtype)
@@ -653,7 +683,8 @@ def global_norm_scaled(
     for f, idx in groups.items():
       if idx:
         q, e = _merge_scaled([
-            tuple(v.reshape(()) for v in _scaled_sum(arrays_[i], p, None, dtype))
+            tuple(v.reshape(())
+                  for v in _scaled_sum(arrays_[i], p, None, dtype))
             for i in idx], p)
         parts.append(_across_devices(q, e, p, f, axis_name))
     return _scaled_norm(*_merge_scaled(parts, p), p)
@@ -749,33 +780,61 @@ def _flat_scaled(norms: Sequence[Scaled]) -> list[Scaled]:
 
 
 def combine_norms(norms: Sequence[Union[jax.Array, Scaled]],
-                  ord: float = 2.0) -> jax.Array:  # pylint: disable=redefined-builtin
+                  ord: float = 2.0,  # pylint: disable=redefined-builtin
+                  *, across: Optional[Sequence[tuple[str, ...]]] = None
+                  ) -> jax.Array:
   """The p-norm of a set of unit norms: the norm of the whole they partition.
 
   Used for statistics: it costs a pass over the (small) norm arrays only.
   Norms may be plain arrays or :class:`Scaled`; the result is a plain
-  scalar (``inf`` if it exceeds the dtype's range; ``inf`` if a unit norm is
-  infinite, NaN if one is NaN).
+  scalar (``inf`` if it exceeds the dtype's range or a unit norm is
+  infinite, NaN if one is NaN). ``across`` gives, per norm array, the
+  mapped axes over which the devices hold different units of it (inside
+  ``shard_map``/``pmap``): those parts are summed across them. By default
+  every array is the same everywhere.
   """
   if not norms:
     return jnp.zeros((), jnp.float32)
-  parts = _flat_scaled([as_scaled(n) for n in norms])
+  across = [()] * len(norms) if across is None else list(across)
+  groups = {}
+  for n, names in zip(norms, across):
+    groups.setdefault(tuple(names), []).append(as_scaled(n))
+  parts = {names: _flat_scaled(members) for names, members in groups.items()}
+
+  def over_devices(reduce_local, combine, collective):
+    return functools.reduce(combine, [
+        collective(functools.reduce(combine, [reduce_local(v) for v in own]),
+                   names) if names else
+        functools.reduce(combine, [reduce_local(v) for v in own])
+        for names, own in parts.items()])
+
   if math.isinf(ord):
-    return functools.reduce(jnp.maximum, [
-        jnp.max(n.as_float(), initial=0) for n in parts])
+    return over_devices(lambda n: jnp.max(n.as_float(), initial=0),
+                        jnp.maximum, jax.lax.pmax)
   # Each unit norm as m * 2**E (0.5 <= m < 1), all rescaled to the largest
   # E: exact powers of two, no division. Non-finite norms are added at the
   # end (inf or NaN), so that no inf * 0 appears.
-  finite = [jnp.isfinite(n.value) for n in parts]
-  normalized = [_normalized(Scaled(jnp.where(ok, n.value, 0), n.exponent))
-                for ok, n in zip(finite, parts)]
   floor = jnp.iinfo(jnp.int32).min // 2
-  top = functools.reduce(jnp.maximum, [
-      jnp.max(jnp.where(m > 0, e, floor), initial=floor)
-      for m, e in normalized])
-  total = sum(jnp.sum(_power(ldexp(m, e - top), ord)) for m, e in normalized)
+
+  def normalized(n):
+    ok = jnp.isfinite(n.value)
+    return _normalized(Scaled(jnp.where(ok, n.value, 0), n.exponent))
+
+  def top_exponent(n):
+    m, e = normalized(n)
+    return jnp.max(jnp.where(m > 0, e, floor), initial=floor)
+
+  top = over_devices(top_exponent, jnp.maximum, jax.lax.pmax)
+
+  def power_sum(n):
+    m, e = normalized(n)
+    return jnp.sum(_power(ldexp(m, e - top), ord))
+
+  total = over_devices(power_sum, jnp.add, jax.lax.psum)
+  bad = over_devices(
+      lambda n: jnp.sum(jnp.where(jnp.isfinite(n.value), 0, n.value)),
+      jnp.add, jax.lax.psum)
   top = jnp.where(total > 0, top, 0)
-  bad = sum(jnp.sum(jnp.where(ok, 0, n.value)) for ok, n in zip(finite, parts))
   return Scaled(safe_root(total, ord), top).as_float() + bad
 
 

@@ -1,7 +1,19 @@
-"""Per-example clipping for differentially private training (DP-SGD)."""
+"""Per-example clipping for differentially private training (DP-SGD).
+
+The aggregation step is built from three named parts that
+:func:`optaxclip.clipped_grad` and :func:`optaxclip.dp_noise` share with
+:func:`clip_per_example`:
+
+* :func:`clip_and_sum`: each example clipped to its limit and summed, with
+  examples whose norm is not finite zeroed and counted;
+* :func:`add_noise`: Gaussian noise on the sum;
+* :func:`adapt_clip_norm`: the geometric update of the clip norm towards a
+  target quantile of the per-example norms (Andrew et al. 2021).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import math
 import numbers
 from typing import Any, NamedTuple, Optional, Union
@@ -17,29 +29,51 @@ from optaxclip import _norms
 from optaxclip import _static
 from optaxclip import _stats
 
-@_stats.register(
-    "clip_per_example", ("norm", "clipped_norm", "clip_fraction", "clip_norm"))
+STAT_FIELDS = (
+  "norm",
+  "clipped_norm",
+  "clip_fraction",
+  "nonfinite",
+  "clip_norm",
+)
+
+
+@_stats.register("clip_per_example", STAT_FIELDS)
 class ClipPerExampleState(NamedTuple):
   """State of :func:`clip_per_example`.
 
   Attributes:
-    norm: the mean per-example global L2 norm before clipping.
+    norm: the mean per-example global L2 norm before clipping, over the
+      examples that entered the sum (non-finite ones count as 0).
     clipped_norm: the mean per-example global L2 norm after clipping.
-    clip_fraction: the share of examples scaled down.
+    clip_fraction: the share of examples scaled down (zeroed non-finite
+      examples included).
     clip_norm: the clip norm the next step will use: ``l2_clip`` at the
       start, adapted after each step when ``target_quantile`` is set.
     key: the random key of the noise.
+    nonfinite: the number of examples whose norm was not finite (an Inf or
+      NaN element), zeroed this step instead of entering the sum.
   """
+
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar
   clip_norm: jax.Array  # float32 scalar
   key: jax.Array  # a PRNG key
+  # int32 scalar (a count). New after release 0.1.0: a state restored from
+  # a 0.1.0 checkpoint (restore with the five older fields as the target)
+  # upgrades with ClipPerExampleState(*old), this count starting at 0.
+  nonfinite: jax.typing.ArrayLike = np.int32(0)
 
 
 # Andrew et al. 2021 recommend noising the unclipped count with a standard
 # deviation of the expected number of examples per step over 20.
 COUNT_NOISE_DIVISOR = 20.0
+
+# A clip factor below this is applied in two steps (an exact power of two on
+# the example, then the rest on the weight): a factor near 2**-126 would be
+# flushed to zero, or x * factor would.
+_SMALL_FACTOR = 2.0**-60
 
 
 def count_noise_std(batch_size: int, noise_multiplier: Any) -> Any:
@@ -48,8 +82,9 @@ def count_noise_std(batch_size: int, noise_multiplier: Any) -> Any:
   ``batch_size / 20`` as Andrew et al. 2021 recommend, when the clip norm
   adapts and noise is on; else 0.
   """
-  return jnp.where(jnp.asarray(noise_multiplier) > 0,
-                   batch_size / COUNT_NOISE_DIVISOR, 0.0)
+  return jnp.where(
+    jnp.asarray(noise_multiplier) > 0, batch_size / COUNT_NOISE_DIVISOR, 0.0
+  )
 
 
 def sum_noise_multiplier(noise_multiplier: Any, count_std: Any) -> Any:
@@ -63,52 +98,55 @@ def sum_noise_multiplier(noise_multiplier: Any, count_std: Any) -> Any:
   """
   z = jnp.asarray(noise_multiplier, jnp.float32)
   two_b = 2.0 * jnp.asarray(count_std, jnp.float32)
-  inv = 1.0 / jnp.where(z > 0, z, 1.0) ** 2 - 1.0 / jnp.where(
-      two_b > 0, two_b, jnp.inf) ** 2
+  inv = (
+    1.0 / jnp.where(z > 0, z, 1.0) ** 2
+    - 1.0 / jnp.where(two_b > 0, two_b, jnp.inf) ** 2
+  )
   # inv <= 0 (batch too small) gives NaN: a loud failure, never a weak one.
-  return jnp.where(z > 0, jnp.where(inv > 0, 1.0 / jnp.sqrt(
-      jnp.where(inv > 0, inv, 1.0)), jnp.nan), 0.0)
+  return jnp.where(
+    z > 0,
+    jnp.where(inv > 0, 1.0 / jnp.sqrt(jnp.where(inv > 0, inv, 1.0)), jnp.nan),
+    0.0,
+  )
 
 
-def _check_choice(name, value, choices):
-  if value not in choices:
-    raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))};"
-                     f" got {value!r}.")
-
-
-def _batch_size(leaves, paths) -> int:
+def _batch_size(leaves, paths, who="clip_per_example") -> int:
   sizes = set()
   for x, path in zip(leaves, paths):
     if x.ndim == 0:
       raise ValueError(
-          f"clip_per_example: leaf {path} is a scalar; every leaf needs a "
-          "leading batch axis (per-example gradients, e.g. from "
-          "jax.vmap(jax.grad(loss), in_axes=(None, 0))).")
+        f"{who}: leaf {path} is a scalar; every leaf needs a "
+        "leading batch axis (per-example gradients, e.g. from "
+        "jax.vmap(jax.grad(loss), in_axes=(None, 0)))."
+      )
     sizes.add(x.shape[0])
   if len(sizes) > 1:
     detail = ", ".join(f"{p}: {x.shape[0]}" for x, p in zip(leaves, paths))
-    raise ValueError("clip_per_example: the leaves' leading (batch) axes "
-                     f"differ: {detail}.")
+    raise ValueError(
+      f"{who}: the leaves' leading (batch) axes differ: {detail}."
+    )
   size = sizes.pop()
   if size == 0:
-    raise ValueError("clip_per_example: the batch is empty.")
+    raise ValueError(f"{who}: the batch is empty.")
   return size
 
 
 def _summed_batch_sharding(x: jax.Array):
   """The sharding of ``x`` summed over its batch axis, when that axis is
-  split over an Explicit mesh axis (JAX then asks for it); else None."""
+  split over an Explicit mesh axis (JAX then asks for it); else None.
+  """
   typeof = getattr(jax, "typeof", None)
   sharding = getattr(typeof(x), "sharding", None) if typeof else None
-  spec = tuple(getattr(sharding, "spec", None) or ())
-  if not spec or spec[0] is None:
+  spec: tuple[Any, ...] = tuple(getattr(sharding, "spec", None) or ())
+  if sharding is None or not spec or spec[0] is None:
     return None
   rest = spec[1:] + (None,) * (x.ndim - len(spec))
-  return jax.sharding.NamedSharding(sharding.mesh,
-                                    jax.sharding.PartitionSpec(*rest))
+  return jax.sharding.NamedSharding(
+    sharding.mesh, jax.sharding.PartitionSpec(*rest)
+  )
 
 
-def _weighted_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
+def weighted_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
   """``sum_b weights[b] * x[b]`` in the accumulation dtype.
 
   A contraction (``tensordot``) at full float32 precision: on XLA:CPU a
@@ -117,39 +155,313 @@ def _weighted_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
   """
   dtype = jnp.promote_types(_norms.accumulation_dtype(x.dtype), x.dtype)
   out_sharding = _summed_batch_sharding(x)
-  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
-  return jnp.tensordot(weights.astype(_norms.accumulation_dtype(x.dtype)),
-                       x.astype(dtype), axes=1,
-                       precision=jax.lax.Precision.HIGHEST, **kwargs)
+  kwargs: dict[str, Any] = (
+    {} if out_sharding is None else {"out_sharding": out_sharding}
+  )
+  return jnp.tensordot(
+    weights.astype(_norms.accumulation_dtype(x.dtype)),
+    x.astype(dtype),
+    axes=1,
+    precision=jax.lax.Precision.HIGHEST,
+    **kwargs,
+  )
 
 
-def _standard_normals(key, leaves, extra: int) -> tuple[list, jax.Array]:
+def _per_example(v: jax.Array, x: jax.Array) -> jax.Array:
+  """``v`` of shape ``(B,)`` shaped to broadcast against ``x`` (B, ...)."""
+  return v.reshape(v.shape + (1,) * (x.ndim - 1))
+
+
+def _scale_by_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
+  """``x * 2**-exponent`` (exponent per example, 0 to 128), exact.
+
+  Two factors of at least 2**-64: a single 2**-128 would be subnormal, and
+  CPUs flush it to zero.
+  """
+  dtype = jnp.promote_types(_norms.accumulation_dtype(x.dtype), x.dtype)
+  half = exponent // 2
+  real = _norms.accumulation_dtype(x.dtype)
+  a = jnp.ldexp(jnp.ones((), real), -half)
+  b = jnp.ldexp(jnp.ones((), real), half - exponent)
+  return x.astype(dtype) * _per_example(a, x) * _per_example(b, x)
+
+
+def sum_clipped(
+  leaves: Sequence[jax.Array],
+  norms: Sequence[jax.Array],
+  limits: Sequence[Any],
+  keep: jax.Array,
+) -> list[jax.Array]:
+  """``sum_b keep_b * min(1, limit / norms[b]) * x[b]`` for each leaf.
+
+  Args:
+    leaves: per-example arrays, leading axis ``B``.
+    norms: per leaf, the ``(B,)`` norms the limit applies to (the example's
+      global norm for a global clip, the leaf's own for a per-leaf one).
+    limits: per leaf, the clip limit (a scalar).
+    keep: ``(B,)`` bool, False for examples to leave out (their elements
+      never reach the sum, whatever they hold).
+
+  Returns:
+    One array per leaf, without the batch axis, in the accumulation dtype.
+
+  The ordinary step is one contraction per leaf with the clip factors as
+  weights. When an example is left out (a NaN times a zero weight is NaN) or
+  a factor is so small that it or its products would be flushed to zero (a
+  norm above about 2**60 times the limit: the example would enter the sum
+  as zeros, or unclipped where the norm itself flushed), one ``lax.cond``
+  takes a careful path: left-out examples are zeroed, and a huge example is
+  first scaled by an exact power of two (its norm's exponent), its weight
+  becoming ``limit / mantissa``.
+  """
+  factors = [_norms.clip_factor(n, limit) for n, limit in zip(norms, limits)]
+  tiny = _any_of([f < _SMALL_FACTOR for f in factors])
+  ordinary = jnp.all(keep) & ~jnp.any(tiny)
+
+  def plain(leaves_):
+    return [weighted_sum(x, f) for x, f in zip(leaves_, factors)]
+
+  def careful(leaves_):
+    out = []
+    for x, n, f, limit in zip(leaves_, norms, factors, limits):
+      small = keep & (f < _SMALL_FACTOR)
+      mantissa, exponent = jnp.frexp(jnp.where(small, n, 1))
+      exponent = jnp.where(small, jnp.clip(exponent, 0, 128), 0)
+      weight = jnp.where(
+        small, jnp.asarray(limit, n.dtype) / mantissa, jnp.where(keep, f, 0)
+      )
+      scaled = _scale_by_power_of_two(x, exponent)
+      scaled = jnp.where(_per_example(keep, x), scaled, 0)
+      out.append(weighted_sum(scaled, weight))
+    return out
+
+  return jax.lax.cond(ordinary, plain, careful, list(leaves))
+
+
+def _any_of(masks: Sequence[jax.Array]) -> jax.Array:
+  out = masks[0]
+  for m in masks[1:]:
+    out = out | m
+  return out
+
+
+class ClipCounts(NamedTuple):
+  """Sums over the examples of one step, for the statistics and the clip
+  norm's adaptation (summed over devices when the batch is split).
+  """
+
+  norm_sum: jax.Array  # pre-clip norms of the examples in the sum
+  clipped_norm_sum: jax.Array  # their norms after clipping
+  clipped: jax.Array  # examples scaled down, zeroed ones included
+  nonfinite: jax.Array  # examples zeroed for a non-finite norm
+
+
+def counts_from_norms(
+  example_norms: jax.Array, clip: Any, real: Optional[jax.Array] = None
+) -> ClipCounts:
+  """:class:`ClipCounts` of a global clip from the per-example norms.
+
+  ``real`` (``(B,)`` bool) marks the examples that count (padding does not).
+  """
+  real = jnp.ones(example_norms.shape, bool) if real is None else real
+  finite = jnp.isfinite(example_norms) & real
+  kept = jnp.where(finite, example_norms, 0)
+  clip = jnp.asarray(clip, kept.dtype)
+  return ClipCounts(
+    norm_sum=jnp.sum(kept),
+    clipped_norm_sum=jnp.sum(jnp.minimum(kept, clip)),
+    clipped=_norms.count(real & ~(example_norms <= clip)),
+    nonfinite=_norms.count(real & ~jnp.isfinite(example_norms)),
+  )
+
+
+def clip_and_sum(
+  leaves: Sequence[jax.Array],
+  clip: Any,
+  scope: str = "global",
+) -> tuple[list[jax.Array], jax.Array, ClipCounts]:
+  """Clips each example of per-example ``leaves`` and sums them.
+
+  ``scope="global"`` clips each example's whole gradient to ``clip``;
+  ``scope="leaf"`` each of its ``K`` leaves to ``clip / sqrt(K)``. An
+  example whose norm is not finite (an Inf or NaN element, or a norm beyond
+  the dtype's range) is left out of the sum, zeroed, and counted: it can
+  leak none of its other coordinates, and one example still moves the sum by
+  at most ``clip``.
+
+  Args:
+    leaves: per-example arrays with a common leading batch axis ``B``.
+    clip: the clip norm (a scalar, ``inf`` for none).
+    scope: ``"global"`` or ``"leaf"``.
+
+  Returns:
+    The per-leaf sums (accumulation dtype, no batch axis), the ``(B,)``
+    per-example global norms before clipping, and the :class:`ClipCounts`
+    of this batch (not summed over devices).
+  """
+  batch = leaves[0].shape[0]
+  axes = [tuple(range(1, x.ndim)) for x in leaves]
+  leaf_norms = [n.reshape(batch) for n in _norms.unit_norms(leaves, 2.0, axes)]
+  example_norms = jax.vmap(_norms.combine_norms)(leaf_norms)
+  finite = jnp.isfinite(example_norms)
+  clip = jnp.asarray(clip, example_norms.dtype)
+  if scope == "global":
+    limits = [clip] * len(leaves)
+    norms = [example_norms] * len(leaves)
+    counts = counts_from_norms(example_norms, clip)
+  else:
+    limit = clip / math.sqrt(len(leaves))
+    limits = [limit] * len(leaves)
+    norms = leaf_norms
+    was_clipped = _any_of([~(n <= limit) for n in leaf_norms])
+    clipped_norms = jax.vmap(_norms.combine_norms)(
+      [jnp.minimum(n, limit) for n in leaf_norms]
+    )
+    counts = ClipCounts(
+      norm_sum=jnp.sum(jnp.where(finite, example_norms, 0)),
+      clipped_norm_sum=jnp.sum(jnp.where(finite, clipped_norms, 0)),
+      clipped=_norms.count(was_clipped | ~finite),
+      nonfinite=_norms.count(~finite),
+    )
+  sums = sum_clipped(leaves, norms, limits, finite)
+  return sums, example_norms, counts
+
+
+def psum_counts(counts: ClipCounts, axis_name) -> ClipCounts:
+  if not axis_name:
+    return counts
+  return ClipCounts(*(jax.lax.psum(c, axis_name) for c in counts))
+
+
+def standard_normals(key, leaves, extra: int) -> tuple[list, jax.Array]:
   """Standard normal noise shaped like each leaf (complex: on both parts),
   and ``extra`` more values, from one draw (one PRNG call compiles faster
-  than one per leaf)."""
+  than one per leaf).
+  """
   dtype = _norms.tree_accumulation_dtype(leaves)
   sizes = [x.size * (2 if jnp.iscomplexobj(x) else 1) for x in leaves]
   flat = jax.random.normal(key, (sum(sizes) + extra,), dtype)
   out, start = [], 0
   for x, size in zip(leaves, sizes):
-    part = flat[start:start + size]
+    part = flat[start : start + size]
     start += size
     if jnp.iscomplexobj(x):
-      part = part[:x.size] + 1j * part[x.size:]
+      part = part[: x.size] + 1j * part[x.size :]
     out.append(part.reshape(x.shape))
   return out, flat[start:]
 
 
+def add_noise(
+  sums: Sequence[jax.Array], key: jax.Array, std: Any, extra: int = 0
+) -> tuple[list[jax.Array], jax.Array]:
+  """``sums`` plus Gaussian noise of standard deviation ``std`` (per element),
+  and ``extra`` more standard normals from the same draw. The same key on
+  every device gives the same noise: it is added once, not per device.
+  """
+  noises, rest = standard_normals(key, sums, extra)
+  std = jnp.asarray(std)
+  return [s + (std * n).astype(s.dtype) for s, n in zip(sums, noises)], rest
+
+
+def adapt_clip_norm(
+  clip: Any, unclipped_share: Any, target_quantile: Any, quantile_lr: Any
+) -> jax.Array:
+  """Andrew et al. 2021's geometric step of the clip norm:
+  ``C * exp(-quantile_lr * (unclipped_share - target_quantile))``.
+  """
+  return clip * jnp.exp(
+    -jnp.asarray(quantile_lr, jnp.float32)
+    * (unclipped_share - jnp.asarray(target_quantile, jnp.float32))
+  )
+
+
+class Noised(NamedTuple):
+  out: list  # the noised (and reduced) sums
+  clip_norm: jax.Array  # the next step's clip norm
+  key: jax.Array  # the next step's key
+
+
+def check_batch_for_count_noise(
+  who, batch, noise_multiplier, adaptive, no_noise
+):
+  if (
+    adaptive
+    and not no_noise
+    and _checks.is_concrete_number(noise_multiplier)
+    and batch <= 10 * noise_multiplier
+  ):
+    raise ValueError(
+      f"{who}: a batch of {batch} examples is too small to "
+      "noise the unclipped count as Andrew et al. do (sigma_b = B / 20 "
+      f"needs B > 10 * noise_multiplier = {10 * noise_multiplier:g}); "
+      "use a larger batch, less noise, or target_quantile=None."
+    )
+
+
+def noise_and_adapt(
+  sums: Sequence[jax.Array],
+  counts: ClipCounts,
+  clip: jax.Array,
+  key: jax.Array,
+  *,
+  batch: int,
+  noise_multiplier: Any,
+  no_noise: bool,
+  target_quantile: Any,
+  quantile_lr: Any,
+  reduce: str,
+  divisor: Optional[Any] = None,
+) -> Noised:
+  """Noise on the clipped sum, the reduction, and the clip norm's next value.
+
+  The one implementation behind :func:`clip_per_example` and
+  :func:`optaxclip.dp_noise`. ``counts`` are over the whole batch of
+  ``batch`` examples (summed over devices); ``divisor`` (default ``batch``)
+  divides the noised sum for ``reduce="mean"``.
+  """
+  adaptive = target_quantile is not None
+  key, noise_key = jax.random.split(key)
+  count_std = (
+    count_noise_std(batch, noise_multiplier)
+    if adaptive and not no_noise
+    else 0.0
+  )
+  count_noise = jnp.zeros((), jnp.float32)
+  sums = list(sums)
+  if not no_noise:
+    z_sum = (
+      sum_noise_multiplier(noise_multiplier, count_std)
+      if adaptive
+      else jnp.asarray(noise_multiplier, jnp.float32)
+    )
+    # z = 0 with an infinite clip norm is no noise, not 0 * inf = NaN.
+    sum_std = jnp.where(z_sum > 0, z_sum * clip, 0.0)
+    sums, rest = add_noise(sums, noise_key, sum_std, extra=1)
+    count_noise = count_std * rest[0].astype(jnp.float32)
+  if reduce == "mean":
+    divisor = batch if divisor is None else divisor
+    sums = [s / jnp.asarray(divisor, s.real.dtype) for s in sums]
+  new_clip = clip
+  if adaptive:
+    centred = (batch - counts.clipped) - 0.5 * batch + count_noise
+    unclipped_share = jnp.clip(centred / batch + 0.5, 0.0, 1.0)
+    new_clip = adapt_clip_norm(
+      clip, unclipped_share, target_quantile, quantile_lr
+    )
+  return Noised(sums, new_clip, key)
+
+
+@_compiled.compiled_once
 def clip_per_example(
-    l2_clip: float,
-    *,
-    scope: str = "global",
-    reduce: str = "mean",
-    noise_multiplier: float = 0.0,
-    seed: int = 0,
-    target_quantile: Optional[float] = None,
-    quantile_lr: float = 0.2,
-    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+  l2_clip: float,
+  *,
+  scope: str = "global",
+  reduce: str = "mean",
+  noise_multiplier: float = 0.0,
+  seed: int = 0,
+  target_quantile: Optional[float] = None,
+  quantile_lr: float = 0.2,
+  axis_name: Optional[Union[str, tuple[str, ...]]] = None,
 ) -> optax.GradientTransformation:
   """Clips each example's gradient, aggregates the batch, adds Gaussian noise.
 
@@ -163,7 +475,7 @@ def clip_per_example(
   ready for the optimizer chained after it.
 
   ``scope="global"`` clips each example's whole gradient (the numbers of
-  ``optax.per_example_global_norm_clip``); ``scope="layer"`` clips each of the
+  ``optax.per_example_global_norm_clip``); ``scope="leaf"`` clips each of the
   ``K`` leaves of an example to ``C / sqrt(K)`` (McMahan et al. 2017; the
   numbers of ``optax.per_example_layer_norm_clip(uniform=True)``). Either way
   one example moves the sum by at most ``C``.
@@ -171,7 +483,7 @@ def clip_per_example(
   With ``target_quantile``, ``C`` adapts so that about that share of examples
   goes unclipped, by the geometric rule of Andrew et al. 2021:
   ``C <- C * exp(-quantile_lr * (b - target_quantile))``, ``b`` the share of
-  examples left unclipped this step (for ``scope="layer"``: with no leaf
+  examples left unclipped this step (for ``scope="leaf"``: with no leaf
   clipped). With noise on, ``b`` is noised as the paper does: the count of
   unclipped examples, centred (each example counts +-1/2), gets Gaussian noise
   of standard deviation ``sigma_b = B / 20`` (the paper's recommendation), and
@@ -179,6 +491,14 @@ def clip_per_example(
   ``noise_multiplier`` (the paper's Theorem 1), the sum's noise multiplier
   rises to ``(noise_multiplier ** -2 - (2 * sigma_b) ** -2) ** -1/2``. This
   needs ``B > 10 * noise_multiplier``; a smaller batch raises a ValueError.
+
+  An example whose norm is not finite (an Inf or NaN element) is zeroed,
+  not summed: none of its other coordinates leaks into the result, and the
+  number of such examples is the state's ``nonfinite`` (they count as
+  clipped for ``clip_fraction`` and the clip norm's adaptation). A finite
+  example is clipped along its direction whatever its size (norms up to the
+  dtype's largest value; the factor is applied in two exact steps where it
+  would flush to zero).
 
   **No privacy accounting is done here.** This clips and adds noise; what
   (epsilon, delta) that buys depends on the sampling of batches, the number
@@ -189,9 +509,10 @@ def clip_per_example(
   be independent.
 
   Args:
-    l2_clip: the clip norm ``C`` per example (>= 0); with ``target_quantile``,
-      its starting value.
-    scope: ``"global"`` (the example's whole gradient) or ``"layer"`` (each
+    l2_clip: the clip norm ``C`` per example (>= 0, or ``inf`` for no
+      clipping without noise, as in optax's examples); with
+      ``target_quantile``, its starting value.
+    scope: ``"global"`` (the example's whole gradient) or ``"leaf"`` (each
       leaf at ``C / sqrt(K)``).
     reduce: ``"mean"`` (divide the noised sum by ``B``) or ``"sum"``.
     noise_multiplier: the noise standard deviation on the sum, in units of
@@ -231,110 +552,105 @@ def clip_per_example(
     >>> float(state.norm), float(state.clip_fraction)
     (7.5, 0.5)
   """
-  _checks.check_number("l2_clip", l2_clip, low=0.0)
-  _check_choice("scope", scope, ("global", "layer"))
-  _check_choice("reduce", reduce, ("mean", "sum"))
+  _checks.check_number("l2_clip", l2_clip, low=0.0, allow_inf=True)
+  # "layer" was this scope's name before "leaf", the word clip_zscore and
+  # clip_percentile use.
+  scope = _checks.check_choice(
+    "clip_per_example",
+    "scope",
+    scope,
+    ("global", "leaf"),
+    aliases={"layer": "leaf"},
+  )
+  _checks.check_choice("clip_per_example", "reduce", reduce, ("mean", "sum"))
   _checks.check_number("noise_multiplier", noise_multiplier, low=0.0)
   if isinstance(seed, (bool, np.bool_)) or not isinstance(
-      seed, (numbers.Integral, jax.Array, np.ndarray)):
+    seed, (numbers.Integral, jax.Array, np.ndarray)
+  ):
     raise TypeError(f"seed must be an integer; got {seed!r}.")
   if target_quantile is not None:
-    _checks.check_number("target_quantile", target_quantile, low=0.0,
-                         high=1.0)
+    _checks.check_number("target_quantile", target_quantile, low=0.0, high=1.0)
   _checks.check_number("quantile_lr", quantile_lr, low=0.0)
-  axis_name = _static._check_axis_name(axis_name, "clip_per_example")  # pylint: disable=protected-access
-  no_noise = _checks.is_concrete_number(noise_multiplier) and noise_multiplier == 0
+  axis_name = _static._check_axis_name(axis_name, "clip_per_example")  # noqa: SLF001
+  no_noise = (
+    _checks.is_concrete_number(noise_multiplier) and noise_multiplier == 0
+  )
+  check_finite_clip_with_noise("clip_per_example", l2_clip, noise_multiplier)
   adaptive = target_quantile is not None
 
   def init_fn(params):
     del params
     return ClipPerExampleState(
-        *_stats.zeros(3), clip_norm=_stats.as_stat(l2_clip),
-        key=jax.random.PRNGKey(seed))
+      *_stats.zeros(3),
+      clip_norm=_stats.as_stat(l2_clip),
+      key=jax.random.PRNGKey(seed),
+      nonfinite=jnp.zeros((), jnp.int32),
+    )
 
   def update_fn(updates, state, params=None):
     del params
     _checks.check_float_leaves(updates, "clip_per_example: updates")
-    with_paths = _checks.leaves_with_paths(updates)
     leaves, treedef = jax.tree.flatten(updates)
     leaves = [jnp.asarray(x) for x in leaves]
     if not leaves:
       return updates, state
-    paths = [p for p, _ in with_paths]
-    local_batch = _batch_size(leaves, paths)
-    batch = local_batch * _norms.axis_size(axis_name)
-    if (adaptive and not no_noise and _checks.is_concrete_number(
-        noise_multiplier) and batch <= 10 * noise_multiplier):
-      raise ValueError(
-          f"clip_per_example: a batch of {batch} examples is too small to "
-          "noise the unclipped count as Andrew et al. do (sigma_b = B / 20 "
-          f"needs B > 10 * noise_multiplier = {10 * noise_multiplier:g}); "
-          "use a larger batch, less noise, or target_quantile=None.")
-
+    paths = [p for p, _ in _checks.leaves_with_paths(updates)]
+    batch = _batch_size(leaves, paths) * _norms.axis_size(axis_name)
+    check_batch_for_count_noise(
+      "clip_per_example", batch, noise_multiplier, adaptive, no_noise
+    )
     # A fixed C is read from the hyperparameter (optax.inject_hyperparams can
     # change it); an adaptive one lives in the state.
-    clip = (state.clip_norm if adaptive
-            else jnp.asarray(l2_clip, jnp.float32).reshape(()))
-    k = len(leaves)
-    # Per-example, per-leaf L2 norms: each leaf reduced over all but the
-    # batch axis, in one pass with one overflow check for the whole batch.
-    axes = [tuple(range(1, x.ndim)) for x in leaves]
-    leaf_norms = [n.reshape(local_batch) for n in _norms.unit_norms(
-        leaves, 2.0, axes)]
-    example_norms = jax.vmap(_norms.combine_norms)(leaf_norms)
-    if scope == "global":
-      factor = _norms.clip_factor(example_norms, clip)
-      factors = [factor] * k
-      clipped_norms = example_norms * factor
-    else:
-      limit = clip / math.sqrt(k)
-      factors = [_norms.clip_factor(n, limit) for n in leaf_norms]
-      clipped_norms = jax.vmap(_norms.combine_norms)(
-          [n * f for n, f in zip(leaf_norms, factors)])
-    was_clipped = jnp.zeros(local_batch, bool)
-    for f in factors:
-      was_clipped = was_clipped | (f < 1)
+    clip = (
+      state.clip_norm
+      if adaptive
+      else jnp.asarray(l2_clip, jnp.float32).reshape(())
+    )
+    sums, _, counts = clip_and_sum(leaves, clip, scope)
+    if axis_name:
+      sums = [jax.lax.psum(s, axis_name) for s in sums]
+    counts = psum_counts(counts, axis_name)
+    noised = noise_and_adapt(
+      sums,
+      counts,
+      clip,
+      state.key,
+      batch=batch,
+      noise_multiplier=noise_multiplier,
+      no_noise=no_noise,
+      target_quantile=target_quantile,
+      quantile_lr=quantile_lr,
+      reduce=reduce,
+    )
+    out = [s.astype(x.dtype) for s, x in zip(noised.out, leaves)]
+    return jax.tree.unflatten(treedef, out), state_from_counts(
+      ClipPerExampleState, counts, batch, noised
+    )
 
-    def psum(x):
-      return jax.lax.psum(x, axis_name) if axis_name else x
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
 
-    sums = [psum(_weighted_sum(x, f)) for x, f in zip(leaves, factors)]
-    clipped_count = psum(_norms.count(was_clipped))
-    norm_sum = psum(jnp.sum(example_norms))
-    clipped_norm_sum = psum(jnp.sum(clipped_norms))
 
-    key, noise_key = jax.random.split(state.key)
-    count_std = (count_noise_std(batch, noise_multiplier)
-                 if adaptive and not no_noise else 0.0)
-    count_noise = jnp.zeros((), jnp.float32)
-    if not no_noise:
-      z_sum = (sum_noise_multiplier(noise_multiplier, count_std) if adaptive
-               else jnp.asarray(noise_multiplier, jnp.float32))
-      sum_std = z_sum * clip
-      # The same key on every device: the noise is added once, not per device.
-      noises, rest = _standard_normals(noise_key, sums, 1)
-      sums = [s + (sum_std * n).astype(s.dtype) for s, n in zip(sums, noises)]
-      count_noise = count_std * rest[0].astype(jnp.float32)
-    if reduce == "mean":
-      sums = [s / batch for s in sums]
-    out = [s.astype(x.dtype) for s, x in zip(sums, leaves)]
+def check_finite_clip_with_noise(who, l2_clip, noise_multiplier):
+  if (
+    _checks.is_concrete_number(l2_clip)
+    and math.isinf(float(l2_clip))
+    and _checks.is_concrete_number(noise_multiplier)
+    and noise_multiplier > 0
+  ):
+    raise ValueError(
+      f"{who}: l2_clip must be finite when noise_multiplier > 0 (the noise "
+      f"is noise_multiplier * l2_clip); got l2_clip={l2_clip!r} and "
+      f"noise_multiplier={noise_multiplier!r}."
+    )
 
-    new_clip = clip
-    if adaptive:
-      centred = (batch - clipped_count) - 0.5 * batch
-      centred = centred + count_noise
-      unclipped_share = jnp.clip(centred / batch + 0.5, 0.0, 1.0)
-      new_clip = clip * jnp.exp(
-          -jnp.asarray(quantile_lr, jnp.float32)
-          * (unclipped_share - jnp.asarray(target_quantile, jnp.float32)))
 
-    new_state = ClipPerExampleState(
-        norm=_stats.as_stat(norm_sum / batch),
-        clipped_norm=_stats.as_stat(clipped_norm_sum / batch),
-        clip_fraction=_stats.as_stat(clipped_count / batch),
-        clip_norm=_stats.as_stat(new_clip),
-        key=key)
-    return jax.tree.unflatten(treedef, out), new_state
-
-  return optax.GradientTransformation(
-      init_fn, _compiled.jit_update(update_fn))
+def state_from_counts(cls, counts: ClipCounts, batch: int, noised: Noised):
+  """A state of ``cls`` (the fields of :data:`STAT_FIELDS` and ``key``)."""
+  return cls(
+    norm=_stats.as_stat(counts.norm_sum / batch),
+    clipped_norm=_stats.as_stat(counts.clipped_norm_sum / batch),
+    clip_fraction=_stats.as_stat(counts.clipped / batch),
+    clip_norm=_stats.as_stat(noised.clip_norm),
+    key=noised.key,
+    nonfinite=counts.nonfinite.astype(jnp.int32).reshape(()),
+  )

@@ -1,10 +1,12 @@
 """Clippers with a fixed threshold: by value, per-tensor norm, global norm,
-block RMS and unit-wise (AGC)."""
+block RMS and unit-wise (AGC).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ import optax
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _sharding
 from optaxclip import _stats
 
 Axis = Optional[Union[int, Sequence[int]]]
@@ -111,36 +114,27 @@ def _fraction(numerator, denominator) -> jax.Array:
   return _stats.as_stat(numerator / max(denominator, 1))
 
 
-def sharded_flags(updates: Any, sharded: Sharded, who: str) -> list[bool]:
-  """Per leaf of ``updates``, whether it is sharded over ``axis_name``.
+def sharded_flags(updates: Any, sharded: Sharded, who: str,
+                  axis_name: Any = None) -> list[tuple[str, ...]]:
+  """Per leaf of ``updates``, the names of ``axis_name`` it is split over.
 
-  ``sharded`` is a bool for all leaves, a callable ``(path, leaf) -> bool``,
-  or a pytree of bools that is a prefix of ``updates``.
+  ``sharded`` is an entry for all leaves, a pytree prefix of entries or a
+  callable ``(path, leaf) -> entry``; an entry is ``True`` (every axis of
+  ``axis_name``), ``False``/``None`` (none), a tuple of axis names or a
+  ``PartitionSpec`` (see :mod:`optaxclip._sharding`). The result is what
+  ``_norms``' ``sharded=`` takes. Without ``axis_name``, nothing is split.
   """
-  if isinstance(sharded, bool):
-    return [sharded] * len(jax.tree.leaves(updates))
-  if callable(sharded):
-    with_path, _ = jax.tree_util.tree_flatten_with_path(updates)
-    return [bool(sharded(path, leaf)) for path, leaf in with_path]
-  try:
-    flags = jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: flag, sub),
-                         sharded, updates)
-  except ValueError as err:
-    raise ValueError(f"{who}: `sharded` must be a bool, a callable or a pytree "
-                     f"prefix of the updates: {err}") from err
-  return [bool(f) for f in jax.tree.leaves(flags)]
+  return [s.axes for s in _sharding.resolve(updates, sharded, axis_name, who)]
 
 
-def _check_axis_name(axis_name, who):
-  if axis_name is None:
-    return None
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if not names or not all(isinstance(n, str) for n in names):
-    raise TypeError(f"{who}: axis_name must be a string or a tuple of strings;"
-                    f" got {axis_name!r}.")
+def _check_axis_name(axis_name, who, sharded: Sharded = True):
+  """Checks ``axis_name`` and what can be checked of ``sharded`` now."""
+  _checks.check_axis_name(who, axis_name)
+  _checks.check_sharded(who, sharded, axis_name)
   return axis_name
 
 
+@_compiled.compiled_once
 def clip_value(max_delta: float) -> optax.GradientTransformation:
   """Clips each element of the updates into ``[-max_delta, max_delta]``.
 
@@ -247,27 +241,36 @@ def _units(norms: Sequence[_norms.Scaled]) -> int:
   return sum(n.value.size for n in norms)
 
 
-def _per_unit_clip(leaves, norms, limits, ord):  # pylint: disable=redefined-builtin
+def _per_unit_clip(leaves, norms, limits, ord, across=None):  # pylint: disable=redefined-builtin
   """Scales each unit to its limit; returns updates and the statistics.
 
   ``norms`` are :class:`_norms.Scaled`, as are the factors: exact for norms
   beyond the dtype's range and factors below its smallest normal number.
+  ``across``: per leaf, the mapped axes over which devices hold other units
+  of it (their statistics are summed across them; see combine_norms).
   """
+  across = [()] * len(leaves) if across is None else across
   factors = [_norms.clip_scale(n, lim) for n, lim in zip(norms, limits)]
   out = [_norms.scale_leaf(x, f) for x, f in zip(leaves, factors)]
   clipped_norms = [n * f for n, f in zip(norms, factors)]
-  scaled = sum((_norms.count(_norms.is_scaled_down(f)) for f in factors),
+  scaled = sum((_norms._psum_sharded(  # noqa: SLF001
+      _norms.count(_norms.is_scaled_down(f)), names, names)
+                for f, names in zip(factors, across)),
                jnp.zeros((), jnp.float32))
-  stats = (_stats.as_stat(_norms.combine_norms(norms, ord)),
-           _stats.as_stat(_norms.combine_norms(clipped_norms, ord)),
-           _fraction(scaled, _units(norms)))
+  units = sum(n.value.size * _sharding.size(names)
+              for n, names in zip(norms, across))
+  stats = (_stats.as_stat(_norms.combine_norms(norms, ord, across=across)),
+           _stats.as_stat(_norms.combine_norms(clipped_norms, ord,
+                                               across=across)),
+           _fraction(scaled, units))
   return out, stats
 
 
+@_compiled.compiled_once
 def clip_norm(
     max_norm: float,
     *,
-    ord: Union[float, str, None] = None,  # pylint: disable=redefined-builtin
+    ord: Union[float, str, None] = None,
     axis: Axis = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     sharded: Sharded = True,
@@ -291,12 +294,16 @@ def clip_norm(
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
       which sharded leaves are split; their partial norms are summed across
       devices, so every device clips with the norm of the whole leaf.
-    sharded: which leaves are split over ``axis_name`` along an axis a norm
-      spans (with ``axis=None``: split at all); the others are replicated,
-      or split only along axes a norm does not span (each device then holds
-      whole slices, clipped exactly, but the statistics count the local
-      slices only), and need no sum. A bool, a pytree prefix of bools or a
-      callable ``(path, leaf) -> bool``.
+    sharded: per leaf, which axes of ``axis_name`` split it: ``True`` (all;
+      the default), ``False``/``None`` (replicated: counted once), a tuple
+      of axis names, or a ``PartitionSpec`` (as in ``shard_map``'s
+      ``in_specs``); one for all leaves, a pytree prefix of them (it
+      survives ``optax.masked`` and ``FrozenDict`` updates) or a callable
+      ``(path, leaf) -> entry``. With ``axis``, a bool or names mean "split
+      along an axis a norm spans"; a leaf split only along the other axes
+      holds whole slices (mark it False: clipped exactly, but its share of
+      the statistics is the local one). A PartitionSpec tells the two
+      apart: slices and statistics are then exact.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -319,7 +326,7 @@ def clip_norm(
   _checks.check_number("max_norm", max_norm, low=0.0, allow_inf=True)
   p = _checks.check_ord("ord", ord)
   axis = _checks.check_axis("axis", axis)
-  axis_name = _check_axis_name(axis_name, "clip_norm")
+  axis_name = _check_axis_name(axis_name, "clip_norm", sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -327,24 +334,28 @@ def clip_norm(
     paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
     axes = [_leaf_axes(x, axis, path, "clip_norm")
             for x, path in zip(leaves, paths)]
+    splits = _sharding.resolve(updates, sharded, axis_name, "clip_norm")
     norms = _norms.unit_norms_scaled(
         leaves, p, axes, axis_name=axis_name,
-        sharded=sharded_flags(updates, sharded, "clip_norm"))
-    out, stats = _per_unit_clip(leaves, norms, [max_norm] * len(leaves), p)
+        sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)])
+    out, stats = _per_unit_clip(
+        leaves, norms, [max_norm] * len(leaves), p,
+        [_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
     return jax.tree.unflatten(treedef, out), ClipNormState(*stats)
 
   return optax.GradientTransformation(
       _init_stats(ClipNormState), _compiled.jit_update(update_fn))
 
 
+@_compiled.compiled_once
 def clip_global(
     max_norm: float,
     *,
-    ord: Union[float, str, None] = None,  # pylint: disable=redefined-builtin
+    ord: Union[float, str, None] = None,
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
-  """Scales the whole update so that its global ``ord``-norm is at most ``max_norm``.
+  """Scales the whole update to a global ``ord``-norm of at most ``max_norm``.
 
   The global-norm clipping of Pascanu et al., ``tf.clip_by_global_norm``,
   Keras' ``global_clipnorm``, ``torch.nn.utils.clip_grad_norm_`` and
@@ -362,9 +373,13 @@ def clip_global(
       ``optax.inject_hyperparams``, name it in ``static_args``.
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
       which sharded leaves are split; partial norms are summed across them.
-    sharded: which leaves are split over ``axis_name`` (the others are
-      replicated and counted once): a bool, a pytree prefix of bools or a
-      callable ``(path, leaf) -> bool``.
+    sharded: per leaf, which axes of ``axis_name`` split it: ``True`` (all;
+      the default), ``False``/``None`` (replicated: counted once), a tuple
+      of axis names, or a ``PartitionSpec`` (as in ``shard_map``'s
+      ``in_specs``); one for all leaves, a pytree prefix of them (it
+      survives ``optax.masked`` and ``FrozenDict`` updates) or a callable
+      ``(path, leaf) -> entry``. Each leaf's partial sum is summed over
+      exactly its axes.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -387,14 +402,14 @@ def clip_global(
   """
   _checks.check_number("max_norm", max_norm, low=0.0, allow_inf=True)
   p = _checks.check_ord("ord", ord)
-  axis_name = _check_axis_name(axis_name, "clip_global")
+  axis_name = _check_axis_name(axis_name, "clip_global", sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
     leaves, treedef = _flatten(updates, "clip_global")
     norm = _norms.global_norm_scaled(
         leaves, p, axis_name=axis_name,
-        sharded=sharded_flags(updates, sharded, "clip_global"))
+        sharded=sharded_flags(updates, sharded, "clip_global", axis_name))
     factor = _norms.clip_scale(norm, max_norm)
     out = [_norms.scale_leaf(x, factor) for x in leaves]
     new_state = ClipGlobalState(
@@ -407,6 +422,7 @@ def clip_global(
       _init_stats(ClipGlobalState), _compiled.jit_update(update_fn))
 
 
+@_compiled.compiled_once
 def clip_block_rms(
     threshold: float,
     *,
@@ -425,9 +441,11 @@ def clip_block_rms(
       which sharded leaves are split: their squared norms are summed and
       their element counts multiplied by the number of devices, so each
       shard is clipped by the RMS of the whole leaf.
-    sharded: which leaves are split over ``axis_name`` (the others are
-      replicated and counted once): a bool, a pytree prefix of bools or a
-      callable ``(path, leaf) -> bool``.
+    sharded: per leaf, which axes of ``axis_name`` split it: ``True`` (all;
+      the default), ``False``/``None`` (replicated), a tuple of axis names
+      or a ``PartitionSpec``; one for all leaves, a pytree prefix of them or
+      a callable ``(path, leaf) -> entry``. A leaf's element count is
+      multiplied by the number of devices along its axes.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -447,16 +465,15 @@ def clip_block_rms(
     Array([ 1., -1.,  1., -1.], dtype=float32)
   """
   _checks.check_number("threshold", threshold, low=0.0, allow_inf=True)
-  axis_name = _check_axis_name(axis_name, "clip_block_rms")
+  axis_name = _check_axis_name(axis_name, "clip_block_rms", sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
     leaves, treedef = _flatten(updates, "clip_block_rms")
-    flags = sharded_flags(updates, sharded, "clip_block_rms")
+    flags = sharded_flags(updates, sharded, "clip_block_rms", axis_name)
     norms = _norms.unit_norms_scaled(leaves, 2.0, axis_name=axis_name,
                                      sharded=flags)
-    devices = _norms.axis_size(axis_name)
-    sizes = [x.size * (devices if f else 1) for x, f in zip(leaves, flags)]
+    sizes = [x.size * _sharding.size(f) for x, f in zip(leaves, flags)]
     limits = [jnp.asarray(threshold, n.value.dtype) * math.sqrt(max(size, 1))
               for size, n in zip(sizes, norms)]
     out, stats = _per_unit_clip(leaves, norms, limits, 2.0)
@@ -483,13 +500,17 @@ def default_unit_axes(x: jax.Array) -> Optional[tuple[int, ...]]:
     >>> optaxclip.default_unit_axes(jnp.zeros((3, 3, 8, 16)))
     (0, 1, 2)
   """
-  if sum(d != 1 for d in x.shape) <= 1:
+  return _unit_axes_of_shape(tuple(x.shape))
+
+
+def _unit_axes_of_shape(shape: tuple[int, ...]) -> Optional[tuple[int, ...]]:
+  if sum(d != 1 for d in shape) <= 1:
     return None
-  if x.ndim in (2, 3):
+  if len(shape) in (2, 3):
     return (0,)
-  if x.ndim == 4:
+  if len(shape) == 4:
     return (0, 1, 2)
-  return tuple(range(x.ndim - 1))
+  return tuple(range(len(shape) - 1))
 
 
 def _unitwise_limit(w_norm, clipping, eps):
@@ -502,6 +523,30 @@ def _unitwise_limit(w_norm, clipping, eps):
                        jnp.where(small, 0, w_norm.exponent))
 
 
+def _global_unit_axes(x, split: _sharding.LeafSharding, path: str):
+  """:func:`default_unit_axes` of the leaf's global shape.
+
+  Inside ``shard_map``/``pmap`` the leaf is a local shard: a Dense kernel
+  (8, 2) split 8 ways along its inputs is (1, 2) on each device, which the
+  rule by shape would read as a vector. A PartitionSpec in ``sharded`` gives
+  the global shape. Without it, the local shape gives the same units unless
+  it has a dimension of size 1 and at most one other: then the split may
+  have made that 1, and the units cannot be told (an error, not a guess).
+  """
+  shape = _sharding.global_shape(x, split)
+  if shape is None:
+    local = tuple(x.shape)
+    if 1 in local and sum(d != 1 for d in local) <= 1:
+      raise ValueError(
+          f"clip_unitwise: sharded must give the leaf {path} as a "
+          "PartitionSpec (or axis= must be given), since it is split over "
+          f"{split.axes} and its local shape {local} does not tell its "
+          "units; got a bool or axis names.")
+    shape = local
+  return _unit_axes_of_shape(shape)
+
+
+@_compiled.compiled_once
 def clip_unitwise(
     clipping: float = 0.01,
     *,
@@ -510,7 +555,7 @@ def clip_unitwise(
     axis_name: Optional[Union[str, tuple[str, ...]]] = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
-  """Adaptive gradient clipping (AGC): ``||g_u|| <= clipping * max(||w_u||, eps)``.
+  """Adaptive gradient clipping: ``||g_u|| <= clipping * max(||w_u||, eps)``.
 
   Each unit ``u`` of each leaf (an output unit of a layer: see
   :func:`default_unit_axes`) is clipped relative to the norm of the matching
@@ -526,13 +571,19 @@ def clip_unitwise(
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
       which sharded leaves (and their params) are split: partial unit norms
       of gradient and parameters are summed across devices.
-    sharded: which leaves are split over ``axis_name`` along an axis their
-      units span (e.g. FSDP's split of a Dense kernel's input axis). Leaves
-      that are replicated, or split only along the other axes (a kernel's
-      output axis: each device holds whole units), need no sum: mark them
-      False; they are clipped exactly, but for those split ones the
-      statistics count the local units only. A bool, a pytree prefix of
-      bools or a callable ``(path, leaf) -> bool``.
+    sharded: per leaf, which axes of ``axis_name`` split it (leaf and
+      params alike): ``True`` (all; the default), ``False``/``None``
+      (replicated), a tuple of axis names, or a ``PartitionSpec`` (as in
+      ``shard_map``'s ``in_specs``); one for all leaves, a pytree prefix or
+      a callable ``(path, leaf) -> entry``. Units come from the leaf's
+      global shape: give a PartitionSpec (it tells the global shape, and
+      which axes split units and which split a unit's own axes: numbers and
+      statistics are then exact) or ``axis``. A bool or names mean "split
+      along an axis the units span" (FSDP's split of a Dense kernel's
+      inputs); mark a leaf split only along the other axes False (whole
+      units on each device, local statistics). A split leaf whose local
+      shape cannot tell its units, such as a kernel (8, 2) split 8 ways into
+      (1, 2), raises a ValueError unless a PartitionSpec or ``axis`` says.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -557,7 +608,7 @@ def clip_unitwise(
   _checks.check_number("clipping", clipping, low=0.0, allow_inf=True)
   _checks.check_number("eps", eps, low=0.0)
   axis = _checks.check_axis("axis", axis)
-  axis_name = _check_axis_name(axis_name, "clip_unitwise")
+  axis_name = _check_axis_name(axis_name, "clip_unitwise", sharded)
 
   def update_fn(updates, state, params=None):
     del state
@@ -570,16 +621,19 @@ def clip_unitwise(
                        f"the updates: {err}") from None
     _checks.check_float_leaves(params, "clip_unitwise: params")
     paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
-    axes = [default_unit_axes(x) if axis is None
+    splits = _sharding.resolve(updates, sharded, axis_name, "clip_unitwise")
+    axes = [_global_unit_axes(x, s, path) if axis is None
             else _leaf_axes(x, axis, path, "clip_unitwise")
-            for x, path in zip(leaves, paths)]
-    flags = sharded_flags(updates, sharded, "clip_unitwise")
+            for x, s, path in zip(leaves, splits, paths)]
+    flags = [_sharding.axes_of(s, a) for s, a in zip(splits, axes)]
     g_norms = _norms.unit_norms_scaled(leaves, 2.0, axes, axis_name=axis_name,
                                        sharded=flags)
     w_norms = _norms.unit_norms_scaled(param_leaves, 2.0, axes,
                                        axis_name=axis_name, sharded=flags)
     limits = [_unitwise_limit(w, clipping, eps) for w in w_norms]
-    out, stats = _per_unit_clip(leaves, g_norms, limits, 2.0)
+    out, stats = _per_unit_clip(
+        leaves, g_norms, limits, 2.0,
+        [_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(*stats)
 
   return optax.GradientTransformation(

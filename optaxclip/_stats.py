@@ -7,18 +7,17 @@ in a nested optimizer state.
 
 from __future__ import annotations
 
-import re
+import collections
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 # The fields every clipper state starts with.
 CLIP_FIELDS = ("norm", "clipped_norm", "clip_fraction")
 
-# State class name -> (class, short name used in stats keys, stat field names).
-_REGISTRY: dict[str, tuple[type, str, tuple[str, ...]]] = {}
+# State class -> (short name used in stats keys, stat field names).
+_REGISTRY: dict[type, tuple[str, tuple[str, ...]]] = {}
 
 
 def register(short: str, stat_fields: tuple[str, ...] = CLIP_FIELDS):
@@ -38,7 +37,7 @@ def register(short: str, stat_fields: tuple[str, ...] = CLIP_FIELDS):
     if missing:
       raise TypeError(f"{cls.__name__} lacks the stat fields {missing}.")
     cls.__module__ = "optaxclip"
-    _REGISTRY[cls.__name__] = (cls, short, tuple(stat_fields))
+    _REGISTRY[cls] = (short, tuple(stat_fields))
     return cls
   return decorate
 
@@ -54,10 +53,17 @@ def as_stat(x: Any) -> jax.Array:
 
 
 def _path_part(entry: Any) -> str:
+  """One entry of a state's path as it appears in a key: ``"/"`` and ``"%"``
+  are percent-encoded, so that the parts of a key can be told apart (an
+  ``optax.named_chain`` name ``"a/0"`` is not the path ``("a", 0)``).
+  """
   for attr in ("name", "key", "idx"):
     if hasattr(entry, attr):
-      return str(getattr(entry, attr))
-  return str(entry)
+      text = str(getattr(entry, attr))
+      break
+  else:
+    text = str(entry)
+  return text.replace("%", "%25").replace("/", "%2F")
 
 
 def _unwrap(value: Any) -> Any:
@@ -70,23 +76,66 @@ def _unwrap(value: Any) -> Any:
   return getattr(value, "value", value)
 
 
+def _registered_states(tree: Any, path: tuple = ()):
+  """``(path, state)`` of every registered state in ``tree``, in tree order.
+
+  One walk: the tree is flattened once, stopping at registered states, and
+  only a state's own fields are walked further (a guard holds the clippers
+  it guards).
+  """
+  classes = tuple(_REGISTRY)
+  is_state = lambda node: isinstance(node, classes)
+  found = []
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)
+  for sub_path, node in flat:
+    if not is_state(node):
+      continue
+    where = path + tuple(sub_path)
+    found.append((where, node))
+    _, fields = _REGISTRY[type(node)]
+    for name in node._fields:
+      if name not in fields:  # statistics are arrays: nothing inside.
+        found += _registered_states(
+            getattr(node, name),
+            where + (jax.tree_util.GetAttrKey(name),))
+  return found
+
+
 def stats(opt_state: Any) -> dict[str, jax.Array]:
   """One flat dict of every clipper's statistics found in an optimizer state.
 
-  Walks any nesting of optax states -- ``optax.chain``, ``optax.masked``,
-  ``optax.inject_hyperparams``, a Flax ``TrainState`` (pass the TrainState or
-  its ``opt_state``) or the state of an ``nnx.Optimizer`` -- and returns
-  ``{"<clipper>/<field>": value}``, e.g. ``"clip_global/norm"``. When one state
-  holds the same clipper more than once, each key is prefixed by its path in
-  the state (``"0/clip_global/norm"``, ``"2/clip_global/norm"``). It reads
-  values already in the state: calling it inside a jitted step adds no pass
-  over the gradients.
+  Walks any nesting of optax states -- ``optax.chain``, ``optax.named_chain``,
+  ``optax.masked``, ``optax.inject_hyperparams``, a :func:`guard`, a Flax
+  ``TrainState`` (pass the TrainState or its ``opt_state``) or the state of an
+  ``nnx.Optimizer`` -- and returns ``{"<clipper>/<field>": value}``, e.g.
+  ``"clip_global/norm"``. States are found by type (the declared state
+  classes, such as :class:`ClipGlobalState`), once each, in one walk of the
+  state.
+
+  Keys are unique. When one state holds the same clipper more than once,
+  each key is prefixed by its path in the state, its parts joined by ``"/"``
+  (``"0/clip_global/norm"``, ``"2/clip_global/norm"``); a ``"/"`` or ``"%"``
+  inside a part (an ``optax.named_chain`` name) is written ``"%2F"`` or
+  ``"%25"``, so two paths never give one key. If two paths still render
+  alike (a dict with both ``1`` and ``"1"`` as keys), those states are keyed
+  by their full path as ``jax.tree_util.keystr`` writes it.
+
+  It reads values already in the state: calling it inside a jitted step adds
+  no pass over the gradients.
 
   Args:
     opt_state: any pytree holding optaxclip states.
 
   Returns:
-    A dict from names to float32 scalars, in the order the states appear.
+    A dict from names to scalar arrays, in the order the states appear in the
+    tree. Each value has its state field's dtype: the statistics (``norm``,
+    ``clipped_norm``, ``clip_fraction``, ``threshold``, ``clip_norm``) are
+    float32 (float64 for the adaptive clippers and :func:`guard` when the
+    parameters given to ``init`` are float64); the counters (:func:`guard`'s
+    ``skipped``, ``nonfinite``, ``consecutive_skips``, ``restarts``,
+    :func:`clip_zscore`'s and :func:`clip_relative`'s ``restarts``,
+    :func:`clip_per_example`'s ``nonfinite``) are int32, exact at any step
+    count.
 
   Example:
     >>> import jax.numpy as jnp, optax, optaxclip
@@ -95,26 +144,28 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     >>> state = tx.init(params)
     >>> _, state = tx.update({"w": jnp.full(4, 2.0)}, state, params)
     >>> {k: round(float(v), 3) for k, v in optaxclip.stats(state).items()}
-    {'clip_global/norm': 4.0, 'clip_global/clipped_norm': 1.0, 'clip_global/clip_fraction': 1.0}
+    {'clip_global/norm': 4.0, 'clip_global/clipped_norm': 1.0,
+     'clip_global/clip_fraction': 1.0}
   """
-  found = []
-  for class_name, (_, short, fields) in _REGISTRY.items():
-    for path, state in optax.tree_utils.tree_get_all_with_path(
-        opt_state, class_name):
-      parts = tuple(_path_part(e) for e in path)
-      found.append((jax.tree_util.keystr(path), parts, short, fields, state))
-  found.sort(key=lambda item: _natural_key(item[0]))
-  counts: dict[str, int] = {}
-  for _, _, short, _, _ in found:
-    counts[short] = counts.get(short, 0) + 1
+  found = _registered_states(opt_state)
+  counts = collections.Counter(_REGISTRY[type(s)][0] for _, s in found)
+  prefixes = []
+  for path, state in found:
+    short, _ = _REGISTRY[type(state)]
+    prefixes.append(short if counts[short] == 1 else "/".join(
+        [_path_part(e) for e in path] + [short]))
+  repeated = {p for p, n in collections.Counter(prefixes).items() if n > 1}
+  for i, (path, state) in enumerate(found):
+    if prefixes[i] in repeated:
+      prefixes[i] = (f"{jax.tree_util.keystr(tuple(path))}/"
+                     f"{_REGISTRY[type(state)][0]}")
+  clashes = [p for p, n in collections.Counter(prefixes).items() if n > 1]
+  if clashes:
+    raise ValueError(
+        f"stats: the states at {clashes[0]!r} must have distinct paths; got "
+        "paths that render alike.")
   out: dict[str, jax.Array] = {}
-  for _, parts, short, fields, state in found:
-    prefix = short if counts[short] == 1 else "/".join((*parts, short))
-    for field in fields:
+  for prefix, (_, state) in zip(prefixes, found):
+    for field in _REGISTRY[type(state)][1]:
       out[f"{prefix}/{field}"] = _unwrap(getattr(state, field))
   return out
-
-
-def _natural_key(text: str) -> list:
-  return [(0, int(t), "") if t.isdigit() else (1, 0, t)
-          for t in re.split(r"(\d+)", text)]

@@ -1,4 +1,4 @@
-"""Reference formulas in plain NumPy (float64), written from each library's docs.
+"""Reference formulas in plain NumPy (float64), from each library's docs.
 
 TensorFlow, Keras and PyTorch are not test dependencies: each function below
 encodes the formula that library documents, so the tests can compare against
@@ -16,7 +16,7 @@ def f64(x):
   return x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)
 
 
-def pnorm(values, ord):  # pylint: disable=redefined-builtin
+def pnorm(values, ord):
   """The p-norm of a flat array of magnitudes (|x|, so complex uses |x|^2)."""
   a = np.abs(f64(values)).ravel()
   if a.size == 0:
@@ -26,13 +26,13 @@ def pnorm(values, ord):  # pylint: disable=redefined-builtin
   return float(np.sum(a ** ord) ** (1.0 / ord))
 
 
-def tree_norm(leaves, ord=2.0):  # pylint: disable=redefined-builtin
+def tree_norm(leaves, ord=2.0):
   """The global p-norm of a list of arrays."""
   flat = [np.abs(f64(x)).ravel() for x in leaves]
   return pnorm(np.concatenate(flat) if flat else np.zeros(0), ord)
 
 
-# --- TensorFlow -------------------------------------------------------------
+# --- TensorFlow ---------------------------------------------------------------
 
 def tf_clip_by_value(t, clip_min, clip_max):
   """tf.clip_by_value: element-wise into [clip_min, clip_max]."""
@@ -55,7 +55,7 @@ def tf_clip_by_global_norm(ts, clip_norm):
   return [f64(t) * clip_norm / max(gn, clip_norm) for t in ts], gn
 
 
-# --- Keras 3 (Optimizer arguments) ------------------------------------------
+# --- Keras 3 (Optimizer arguments) --------------------------------------------
 
 def keras_clipvalue(grads, value):
   return [np.clip(f64(g), -value, value) for g in grads]
@@ -70,7 +70,7 @@ def keras_global_clipnorm(grads, norm):
   return tf_clip_by_global_norm(grads, norm)[0]
 
 
-# --- PyTorch ----------------------------------------------------------------
+# --- PyTorch ------------------------------------------------------------------
 
 def torch_clip_grad_norm(grads, max_norm, norm_type=2.0):
   """torch.nn.utils.clip_grad_norm_: returns the clipped grads and total norm.
@@ -98,7 +98,7 @@ def block_rms(u, threshold):
 
 
 def unit_axes(x):
-  """optax 0.2.8's unit axes for AGC, by rank."""
+  """Optax 0.2.8's unit axes for AGC, by rank."""
   x = np.asarray(x)
   if np.squeeze(x).ndim <= 1:
     return None

@@ -1,4 +1,5 @@
-"""Tests of clip_zscore (ZClip), clip_percentile (AutoClip), clip_relative (AdaGC).
+"""Tests of clip_zscore (ZClip), clip_percentile (AutoClip), clip_relative
+(AdaGC).
 
 Each clipper is driven by a synthetic stream of gradient norms with spikes and
 compared, step by step, with a plain-Python/numpy restatement of its rule.
@@ -6,6 +7,7 @@ compared, step by step, with a plain-Python/numpy restatement of its rule.
 
 import math
 
+from absl.testing import parameterized
 import chex
 import hypothesis
 import hypothesis.strategies as st
@@ -14,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from absl.testing import parameterized
 
 import optaxclip
 
@@ -39,8 +40,9 @@ WEIGHTS = np.array([0.48, 0.6, 0.64])
 
 def tree(leaf_norms):
   """A gradient tree whose leaves have the given norms."""
-  return {k: jnp.asarray(DIRS[k] * n, jnp.float32)
-          for k, n in zip(SHAPES, leaf_norms)}
+  return {
+    k: jnp.asarray(DIRS[k] * n, jnp.float32) for k, n in zip(SHAPES, leaf_norms)
+  }
 
 
 def global_tree(norm):
@@ -48,8 +50,9 @@ def global_tree(norm):
 
 
 def leaf_norms_of(updates):
-  return np.array([np.linalg.norm(np.asarray(updates[k], np.float64))
-                   for k in SHAPES])
+  return np.array(
+    [np.linalg.norm(np.asarray(updates[k], np.float64)) for k in SHAPES]
+  )
 
 
 def global_norm_of(updates):
@@ -63,16 +66,20 @@ SHORT = np.array([1.0, 1.3, 0.8, 9.0, 1.1])
 def spiky_stream(steps=50, seed=0, base=1.0, spikes=None):
   """Norms around ``base``, slowly drifting up, with spikes."""
   rng = np.random.default_rng(seed)
-  g = base * (1 + 0.005 * np.arange(steps)) * np.exp(
-      0.1 * rng.standard_normal(steps))
-  spikes = {4: 5.0, 14: 8.0, 15: 3.0, 29: 20.0, 41: 2.0} if spikes is None else spikes
+  g = (
+    base
+    * (1 + 0.005 * np.arange(steps))
+    * np.exp(0.1 * rng.standard_normal(steps))
+  )
+  if spikes is None:
+    spikes = {4: 5.0, 14: 8.0, 15: 3.0, 29: 20.0, 41: 2.0}
   for t, k in spikes.items():
     if t < steps:
       g[t] *= k
   return g
 
 
-# --- Plain-Python restatements of the rules ----------------------------------
+# --- Plain-Python restatements of the rules -----------------------------------
 
 
 class ZClipRule:
@@ -84,13 +91,26 @@ class ZClipRule:
   mean and population variance start the EMAs. Then: detect a spike, pick
   the clip value, take min with max_norm, scale by limit / (norm + 1e-6), and
   update mean then variance (with the new mean) with the clip value on a
-  spike, the norm otherwise -- unless skip_update_on_spike on a spike.
+  spike, the norm otherwise -- unless skip_update_on_spike on a spike. Not
+  in the reference (this package's restarts): a spike after ``patience``
+  spikes in a row, or against a variance of 0, is a new level.
   """
 
-  def __init__(self, alpha=0.97, z_thresh=2.5, max_norm=None, eps=1e-6,
-               warmup_steps=25, mode="zscore", clip_option="adaptive_scaling",
-               clip_factor=1.0, skip_update_on_spike=False):
+  def __init__(
+    self,
+    alpha=0.97,
+    z_thresh=2.5,
+    max_norm=None,
+    eps=1e-6,
+    warmup_steps=25,
+    mode="zscore",
+    clip_option="adaptive_scaling",
+    clip_factor=1.0,
+    skip_update_on_spike=False,
+    patience=25,
+  ):
     self.alpha, self.z, self.max_norm, self.eps = alpha, z_thresh, max_norm, eps
+    self.patience, self.run, self.restarts = patience, 0, 0
     self.warmup_steps, self.mode, self.option = warmup_steps, mode, clip_option
     self.factor, self.skip = clip_factor, skip_update_on_spike
     self.gathered = []
@@ -100,8 +120,9 @@ class ZClipRule:
   def step(self, g):
     """Returns (scale factor, spike boundary for the stats)."""
     cap = math.inf if self.max_norm is None else self.max_norm
-    self.margins.append(abs(g - cap) / cap if cap > 0 and cap < math.inf
-                        else math.inf)
+    self.margins.append(
+      abs(g - cap) / cap if cap > 0 and cap < math.inf else math.inf
+    )
     if self.mean is None:
       self.gathered.append(g)
       if len(self.gathered) >= self.warmup_steps:
@@ -109,7 +130,7 @@ class ZClipRule:
         self.mean = sum(self.gathered) / n
         self.var = sum((x - self.mean) ** 2 for x in self.gathered) / n
       return (cap / (g + 1e-6) if g > cap else 1.0), cap
-    std = self.var ** 0.5
+    std = self.var**0.5
     clip = None
     if self.mode == "percentile":
       boundary = self.mean + self.z * std
@@ -124,6 +145,15 @@ class ZClipRule:
         else:
           clip = self.mean
     self.margins.append(abs(g - boundary) / boundary)
+    if clip is not None and (self.run >= self.patience or self.var == 0):
+      # This package's restart: a new level, taken in as such.
+      self.restarts += 1
+      self.run = 0
+      self.var = self.alpha * self.var + (1 - self.alpha) * (g - self.mean) ** 2
+      self.mean = g
+      factor = cap / g if g > cap else 1.0
+      return factor, min(boundary, cap)
+    self.run = self.run + 1 if clip is not None else 0
     limit = min(clip if clip is not None else g, cap)
     factor = limit / (g + 1e-6) if g > limit else 1.0
     if not (clip is not None and self.skip):
@@ -144,43 +174,60 @@ def autoclip_rule(norms, percentile, history):
   """Per step: the threshold and the scale factor of AutoClip's rule."""
   out = []
   for t, g in enumerate(norms):
-    recent = norms[max(0, t - history + 1):t + 1]
+    recent = norms[max(0, t - history + 1) : t + 1]
     threshold = np.percentile(recent, percentile)
     out.append((threshold, min(1.0, threshold / g)))
   return out
 
 
-def adagc_rule(leaf_norms, factor, beta, warmup_steps, warmup_max_norm):
-  """Per step: per-leaf scale factors and gamma after the step (issue 4)."""
+def adagc_rule(
+  leaf_norms, factor, beta, warmup_steps, warmup_max_norm, patience=25
+):
+  """Per step: per-leaf scale factors and gamma after the step (issue 4).
+
+  With this package's two changes: a zero norm leaves gamma as it was (an
+  infinite gamma takes the first nonzero norm), and the clip after
+  ``patience`` clipped steps in a row is a restart (unclipped, gamma = norm).
+  """
   gamma = np.full(leaf_norms.shape[1], np.inf)
+  run = np.zeros(leaf_norms.shape[1], int)
   out = []
   for t, norms in enumerate(leaf_norms):
     if t < warmup_steps:
       h = min(1.0, warmup_max_norm / np.linalg.norm(norms))
       factors = np.full_like(norms, h)
-      gamma = np.minimum(gamma, norms * h)
+      new = np.minimum(gamma, norms * h)
     else:
-      factors = np.minimum(1.0, factor * gamma / norms)
-      gamma = beta * gamma + (1 - beta) * norms * factors
+      over = norms > factor * gamma
+      restart = over & (run >= patience)
+      over &= ~restart
+      factors = np.where(over, factor * gamma / norms, 1.0)
+      clipped = norms * factors
+      new = np.where(
+        np.isinf(gamma) | restart, clipped, beta * gamma + (1 - beta) * clipped
+      )
+      run = np.where(over, run + 1, 0)
+    gamma = np.where(norms > 0, new, gamma)
     out.append((factors, gamma.copy()))
   return out
 
 
-# --- ZClip ---------------------------------------------------------------------
+# --- ZClip --------------------------------------------------------------------
 
 ZCLIP_CONFIGS = (
-    ("zscore_adaptive", dict()),
-    ("zscore_mean", dict(clip_option="mean")),
-    ("percentile", dict(mode="percentile", z_thresh=2.0)),
-    ("factor_max_norm", dict(clip_factor=0.8, max_norm=3.0)),
-    ("skip_on_spike", dict(skip_update_on_spike=True, alpha=0.9)),
-    ("percentile_skip_max_norm", dict(mode="percentile", max_norm=4.0,
-                                      skip_update_on_spike=True)),
+  ("zscore_adaptive", dict()),
+  ("zscore_mean", dict(clip_option="mean")),
+  ("percentile", dict(mode="percentile", z_thresh=2.0)),
+  ("factor_max_norm", dict(clip_factor=0.8, max_norm=3.0)),
+  ("skip_on_spike", dict(skip_update_on_spike=True, alpha=0.9)),
+  (
+    "percentile_skip_max_norm",
+    dict(mode="percentile", max_norm=4.0, skip_update_on_spike=True),
+  ),
 )
 
 
 class ZscoreTest(chex.TestCase):
-
   def _run(self, wrap, kwargs, norms, warmup_steps=10, min_clipped=2):
     kwargs = dict(warmup_steps=warmup_steps, **kwargs)
     tx = optaxclip.clip_zscore(**kwargs)
@@ -194,10 +241,12 @@ class ZscoreTest(chex.TestCase):
       clipped_any += factor < 1
       mean, var = rule.mean_var()
       np.testing.assert_allclose(float(state.norm), g, rtol=RTOL)
-      np.testing.assert_allclose(global_norm_of(out), g * factor, rtol=RTOL,
-                                 err_msg=f"step {t}")
-      np.testing.assert_allclose(float(state.clipped_norm), g * factor,
-                                 rtol=RTOL)
+      np.testing.assert_allclose(
+        global_norm_of(out), g * factor, rtol=RTOL, err_msg=f"step {t}"
+      )
+      np.testing.assert_allclose(
+        float(state.clipped_norm), g * factor, rtol=RTOL
+      )
       np.testing.assert_allclose(float(state.threshold), threshold, rtol=RTOL)
       self.assertEqual(float(state.clip_fraction), float(factor < 1))
       self.assertEqual(int(state.count), min(t + 1, kwargs["warmup_steps"]))
@@ -220,11 +269,14 @@ class ZscoreTest(chex.TestCase):
     kwargs = dict(warmup_steps=8, max_norm=50.0)
     tx = optaxclip.clip_zscore(scope="leaf", **kwargs)
     rules = [ZClipRule(**kwargs) for _ in SHAPES]
-    streams = np.stack([
+    streams = np.stack(
+      [
         spiky_stream(40, seed=1, base=1.0, spikes={12: 10.0}),
         spiky_stream(40, seed=2, base=0.1, spikes={20: 30.0, 30: 4.0}),
         spiky_stream(40, seed=3, base=10.0, spikes={3: 9.0, 25: 6.0}),
-    ], axis=1)
+      ],
+      axis=1,
+    )
     update = jax.jit(tx.update)
     state = tx.init(tree(np.ones(3)))
     self.assertEqual(state.mean.shape, (3,))
@@ -233,16 +285,21 @@ class ZscoreTest(chex.TestCase):
       steps = [r.step(g) for r, g in zip(rules, norms)]
       factors = np.array([f for f, _ in steps])
       thresholds = np.array([b for _, b in steps])
-      np.testing.assert_allclose(leaf_norms_of(out), norms * factors,
-                                 rtol=RTOL, err_msg=f"step {t}")
-      np.testing.assert_allclose(float(state.norm), np.linalg.norm(norms),
-                                 rtol=RTOL)
-      np.testing.assert_allclose(float(state.clipped_norm),
-                                 np.linalg.norm(norms * factors), rtol=RTOL)
-      np.testing.assert_allclose(float(state.clip_fraction),
-                                 np.mean(factors < 1), rtol=1e-6)
-      np.testing.assert_allclose(float(state.threshold),
-                                 np.linalg.norm(thresholds), rtol=RTOL)
+      np.testing.assert_allclose(
+        leaf_norms_of(out), norms * factors, rtol=RTOL, err_msg=f"step {t}"
+      )
+      np.testing.assert_allclose(
+        float(state.norm), np.linalg.norm(norms), rtol=RTOL
+      )
+      np.testing.assert_allclose(
+        float(state.clipped_norm), np.linalg.norm(norms * factors), rtol=RTOL
+      )
+      np.testing.assert_allclose(
+        float(state.clip_fraction), np.mean(factors < 1), rtol=1e-6
+      )
+      np.testing.assert_allclose(
+        float(state.threshold), np.linalg.norm(thresholds), rtol=RTOL
+      )
       means, variances = zip(*(r.mean_var() for r in rules))
       np.testing.assert_allclose(state.mean, means, rtol=RTOL)
       np.testing.assert_allclose(state.var, variances, rtol=1e-4, atol=1e-9)
@@ -261,25 +318,24 @@ class ZscoreTest(chex.TestCase):
     self.assertLess(global_norm_of(out), 1000.0 / 2)
 
 
-# --- AutoClip ------------------------------------------------------------------
+# --- AutoClip -----------------------------------------------------------------
 
 
 class PercentileTest(chex.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(
-      ("p90_h3", 90.0, 3),
+    ("p90_h3", 90.0, 3),
   )
   def test_matches_numpy_percentile(self, percentile, history):
     self._check(self.variant, percentile, history, SHORT)
 
   @parameterized.named_parameters(
-      ("p0_h5", 0.0, 5),
-      ("p100_h5", 100.0, 5),
-      ("p50_h1", 50.0, 1),
-      ("p33_h1024", 33.3, 1024),
-      ("p10_h16", 10.0, 16),
-      ("p90_h7", 90.0, 7),
+    ("p0_h5", 0.0, 5),
+    ("p100_h5", 100.0, 5),
+    ("p50_h1", 50.0, 1),
+    ("p33_h1024", 33.3, 1024),
+    ("p10_h16", 10.0, 16),
+    ("p90_h7", 90.0, 7),
   )
   def test_matches_numpy_percentile_jit(self, percentile, history):
     self._check(jax.jit, percentile, history, spiky_stream(40))
@@ -289,21 +345,29 @@ class PercentileTest(chex.TestCase):
     update = wrap(tx.update)
     state = tx.init(global_tree(1.0))
     for t, ((threshold, factor), g) in enumerate(
-        zip(autoclip_rule(norms, percentile, history), norms)):
+      zip(autoclip_rule(norms, percentile, history), norms)
+    ):
       out, state = update(global_tree(g), state)
-      np.testing.assert_allclose(float(state.threshold), threshold, rtol=RTOL,
-                                 err_msg=f"step {t}")
+      np.testing.assert_allclose(
+        float(state.threshold), threshold, rtol=RTOL, err_msg=f"step {t}"
+      )
       np.testing.assert_allclose(global_norm_of(out), g * factor, rtol=RTOL)
-      np.testing.assert_allclose(float(state.clipped_norm), g * factor,
-                                 rtol=RTOL)
+      np.testing.assert_allclose(
+        float(state.clipped_norm), g * factor, rtol=RTOL
+      )
       self.assertEqual(float(state.clip_fraction), float(factor < 1 - 1e-6))
       self.assertEqual(int(state.filled), min(t + 1, history))
       self.assertEqual(int(state.index), (t + 1) % history)
 
   def test_leaf_scope_keeps_a_history_per_leaf(self):
     tx = optaxclip.clip_percentile(25.0, history=6, scope="leaf")
-    streams = np.stack([spiky_stream(20, seed=s, base=b)
-                        for s, b in ((1, 1.0), (2, 0.01), (3, 50.0))], axis=1)
+    streams = np.stack(
+      [
+        spiky_stream(20, seed=s, base=b)
+        for s, b in ((1, 1.0), (2, 0.01), (3, 50.0))
+      ],
+      axis=1,
+    )
     rules = [autoclip_rule(streams[:, i], 25.0, 6) for i in range(3)]
     update = jax.jit(tx.update)
     state = tx.init(tree(np.ones(3)))
@@ -312,12 +376,15 @@ class PercentileTest(chex.TestCase):
       out, state = update(tree(norms), state)
       thresholds = np.array([r[t][0] for r in rules])
       factors = np.array([r[t][1] for r in rules])
-      np.testing.assert_allclose(leaf_norms_of(out), norms * factors,
-                                 rtol=RTOL, err_msg=f"step {t}")
-      np.testing.assert_allclose(float(state.threshold),
-                                 np.linalg.norm(thresholds), rtol=RTOL)
-      np.testing.assert_allclose(float(state.clip_fraction),
-                                 np.mean(factors < 1), rtol=1e-6)
+      np.testing.assert_allclose(
+        leaf_norms_of(out), norms * factors, rtol=RTOL, err_msg=f"step {t}"
+      )
+      np.testing.assert_allclose(
+        float(state.threshold), np.linalg.norm(thresholds), rtol=RTOL
+      )
+      np.testing.assert_allclose(
+        float(state.clip_fraction), np.mean(factors < 1), rtol=1e-6
+      )
 
   def test_percentile_helper_matches_numpy(self):
     rng = np.random.default_rng(4)
@@ -326,37 +393,44 @@ class PercentileTest(chex.TestCase):
       for q in (0.0, 12.5, 50.0, 77.7, 100.0):
         got = optaxclip._adaptive.percentile_linear(jnp.asarray(values), n, q)
         np.testing.assert_allclose(
-            got, np.percentile(values[:n].astype(np.float64), q, axis=0),
-            rtol=1e-6)
+          got,
+          np.percentile(values[:n].astype(np.float64), q, axis=0),
+          rtol=1e-6,
+        )
 
 
-# --- AdaGC ---------------------------------------------------------------------
+# --- AdaGC --------------------------------------------------------------------
 
 
 class RelativeTest(chex.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_matches_rule(self):
-    streams = np.stack([
+    streams = np.stack(
+      [
         SHORT * 0.5,
         [0.05, 2.0, 0.04, 0.05, 0.3],
         [2.0, 2.1, 1.9, 2.0, 10.0],
-    ], axis=1)
-    self._check(self.variant, dict(warmup_steps=3, warmup_max_norm=2.0),
-                streams)
+      ],
+      axis=1,
+    )
+    self._check(
+      self.variant, dict(warmup_steps=3, warmup_max_norm=2.0), streams
+    )
 
   @parameterized.named_parameters(
-      ("defaults_short_warmup", dict(warmup_steps=5)),
-      ("tight", dict(factor=1.01, beta=0.9, warmup_steps=3,
-                     warmup_max_norm=2.0)),
-      ("long_warmup", dict(warmup_steps=20, warmup_max_norm=1.5)),
+    ("defaults_short_warmup", dict(warmup_steps=5)),
+    ("tight", dict(factor=1.01, beta=0.9, warmup_steps=3, warmup_max_norm=2.0)),
+    ("long_warmup", dict(warmup_steps=20, warmup_max_norm=1.5)),
   )
   def test_matches_rule_jit(self, kwargs):
-    streams = np.stack([
+    streams = np.stack(
+      [
         spiky_stream(30, seed=1, base=0.5, spikes={10: 6.0}),
         spiky_stream(30, seed=2, base=0.05, spikes={2: 40.0, 17: 3.0}),
         spiky_stream(30, seed=3, base=2.0, spikes={22: 5.0}),
-    ], axis=1)
+      ],
+      axis=1,
+    )
     self._check(jax.jit, kwargs, streams)
 
   def _check(self, wrap, kwargs, streams):
@@ -368,24 +442,31 @@ class RelativeTest(chex.TestCase):
     state = tx.init(tree(np.ones(3)))
     for t, (norms, (factors, gamma)) in enumerate(zip(streams, expected)):
       out, state = update(tree(norms), state)
-      np.testing.assert_allclose(leaf_norms_of(out), norms * factors,
-                                 rtol=RTOL, err_msg=f"step {t}")
+      np.testing.assert_allclose(
+        leaf_norms_of(out), norms * factors, rtol=RTOL, err_msg=f"step {t}"
+      )
       np.testing.assert_allclose(state.gamma, gamma, rtol=RTOL)
-      np.testing.assert_allclose(float(state.norm), np.linalg.norm(norms),
-                                 rtol=RTOL)
-      np.testing.assert_allclose(float(state.clipped_norm),
-                                 np.linalg.norm(norms * factors), rtol=RTOL)
-      np.testing.assert_allclose(float(state.clip_fraction),
-                                 np.mean(factors < 1 - 1e-7), rtol=1e-6)
+      np.testing.assert_allclose(
+        float(state.norm), np.linalg.norm(norms), rtol=RTOL
+      )
+      np.testing.assert_allclose(
+        float(state.clipped_norm), np.linalg.norm(norms * factors), rtol=RTOL
+      )
+      np.testing.assert_allclose(
+        float(state.clip_fraction), np.mean(factors < 1 - 1e-7), rtol=1e-6
+      )
       if t < full["warmup_steps"]:
         self.assertEqual(float(state.threshold), full["warmup_max_norm"])
       else:
         np.testing.assert_allclose(
-            float(state.threshold),
-            np.linalg.norm(full["factor"] * expected[t - 1][1]), rtol=RTOL)
+          float(state.threshold),
+          np.linalg.norm(full["factor"] * expected[t - 1][1]),
+          rtol=RTOL,
+        )
       self.assertEqual(int(state.count), min(t + 1, full["warmup_steps"]))
-    self.assertTrue(any(np.any(f < 1) for f, _ in
-                        expected[full["warmup_steps"]:]))
+    self.assertTrue(
+      any(np.any(f < 1) for f, _ in expected[full["warmup_steps"] :])
+    )
 
   def test_gamma_starts_infinite(self):
     tx = optaxclip.clip_relative()
@@ -394,15 +475,14 @@ class RelativeTest(chex.TestCase):
     self.assertEqual(state.gamma.dtype, jnp.float32)
 
 
-# --- Shared behaviour ----------------------------------------------------------
+# --- Shared behaviour ---------------------------------------------------------
 
 ALL = {
-    "zscore": lambda: optaxclip.clip_zscore(warmup_steps=3),
-    "zscore_leaf": lambda: optaxclip.clip_zscore(warmup_steps=3, scope="leaf"),
-    "percentile": lambda: optaxclip.clip_percentile(history=8),
-    "percentile_leaf": lambda: optaxclip.clip_percentile(history=8,
-                                                         scope="leaf"),
-    "relative": lambda: optaxclip.clip_relative(warmup_steps=3),
+  "zscore": lambda: optaxclip.clip_zscore(warmup_steps=3),
+  "zscore_leaf": lambda: optaxclip.clip_zscore(warmup_steps=3, scope="leaf"),
+  "percentile": lambda: optaxclip.clip_percentile(history=8),
+  "percentile_leaf": lambda: optaxclip.clip_percentile(history=8, scope="leaf"),
+  "relative": lambda: optaxclip.clip_relative(warmup_steps=3),
 }
 
 
@@ -417,14 +497,15 @@ def test_nonfinite_steps_leave_statistics_untouched(name):
   bad = global_tree(1.0)
   for value in (jnp.nan, jnp.inf):
     bad["b"] = bad["b"].at[0, 0].set(value)
-    out, state = update(bad, state)
+    _, state = update(bad, state)
     for field in before._fields:
       if field not in optaxclip._adaptive.ADAPTIVE_FIELDS:
-        np.testing.assert_array_equal(getattr(state, field),
-                                      getattr(before, field), err_msg=field)
+        np.testing.assert_array_equal(
+          getattr(state, field), getattr(before, field), err_msg=field
+        )
     assert not np.isfinite(float(state.norm))
   # The next finite step continues as if the bad ones never happened.
-  out, state = update(global_tree(1.0), state)
+  _, state = update(global_tree(1.0), state)
   _, expected = update(global_tree(1.0), before)
   chex.assert_trees_all_equal(state, expected)
 
@@ -454,17 +535,24 @@ def test_one_trace_no_host_transfer_in_a_jitted_loop(name):
   # stats() names the clipper's four statistics, read from the state.
   short = "_".join(("clip", name.split("_")[0]))
   stats = optaxclip.stats(state)
-  assert list(stats) == [f"{short}/{f}" for f in
-                         ("norm", "clipped_norm", "clip_fraction", "threshold")]
-  np.testing.assert_allclose(float(stats[f"{short}/norm"]), norms[-1],
-                             rtol=RTOL)
+  restarts = ("restarts",) if short != "clip_percentile" else ()
+  assert list(stats) == [
+    f"{short}/{f}"
+    for f in ("norm", "clipped_norm", "clip_fraction", "threshold", *restarts)
+  ]
+  np.testing.assert_allclose(
+    float(stats[f"{short}/norm"]), norms[-1], rtol=RTOL
+  )
 
 
 @pytest.mark.parametrize("name", ["zscore_leaf", "relative"])
 def test_dtypes_empty_trees_and_none_leaves(name):
   tx = ALL[name]()
-  g = {"w": jnp.ones((4,), jnp.bfloat16), "skip": None,
-       "h": jnp.full((2,), 3.0, jnp.float16)}
+  g = {
+    "w": jnp.ones((4,), jnp.bfloat16),
+    "skip": None,
+    "h": jnp.full((2,), 3.0, jnp.float16),
+  }
   state = tx.init(g)
   out, state = jax.jit(tx.update)(g, state)
   assert out["w"].dtype == jnp.bfloat16 and out["h"].dtype == jnp.float16
@@ -479,17 +567,24 @@ def test_dtypes_empty_trees_and_none_leaves(name):
 def after_warmup(state):
   """A state as after a warm-up (norms around 1), built directly."""
   if isinstance(state, optaxclip.ClipZscoreState):
-    return state._replace(count=jnp.int32(3), mean=jnp.ones_like(state.mean),
-                          var=jnp.full_like(state.var, 0.01))
+    return state._replace(
+      count=jnp.int32(3),
+      mean=jnp.ones_like(state.mean),
+      var=jnp.full_like(state.var, 0.01),
+    )
   if isinstance(state, optaxclip.ClipPercentileState):
     extra = state.history.shape[1:]
     rows = jnp.broadcast_to(
-        jnp.linspace(0.8, 1.2, 4).reshape((4,) + (1,) * len(extra)),
-        (4,) + extra)
-    return state._replace(history=state.history.at[:4].set(rows),
-                          filled=jnp.int32(4), index=jnp.int32(4))
-  return state._replace(count=jnp.int32(3),
-                        gamma=jnp.full_like(state.gamma, 0.5))
+      jnp.linspace(0.8, 1.2, 4).reshape((4,) + (1,) * len(extra)), (4, *extra)
+    )
+    return state._replace(
+      history=state.history.at[:4].set(rows),
+      filled=jnp.int32(4),
+      index=jnp.int32(4),
+    )
+  return state._replace(
+    count=jnp.int32(3), gamma=jnp.full_like(state.gamma, 0.5)
+  )
 
 
 @pytest.mark.parametrize("name", ["zscore", "percentile_leaf"])
@@ -511,12 +606,15 @@ def test_gradient_through_update_is_finite(name):
 
 
 def test_leaf_scope_rejects_a_different_tree():
-  for tx in (optaxclip.clip_zscore(scope="leaf"),
-             optaxclip.clip_percentile(scope="leaf"),
-             optaxclip.clip_relative()):
+  for tx in (
+    optaxclip.clip_zscore(scope="leaf"),
+    optaxclip.clip_percentile(scope="leaf"),
+    optaxclip.clip_relative(),
+  ):
     state = tx.init({"a": jnp.ones(2)})
-    with pytest.raises(ValueError, match="built for 1 leaves but the updates "
-                       "have 2"):
+    with pytest.raises(
+      ValueError, match="built for 1 leaves but the updates have 2"
+    ):
       tx.update({"a": jnp.ones(2), "b": jnp.ones(2)}, state)
 
 
@@ -528,37 +626,49 @@ def test_integer_leaves_are_named():
 
 
 def test_injected_hyperparameters():
-  tx = optax.inject_hyperparams(optaxclip.clip_zscore, static_args=(
-      "warmup_steps", "mode", "clip_option", "scope", "skip_update_on_spike",
-      "max_norm"))(alpha=0.9, z_thresh=2.0, warmup_steps=2)
+  tx = optax.inject_hyperparams(
+    optaxclip.clip_zscore,
+    static_args=(
+      "warmup_steps",
+      "mode",
+      "clip_option",
+      "scope",
+      "skip_update_on_spike",
+      "max_norm",
+    ),
+  )(alpha=0.9, z_thresh=2.0, warmup_steps=2)
   update = jax.jit(tx.update)
   state = tx.init(global_tree(1.0))
   for g in (1.0, 1.2, 100.0):
     out, state = update(global_tree(g), state)
   assert global_norm_of(out) < 10.0
-  tx = optax.inject_hyperparams(optaxclip.clip_percentile,
-                                static_args=("history", "scope"))(
-                                    percentile=50.0, history=4)
+  tx = optax.inject_hyperparams(
+    optaxclip.clip_percentile, static_args=("history", "scope")
+  )(percentile=50.0, history=4)
   state = tx.init(global_tree(1.0))
   for g in (1.0, 3.0):
     out, state = tx.update(global_tree(g), state)
   np.testing.assert_allclose(global_norm_of(out), 2.0, rtol=RTOL)
 
 
-# --- Properties ------------------------------------------------------------------
+# --- Properties ---------------------------------------------------------------
 
 norm_streams = st.lists(
-    st.floats(1e-3, 1e4, allow_nan=False, allow_infinity=False),
-    min_size=10, max_size=10)
+  st.floats(1e-3, 1e4, allow_nan=False, allow_infinity=False),
+  min_size=10,
+  max_size=10,
+)
 
 
 PERCENTILE_20 = optaxclip.clip_percentile(20.0, history=6)
-ZSCORE_CAPPED = optaxclip.clip_zscore(warmup_steps=3, max_norm=500.0,
-                                      clip_factor=0.9)
-RELATIVE_1_5 = optaxclip.clip_relative(1.5, warmup_steps=2,
-                                       warmup_max_norm=5.0)
-JITTED = {id(tx): jax.jit(tx.update)
-          for tx in (PERCENTILE_20, ZSCORE_CAPPED, RELATIVE_1_5)}
+ZSCORE_CAPPED = optaxclip.clip_zscore(
+  warmup_steps=3, max_norm=500.0, clip_factor=0.9
+)
+RELATIVE_1_5 = optaxclip.clip_relative(1.5, warmup_steps=2, warmup_max_norm=5.0)
+JITTED = {
+  id(tx): jax.jit(tx.update)
+  for tx in (PERCENTILE_20, ZSCORE_CAPPED, RELATIVE_1_5)
+}
 
 
 @hypothesis.given(norm_streams)
@@ -570,8 +680,9 @@ def test_percentile_clipped_norm_is_min_of_norm_and_threshold(norms):
     out, state = update(global_tree(g), state)
     threshold = float(state.threshold)
     assert min(norms) * (1 - 1e-6) <= threshold <= max(norms) * (1 + 1e-6)
-    np.testing.assert_allclose(global_norm_of(out), min(g, threshold),
-                               rtol=RTOL)
+    np.testing.assert_allclose(
+      global_norm_of(out), min(g, threshold), rtol=RTOL
+    )
 
 
 @hypothesis.given(norm_streams)
@@ -588,8 +699,9 @@ def test_zscore_never_grows_a_norm_nor_passes_max_norm(norms):
       assert out_norm < g  # a spike is always clipped (clip_factor <= 1)
 
 
-@hypothesis.given(st.lists(st.tuples(*[st.floats(1e-3, 1e3)] * 3),
-                           min_size=6, max_size=6))
+@hypothesis.given(
+  st.lists(st.tuples(*[st.floats(1e-3, 1e3)] * 3), min_size=6, max_size=6)
+)
 def test_relative_leaf_norm_stays_within_factor_of_gamma(leaf_norms):
   tx = RELATIVE_1_5
   update = JITTED[id(tx)]
@@ -605,10 +717,12 @@ def test_relative_leaf_norm_stays_within_factor_of_gamma(leaf_norms):
     assert np.all(np.asarray(state.gamma) > 0)
 
 
-# --- Hyperparameter checks ----------------------------------------------------------
+# --- Hyperparameter checks ----------------------------------------------------
 
 
-@pytest.mark.parametrize("make, error, message", [
+@pytest.mark.parametrize(
+  "make, error, message",
+  [
     (lambda: optaxclip.clip_zscore(alpha=1.0), ValueError, "alpha must be < 1"),
     (lambda: optaxclip.clip_zscore(alpha=0.0), ValueError, "alpha must be > 0"),
     (lambda: optaxclip.clip_zscore(z_thresh=0.0), ValueError, "z_thresh"),
@@ -618,27 +732,60 @@ def test_relative_leaf_norm_stays_within_factor_of_gamma(leaf_norms):
     (lambda: optaxclip.clip_zscore(warmup_steps=0), ValueError, "warmup_steps"),
     (lambda: optaxclip.clip_zscore(warmup_steps=2.5), ValueError, "whole"),
     (lambda: optaxclip.clip_zscore(mode="median"), ValueError, "mode"),
-    (lambda: optaxclip.clip_zscore(clip_option="max"), ValueError,
-     "clip_option"),
-    (lambda: optaxclip.clip_zscore(clip_factor=0.0), ValueError,
-     "clip_factor"),
-    (lambda: optaxclip.clip_zscore(skip_update_on_spike=1), TypeError,
-     "skip_update_on_spike"),
+    (
+      lambda: optaxclip.clip_zscore(clip_option="max"),
+      ValueError,
+      "clip_option",
+    ),
+    (lambda: optaxclip.clip_zscore(clip_factor=0.0), ValueError, "clip_factor"),
+    (
+      lambda: optaxclip.clip_zscore(skip_update_on_spike=1),
+      TypeError,
+      "skip_update_on_spike",
+    ),
     (lambda: optaxclip.clip_zscore(scope="layer"), ValueError, "scope"),
     (lambda: optaxclip.clip_percentile(-1.0), ValueError, "percentile"),
     (lambda: optaxclip.clip_percentile(100.5), ValueError, "percentile"),
     (lambda: optaxclip.clip_percentile("10"), TypeError, "percentile"),
     (lambda: optaxclip.clip_percentile(history=0), ValueError, "history"),
-    (lambda: optaxclip.clip_percentile(history=jnp.int32(4)), TypeError,
-     "static_args"),
+    (
+      lambda: optaxclip.clip_percentile(history=jnp.int32(4)),
+      TypeError,
+      "static_args",
+    ),
     (lambda: optaxclip.clip_percentile(scope="unit"), ValueError, "scope"),
     (lambda: optaxclip.clip_relative(0.0), ValueError, "factor"),
     (lambda: optaxclip.clip_relative(beta=1.5), ValueError, "beta"),
-    (lambda: optaxclip.clip_relative(warmup_steps=0), ValueError,
-     "warmup_steps"),
-    (lambda: optaxclip.clip_relative(warmup_max_norm=-1.0), ValueError,
-     "warmup_max_norm"),
-])
+    (
+      lambda: optaxclip.clip_relative(warmup_steps=0),
+      ValueError,
+      "warmup_steps",
+    ),
+    (
+      lambda: optaxclip.clip_relative(warmup_max_norm=-1.0),
+      ValueError,
+      "warmup_max_norm",
+    ),
+  ],
+)
 def test_bad_hyperparameters_fail_at_construction(make, error, message):
   with pytest.raises(error, match=message):
     make()
+
+
+def test_percentile_state_from_release_0_1_continues_like_a_fresh_one():
+  # Release 0.1.0 kept no sorted copy (restored at its fresh +inf) and held
+  # zeros in empty slots; the update rebuilds the sorted window from it.
+  tx = optaxclip.clip_percentile(50.0, history=4)
+  update = jax.jit(tx.update)
+  state = tx.init(global_tree(1.0))
+  for g in (2.0, 1.0):
+    _, state = update(global_tree(g), state)
+  legacy = state._replace(
+      history=jnp.where(jnp.isinf(state.history), 0.0, state.history),
+      ordered=jnp.full_like(state.ordered, jnp.inf))
+  for g in (3.0, 4.0, 0.5):
+    out, state = update(global_tree(g), state)
+    legacy_out, legacy = update(global_tree(g), legacy)
+    chex.assert_trees_all_equal((out, state), (legacy_out, legacy))
+  np.testing.assert_allclose(float(state.threshold), 2.0, rtol=RTOL)  # 1,3,4,.5

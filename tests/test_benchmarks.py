@@ -18,7 +18,8 @@ import optaxclip
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 STEP_ROWS = (
-    "one read pass alone (jitted sum of squares)", "adam + read (floor)", "adam + scale (floor)",
+    "one read pass alone (jitted sum of squares)", "adam + read (floor)",
+    "adam + scale (floor)",
     "clip_global", "clip_global + stats()", "clip_norm", "clip_value",
     "clip_block_rms", "clip_unitwise")
 OPTAX_TWINS = {

@@ -1,4 +1,8 @@
-"""The examples and the README's code run, at tiny sizes, so they never rot."""
+"""The examples, the README's and the guides' code run, so they never rot.
+
+The examples run at tiny sizes; the Python blocks of README.md and of
+docs/*.md each run on their own, as a reader would paste them.
+"""
 
 import importlib.util
 import math
@@ -12,6 +16,9 @@ import optaxclip
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+# The guides moved from the README to the Sphinx site keep their code tested.
+GUIDES = {path.name: path.read_text(encoding="utf-8")
+          for path in sorted((ROOT / "docs").glob("*.md"))}
 
 
 def _run_script(path, *args, cwd):
@@ -43,8 +50,9 @@ def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
   variants = _load(ROOT / "examples" / "lstm_exploding.py").VARIANTS
   rows = {}
   for name in variants:
-    row = re.search(rf"^{name} +(\S+) +(\S+) +(\S+) +(\d+)% +(yes|no) +(yes|no)$",
-                    stdout, re.M)
+    row = re.search(
+        rf"^{name} +(\S+) +(\S+) +(\S+) +(\d+)% +(yes|no) +(yes|no)$",
+        stdout, re.M)
     assert row, f"no row for {name}:\n{stdout}"
     rows[name] = row.groups()
   for name, (final, best, norm, _, diverged, _) in rows.items():
@@ -70,16 +78,28 @@ def _python_blocks(markdown):
   return re.findall(r"^```python\n(.*?)^```", markdown, re.M | re.S)
 
 
-def test_readme_python_blocks_run(capsys):
+def _run_blocks(markdown, name):
   """Each block on its own, as a reader would paste it."""
-  blocks = _python_blocks(README)
-  assert len(blocks) >= 4
+  blocks = _python_blocks(markdown)
   for i, code in enumerate(blocks):
-    namespace = {"__name__": f"readme_block_{i}"}
-    exec(compile(code, f"README.md python block {i}", "exec"), namespace)  # pylint: disable=exec-used
+    namespace = {"__name__": f"{name}_block_{i}"}
+    exec(compile(code, f"{name} python block {i}", "exec"), namespace)  # noqa: S102
+  return len(blocks)
+
+
+def test_readme_python_blocks_run(capsys):
+  assert _run_blocks(README, "README.md") >= 3
   printed = capsys.readouterr().out
   # The quickstarts print the pre-clip norm they read with stats().
   assert len(re.findall(r"pre-clip norm \d", printed)) >= 6, printed
+
+
+def test_docs_python_blocks_run():
+  ran = {name: _run_blocks(text, f"docs/{name}")
+         for name, text in GUIDES.items()}
+  # The guides moved from the README keep their examples.
+  for guide in ("migrating.md", "which_clipper.md", "many_devices.md"):
+    assert ran[guide] >= 1, ran
 
 
 def test_readme_has_the_two_setup_commands_verbatim():
@@ -89,13 +109,34 @@ def test_readme_has_the_two_setup_commands_verbatim():
   assert 'python -m pip install -e ".[test]" && python -m pytest' in lines
 
 
-def test_readme_documents_every_public_name():
-  missing = [name for name in optaxclip.__all__
-             if not re.search(rf"`{name}[`(]", README)]
-  assert not missing, f"README.md does not document {missing}"
+def test_readme_has_the_docs_preview_command():
+  # The same build as .ci/run's, warnings as errors.
+  assert ('python -m pip install -e ".[docs]" && '
+          "python -m sphinx -W -b html docs docs/_build/html") in (
+              README.splitlines())
+  assert "-m sphinx -W " in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 
 
-def test_readme_names_only_what_exists():
-  named = set(re.findall(r"\boptaxclip\.([A-Za-z_]\w*)", README))
-  unknown = sorted(n for n in named if not hasattr(optaxclip, n))
-  assert not unknown, f"README.md names optaxclip.{unknown}, which do not exist"
+def test_readme_links_to_every_docs_page():
+  for page in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "docs/api.rst"]:
+    if page.stem in ("index", "changelog", "contributing") or (
+        page.stem.startswith("benchmark_")):
+      continue  # reached from the docs' index and from the guides
+    assert f"](docs/{page.name})" in README, page.name
+
+
+def test_api_reference_documents_every_public_name():
+  api = (ROOT / "docs" / "api.rst").read_text(encoding="utf-8")
+  documented = set(re.findall(r"^\.\. auto(?:function|class):: (\w+)$", api,
+                              re.M))
+  missing = sorted(set(optaxclip.__all__) - documented)
+  assert not missing, f"docs/api.rst does not document {missing}"
+  unknown = sorted(documented - set(optaxclip.__all__))
+  assert not unknown, f"docs/api.rst documents {unknown}, not in __all__"
+
+
+def test_readme_and_guides_name_only_what_exists():
+  for name, text in {"README.md": README, **GUIDES}.items():
+    named = set(re.findall(r"\boptaxclip\.([A-Za-z_]\w*)", text))
+    unknown = sorted(n for n in named if not hasattr(optaxclip, n))
+    assert not unknown, f"{name} names optaxclip.{unknown}, which do not exist"

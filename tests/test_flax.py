@@ -1,6 +1,7 @@
 """Flax: a linen TrainState and an nnx.Optimizer with
 ``optax.chain(clip_global(5.0), optax.adam(1e-3))``; stats() reports the true
-pre-clip norm of the gradients."""
+pre-clip norm of the gradients.
+"""
 
 from absl.testing import absltest
 from flax import linen as nn

@@ -17,9 +17,11 @@ W = np.array([0.6, 0.8])  # two leaves sharing a global norm (unit L2 norm)
 
 
 def grads(norm, bad=None):
-  """A tree with global norm ``norm``; ``bad`` (NaN/inf) goes into one element."""
-  g = {"a": jnp.full((2,), norm * W[0] / math.sqrt(2), jnp.float32),
-       "b": jnp.full((3,), norm * W[1] / math.sqrt(3), jnp.float32)}
+  """A tree with global norm ``norm``; ``bad`` (NaN/inf) in one element."""
+  g = {
+    "a": jnp.full((2,), norm * W[0] / math.sqrt(2), jnp.float32),
+    "b": jnp.full((3,), norm * W[1] / math.sqrt(3), jnp.float32),
+  }
   if bad is not None:
     g["b"] = g["b"].at[1].set(bad)
   return g
@@ -28,7 +30,9 @@ def grads(norm, bad=None):
 def stream(steps=45, seed=0):
   """(norm, bad) pairs: norms around 1 with spikes, a NaN and an Inf."""
   rng = np.random.default_rng(seed)
-  norms = np.exp(0.1 * rng.standard_normal(steps)) * (1 + 0.01 * np.arange(steps))
+  norms = np.exp(0.1 * rng.standard_normal(steps)) * (
+    1 + 0.01 * np.arange(steps)
+  )
   for t, k in {3: 4.0, 14: 6.0, 15: 5.0, 27: 30.0, 33: 1.8}.items():
     if t < steps:
       norms[t] *= k
@@ -43,13 +47,23 @@ class GuardRule:
   Skip a step whose norm is NaN/Inf, above max_norm, or (after the warm-up
   of finite norms) above mean + spike_z * std; the statistics take in every
   finite norm, clamped at that spike bound, mean first, then the variance
-  with the new mean.
+  with the new mean. A spike after ``patience`` skipped spikes in a row, or
+  against a variance of 0, is a restart instead: not a spike, the
+  mean moves to the norm and the variance takes in the jump.
   """
 
-  def __init__(self, skip_nonfinite=True, spike_z=None, max_norm=None,
-               alpha=0.97, warmup_steps=25):
+  def __init__(
+    self,
+    skip_nonfinite=True,
+    spike_z=None,
+    max_norm=None,
+    alpha=0.97,
+    warmup_steps=25,
+    patience=25,
+  ):
     self.skip_nonfinite, self.z, self.cap = skip_nonfinite, spike_z, max_norm
     self.alpha, self.warmup_steps = alpha, warmup_steps
+    self.patience, self.run, self.restarts = patience, 0, 0
     self.gathered, self.mean, self.var = [], 0.0, 0.0
     self.margins = []
 
@@ -57,41 +71,61 @@ class GuardRule:
     """Returns (skip?, threshold)."""
     finite = math.isfinite(g)
     warming = len(self.gathered) < self.warmup_steps
-    threshold = math.inf
-    if self.cap is not None:
-      threshold = min(threshold, self.cap)
+    cap = math.inf if self.cap is None else self.cap
+    bound = math.inf
     if self.z is not None and not warming:
-      threshold = min(threshold, self.mean + self.z * self.var ** 0.5)
+      bound = self.mean + self.z * self.var**0.5
+    spike = finite and g > bound
+    restart = spike and (self.run >= self.patience or self.var == 0)
+    spike = spike and not restart
+    threshold = min(cap, math.inf if restart else bound)
     if finite and threshold < math.inf:
       self.margins.append(abs(g - threshold) / threshold)
-    skip = g > threshold or (self.skip_nonfinite and not finite)
+    skip = g > cap or spike or (math.isinf(g) and bound < math.inf)
+    skip = skip or (self.skip_nonfinite and not finite)
     if finite:
-      if self.z is not None and not warming:
-        g = min(g, self.mean + self.z * self.var ** 0.5)  # spikes: the bound
-      if warming:
+      self.run = self.run + 1 if spike else 0
+      if restart:
+        self.restarts += 1
+        self.var = (
+          self.alpha * self.var + (1 - self.alpha) * (g - self.mean) ** 2
+        )
+        self.mean = g
+      elif warming:
         self.gathered.append(g)
         self.mean = float(np.mean(self.gathered))
         self.var = float(np.var(self.gathered))
       else:
+        g = min(g, bound)  # spikes enter at the bound
         self.mean = self.alpha * self.mean + (1 - self.alpha) * g
-        self.var = (self.alpha * self.var
-                    + (1 - self.alpha) * (g - self.mean) ** 2)
+        self.var = (
+          self.alpha * self.var + (1 - self.alpha) * (g - self.mean) ** 2
+        )
     return skip, threshold
 
 
 class GuardTest(chex.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_short_stream_skips_nan_and_large_steps(self):
     # NaN, above max_norm, a spike after warm-up, then an ordinary step.
-    self._check(self.variant,
-                dict(spike_z=2.0, max_norm=10.0, warmup_steps=3),
-                [(1.0, None), (1.2, None), (0.0, float("nan")), (0.9, None),
-                 (12.0, None), (3.0, None), (1.1, None)])
+    self._check(
+      self.variant,
+      dict(spike_z=2.0, max_norm=10.0, warmup_steps=3),
+      [
+        (1.0, None),
+        (1.2, None),
+        (0.0, float("nan")),
+        (0.9, None),
+        (12.0, None),
+        (3.0, None),
+        (1.1, None),
+      ],
+    )
 
   def test_long_stream_matches_rule(self):
-    self._check(jax.jit, dict(spike_z=3.0, max_norm=15.0, warmup_steps=10),
-                stream())
+    self._check(
+      jax.jit, dict(spike_z=3.0, max_norm=15.0, warmup_steps=10), stream()
+    )
 
   def test_only_nonfinite_by_default(self):
     self._check(jax.jit, dict(), stream(30))
@@ -108,8 +142,12 @@ class GuardTest(chex.TestCase):
       g = grads(norm, bad)
       before = state.inner_state
       out, state = update(g, state, params)
-      g_norm = math.sqrt(sum(float(np.sum(np.square(np.asarray(x, np.float64))))
-                             for x in jax.tree.leaves(g)))
+      g_norm = math.sqrt(
+        sum(
+          float(np.sum(np.square(np.asarray(x, np.float64))))
+          for x in jax.tree.leaves(g)
+        )
+      )
       skip, threshold = rule.step(g_norm)
       skipped += skip
       nonfinite += not math.isfinite(g_norm)
@@ -126,8 +164,9 @@ class GuardTest(chex.TestCase):
       self.assertEqual(int(state.consecutive_skips), run)
       np.testing.assert_allclose(float(state.threshold), threshold, rtol=2e-5)
       np.testing.assert_allclose(float(state.mean), rule.mean, rtol=2e-5)
-      np.testing.assert_allclose(float(state.var), rule.var, rtol=1e-4,
-                                 atol=1e-9)
+      np.testing.assert_allclose(
+        float(state.var), rule.var, rtol=1e-4, atol=1e-9
+      )
       if math.isfinite(g_norm):
         np.testing.assert_allclose(float(state.norm), g_norm, rtol=1e-5)
     self.assertGreater(min(rule.margins, default=1.0), 1e-4)
@@ -154,8 +193,9 @@ class GuardTest(chex.TestCase):
   def test_skip_nonfinite_false_lets_nan_through(self):
     tx = optaxclip.guard(optax.sgd(1.0), skip_nonfinite=False)
     params = grads(1.0)
-    out, state = jax.jit(tx.update)(grads(1.0, float("nan")), tx.init(params),
-                                    params)
+    out, state = jax.jit(tx.update)(
+      grads(1.0, float("nan")), tx.init(params), params
+    )
     assert np.isnan(np.asarray(out["b"])).any()
     assert int(state.skipped) == 0 and int(state.nonfinite) == 1
 
@@ -164,8 +204,9 @@ class GuardTest(chex.TestCase):
       del params
       return jax.tree.map(lambda u: u * scale_by, updates), state
 
-    inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(),
-                                                  update)
+    inner = optax.GradientTransformationExtraArgs(
+      lambda p: optax.EmptyState(), update
+    )
     tx = optax.chain(optaxclip.guard(inner), optax.identity())
     g = grads(1.0)
     out, _ = tx.update(g, tx.init(g), scale_by=2.0)
@@ -173,8 +214,9 @@ class GuardTest(chex.TestCase):
 
   def test_stats_of_guard_and_inner_clipper(self):
     tx = optaxclip.guard(
-        optax.chain(optaxclip.clip_percentile(history=4), optax.sgd(0.1)),
-        max_norm=5.0)
+      optax.chain(optaxclip.clip_percentile(history=4), optax.sgd(0.1)),
+      max_norm=5.0,
+    )
     params = grads(1.0)
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -182,19 +224,28 @@ class GuardTest(chex.TestCase):
       _, state = update(grads(norm), state, params)
     stats = optaxclip.stats(state)
     assert list(stats) == [
-        "guard/norm", "guard/threshold", "guard/skipped", "guard/nonfinite",
-        "guard/consecutive_skips", "clip_percentile/norm",
-        "clip_percentile/clipped_norm", "clip_percentile/clip_fraction",
-        "clip_percentile/threshold"]
+      "guard/norm",
+      "guard/threshold",
+      "guard/skipped",
+      "guard/nonfinite",
+      "guard/consecutive_skips",
+      "guard/restarts",
+      "clip_percentile/norm",
+      "clip_percentile/clipped_norm",
+      "clip_percentile/clip_fraction",
+      "clip_percentile/threshold",
+    ]
     assert int(stats["guard/skipped"]) == 1
     assert float(stats["guard/threshold"]) == 5.0
     # The skipped step left the inner clipper's state at the step before.
-    np.testing.assert_allclose(float(stats["clip_percentile/norm"]), 2.0,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+      float(stats["clip_percentile/norm"]), 2.0, rtol=1e-6
+    )
 
   def test_one_trace_no_host_transfer_in_a_jitted_loop(self):
-    tx = optaxclip.guard(optax.adam(1e-2), spike_z=3.0, max_norm=15.0,
-                         warmup_steps=5)
+    tx = optaxclip.guard(
+      optax.adam(1e-2), spike_z=3.0, max_norm=15.0, warmup_steps=5
+    )
     traces = []
 
     def step(params, state, g):
@@ -226,10 +277,17 @@ GUARD_CAP = optaxclip.guard(optax.sgd(1.0), max_norm=100.0)
 GUARD_CAP_UPDATE = jax.jit(GUARD_CAP.update)
 
 
-@hypothesis.given(st.lists(st.one_of(
-    st.just(0.0), st.floats(1e-20, 1e3),
-    st.sampled_from([float("nan"), float("inf")])),
-                           min_size=1, max_size=8))
+@hypothesis.given(
+  st.lists(
+    st.one_of(
+      st.just(0.0),
+      st.floats(1e-20, 1e3),
+      st.sampled_from([float("nan"), float("inf")]),
+    ),
+    min_size=1,
+    max_size=8,
+  )
+)
 def test_skips_exactly_nonfinite_or_capped_steps(norms):
   params = grads(1.0)
   state = GUARD_CAP.init(params)
@@ -237,8 +295,9 @@ def test_skips_exactly_nonfinite_or_capped_steps(norms):
     bad = norm if not math.isfinite(norm) else None
     g = grads(norm if bad is None else 1.0, bad)
     out, state = GUARD_CAP_UPDATE(g, state, params)
-    expected_skips = sum(not math.isfinite(n) or n > 100.0 * (1 + 1e-6)
-                         for n in norms[:k])
+    expected_skips = sum(
+      not math.isfinite(n) or n > 100.0 * (1 + 1e-6) for n in norms[:k]
+    )
     borderline = any(abs(n - 100.0) < 1e-3 for n in norms[:k])
     if not borderline:
       assert int(state.skipped) == expected_skips
@@ -247,14 +306,17 @@ def test_skips_exactly_nonfinite_or_capped_steps(norms):
     assert zero if skipped_now else (zero == (norm == 0.0))
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
+@pytest.mark.parametrize(
+  "kwargs, error, message",
+  [
     (dict(spike_z=0.0), ValueError, "spike_z"),
     (dict(spike_z=-1.0), ValueError, "spike_z"),
     (dict(max_norm=-1.0), ValueError, "max_norm"),
     (dict(alpha=1.0), ValueError, "alpha"),
     (dict(warmup_steps=0), ValueError, "warmup_steps"),
     (dict(skip_nonfinite="yes"), TypeError, "skip_nonfinite"),
-])
+  ],
+)
 def test_bad_hyperparameters_fail_at_construction(kwargs, error, message):
   with pytest.raises(error, match=message):
     optaxclip.guard(optax.sgd(1.0), **kwargs)

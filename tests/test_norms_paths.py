@@ -43,8 +43,8 @@ class NormPathsTest(parameterized.TestCase):
   def test_global_and_unit_norms_match_numpy(self, scale, p):
     leaves = _leaves(scale)
     axes = [None, None, (0,), (1,)]
-    glob, units = jax.jit(lambda l: (
-        _norms.global_norm(l, p), _norms.unit_norms(l, p, axes)))(leaves)
+    glob, units = jax.jit(lambda xs: (
+        _norms.global_norm(xs, p), _norms.unit_norms(xs, p, axes)))(leaves)
     np.testing.assert_allclose(glob, _np_global_norm(leaves, p), rtol=1e-5)
     for x, ax, got in zip(leaves, axes, units):
       np.testing.assert_allclose(got, _np_unit_norms(x, p, ax), rtol=1e-5)
@@ -56,7 +56,7 @@ class NormPathsTest(parameterized.TestCase):
     x[:, 3] = 1e-30           # every square underflows: exact recompute
     zeros = np.zeros((3, 5))  # a zero leaf
     leaves = [jnp.asarray(x, dtype), jnp.asarray(zeros, dtype)]
-    got = jax.jit(lambda l: _norms.unit_norms(l, 2.0, [(0,), (0,)]))(leaves)
+    got = jax.jit(lambda xs: _norms.unit_norms(xs, 2.0, [(0,), (0,)]))(leaves)
     want = _np_unit_norms(np.asarray(leaves[0], np.float64), 2.0, (0,))
     np.testing.assert_allclose(got[0], want, rtol=1e-5)
     np.testing.assert_array_equal(got[1], np.zeros((1, 5)))
@@ -86,10 +86,11 @@ class NormPathsTest(parameterized.TestCase):
                          which=["global", "unit"])
   def test_derivative_is_x_over_norm_on_every_path(self, scale, dtype, which):
     x = jnp.asarray([3.0 * scale, 4.0 * scale], dtype)
-    if which == "global":
-      norm = lambda x: _norms.global_norm([x])
-    else:
-      norm = lambda x: _norms.unit_norms([x])[0].sum()
+    def norm(v):
+      if which == "global":
+        return _norms.global_norm([v])
+      return _norms.unit_norms([v])[0].sum()
+
     # d||x||/dx = x / ||x||, scale-free: check it on the scaled inputs.
     grad = jax.grad(norm)(x)
     np.testing.assert_allclose(grad, [0.6, 0.8], rtol=1e-5)
@@ -120,7 +121,7 @@ def _leaves_for_memory(dtype):
           for _ in range(2)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scale_floor_bytes(dtype):
   return _temp_bytes(optax.chain(_scale_by_state(), optax.adam(1e-3)),
                      _leaves_for_memory(dtype))

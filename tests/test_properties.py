@@ -22,7 +22,6 @@ import hypothesis
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import np_refs
@@ -103,10 +102,11 @@ CONFIGS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _clip_twice(name):
   """A jitted (g, limits, params) -> (clip(g), clip(clip(g))) for a config,
-  mapped over a vector of limits."""
+  mapped over a vector of limits.
+  """
   factory, _ = CONFIGS[name]
 
   def run(g, limit, params):
@@ -127,7 +127,8 @@ _MAGNITUDES = st.one_of(
 @st.composite
 def _trees(draw):
   """A tree of float32 leaves at a power-of-ten scale (each leaf off by up to
-  1e2 from the tree's), so that whole trees underflow or overflow too."""
+  1e2 from the tree's), so that whole trees underflow or overflow too.
+  """
   scale = draw(st.sampled_from((-26, -21, -10, 0, 10, 21, 26)))
   tree = {}
   for key, shape in SHAPES.items():
@@ -160,7 +161,8 @@ class PropertyTest(parameterized.TestCase):
       size = max(float(np.max(m)) for m in measures)
       limits = np.array([r * size for r in RATIOS], np.float32)
     # No limit is subnormal, which XLA on CPU would flush to zero.
-    self.assertTrue(np.all((limits == 0) | (limits >= np.finfo(np.float32).tiny)))
+    self.assertTrue(
+        np.all((limits == 0) | (limits >= np.finfo(np.float32).tiny)))
     onces, twices = _clip_twice(name)(
         g, limits, params if name == "clip_unitwise" else None)
     onces, twices = jax.tree.map(np.asarray, (onces, twices))

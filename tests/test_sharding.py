@@ -12,13 +12,16 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from fast_compile import compile_fast
+from fast_compile import run_fast
 import optaxclip
-from fast_compile import compile_fast, run_fast
 
 # Every clipper checked on sharded trees, by name: a factory of the clipper
 # that is chained before adam. A new clipper is checked by adding it here.
@@ -117,7 +120,7 @@ def _run(params, grads_per_step):
   return compiled(params, stacked), compiled.as_text()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _single_device_result():
   params = _tree(0)
   grads = [_tree(1, s) for s in STEP_SCALES]
@@ -136,7 +139,7 @@ def test_every_clipper_on_an_fsdp_tree(kind):
   assert n_reduce > 0  # norms and statistics are reduced across devices.
   reference = _single_device_result()
   for name, (updates, new_params, state) in outs.items():
-    ref_updates, ref_params, ref_state = reference[name]
+    ref_updates, _, ref_state = reference[name]
     np.testing.assert_allclose(
         np.concatenate([np.ravel(x) for x in jax.tree.leaves(updates)]),
         np.concatenate([np.ravel(x) for x in jax.tree.leaves(ref_updates)]),
@@ -180,21 +183,27 @@ SHARD_SPECS = {"w_in": P("d", None), "w_out": P(None, "d"), "b": P()}
 
 
 def _shard_map_cases():
-  by_path = lambda path, leaf: path[0].key != "b"
+  def by_path(path, leaf):
+    del leaf
+    return path[0].key != "b"
+
   return {
       "clip_global": (lambda **kw: optaxclip.clip_global(2.0, **kw),
                       {"sharded": {"w_in": True, "w_out": True, "b": False}}),
-      "clip_global_inf": (lambda **kw: optaxclip.clip_global(0.5, ord="inf", **kw),
-                          {"sharded": by_path}),
+      "clip_global_inf": (
+          lambda **kw: optaxclip.clip_global(0.5, ord="inf", **kw),
+          {"sharded": by_path}),
       "clip_norm": (lambda **kw: optaxclip.clip_norm(1.0, **kw),
                     {"sharded": by_path}),
       "clip_norm_axis0": (lambda **kw: optaxclip.clip_norm(1.0, axis=0, **kw),
-                          {"sharded": {"w_in": True, "w_out": False, "b": False}}),
+                          {"sharded": {"w_in": True, "w_out": False,
+                                       "b": False}}),
       "clip_block_rms": (lambda **kw: optaxclip.clip_block_rms(0.5, **kw),
                          {"sharded": by_path}),
       # Dense kernels: units span axis 0, so w_out holds whole units.
       "clip_unitwise": (lambda **kw: optaxclip.clip_unitwise(0.1, **kw),
-                        {"sharded": {"w_in": True, "w_out": False, "b": False}}),
+                        {"sharded": {"w_in": True, "w_out": False,
+                                     "b": False}}),
   }
 
 
@@ -228,8 +237,10 @@ def test_axis_name_inside_shard_map_matches_one_device():
   mapped = jax.shard_map(
       functools.partial(run, mapped=True), mesh=mesh,
       in_specs=(SHARD_SPECS, SHARD_SPECS), out_specs=out_specs)
-  put = lambda t: jax.tree.map(
-      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, SHARD_SPECS)
+  def put(t):
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, SHARD_SPECS)
+
   got = run_fast(mapped, put(grads), put(params))
   for name in cases:
     for key in grads:
@@ -279,7 +290,8 @@ def test_tuple_axis_name_and_pmap():
                              sharded={"w_in": True, "b": False})
   local = {"w_in": g["w_in"].reshape(8, 2, 4),
            "b": np.broadcast_to(g["b"], (8, 1, 3))}
-  out, state = jax.pmap(lambda g: tx.update(g, tx.init(g)), axis_name="i")(local)
+  out, state = jax.pmap(lambda g: tx.update(g, tx.init(g)),
+                        axis_name="i")(local)
   ref_tx = optaxclip.clip_global(2.0)
   ref, ref_state = ref_tx.update({"w_in": g["w_in"], "b": g["b"]},
                                  ref_tx.init(g))
@@ -294,3 +306,354 @@ def test_axis_name_is_checked():
     optaxclip.clip_global(1.0, axis_name=3)
   with pytest.raises(TypeError, match="axis_name"):
     optaxclip.clip_block_rms(1.0, axis_name=("a", 1))
+
+
+# ------------------------------------------- adaptive clippers and guard
+
+# Each judges a norm: with axis_name every device must see the global one,
+# take the same decision and hold the same state as one device.
+ADAPTIVE_CASES = {
+    "clip_zscore": lambda **kw: optaxclip.clip_zscore(warmup_steps=2, **kw),
+    "clip_zscore_leaf": lambda **kw: optaxclip.clip_zscore(
+        warmup_steps=2, scope="leaf", **kw),
+    "clip_percentile": lambda **kw: optaxclip.clip_percentile(
+        50.0, history=3, **kw),
+    "clip_percentile_leaf": lambda **kw: optaxclip.clip_percentile(
+        50.0, history=3, scope="leaf", **kw),
+    "clip_relative": lambda **kw: optaxclip.clip_relative(
+        warmup_steps=1, warmup_max_norm=20.0, **kw),
+    "guard": lambda **kw: optaxclip.guard(
+        optax.sgd(1.0), max_norm=25.0, spike_z=1.0, warmup_steps=2, **kw),
+}
+# Norm scales of the steps: warm-up, ordinary, a spike the clippers cut and
+# guard skips (global norm above 25), then ordinary again.
+ADAPTIVE_SCALES = (1.0, 1.2, 9.0, 1.1)
+
+
+def _adaptive_run(grads_per_step, mapped_kwargs=None):
+  """Every adaptive case, all steps: the last updates and every stats()."""
+  def run(stacked, params):
+    out = {}
+    for name, make in ADAPTIVE_CASES.items():
+      tx = make(**(mapped_kwargs or {}))
+      def step(state, g, tx=tx):
+        updates, state = tx.update(g, state, params)
+        return state, (updates, optaxclip.stats(state))
+      _, (updates, stats) = jax.lax.scan(step, tx.init(params), stacked)
+      out[name] = (updates, stats)
+    return out
+  return run
+
+
+def _stack(trees):
+  return jax.tree.map(lambda *xs: np.stack(xs), *trees)
+
+
+def _check_adaptive(got, want, leaf_view=lambda x: x):
+  for name in ADAPTIVE_CASES:
+    (g_updates, g_stats), (w_updates, w_stats) = got[name], want[name]
+    for key in w_updates:
+      np.testing.assert_allclose(leaf_view(g_updates[key]), w_updates[key],
+                                 rtol=TOL, atol=TOL, err_msg=f"{name}: {key}")
+    assert g_stats.keys() == w_stats.keys(), name
+    for key in w_stats:
+      np.testing.assert_allclose(g_stats[key], w_stats[key], rtol=TOL,
+                                 atol=TOL, err_msg=f"{name}: {key}")
+  # Not vacuous: the spike was cut or skipped everywhere.
+  for name in ADAPTIVE_CASES:
+    stats = want[name][1]
+    acted = (stats["guard/skipped"] if name == "guard"
+             else stats[f"{name.replace('_leaf', '')}/clip_fraction"])
+    assert np.max(acted) > 0, name
+
+
+@functools.cache
+def _adaptive_single_device():
+  params = _shard_tree(0)
+  stacked = _stack([_shard_tree(1, s) for s in ADAPTIVE_SCALES])
+  return params, stacked, run_fast(_adaptive_run(None), stacked, params)
+
+
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)])
+def test_adaptive_clippers_inside_shard_map_match_one_device(mesh_shape):
+  params, stacked, want = _adaptive_single_device()
+  names = ("d",) if len(mesh_shape) == 1 else ("a", "b")
+  axis = names[0] if len(names) == 1 else names
+  mesh = jax.sharding.Mesh(
+      np.array(jax.devices()[:8]).reshape(mesh_shape), names)
+  specs = {"w_in": P(axis, None), "w_out": P(None, axis), "b": P()}
+  stacked_specs = {k: P(None, *s) for k, s in specs.items()}
+  kwargs = dict(axis_name=axis,
+                sharded={"w_in": True, "w_out": True, "b": False})
+  out_specs = {name: (stacked_specs, P()) for name in ADAPTIVE_CASES}
+  # Default check_vma=True: guard's cond branches must agree on their types.
+  mapped = jax.shard_map(_adaptive_run(None, kwargs), mesh=mesh,
+                         in_specs=(stacked_specs, specs), out_specs=out_specs)
+  put = lambda t, s: jax.tree.map(
+      lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), t, s)
+  got = run_fast(mapped, put(stacked, stacked_specs), put(params, specs))
+  _check_adaptive(got, want)
+
+
+def test_adaptive_clippers_under_pmap_match_one_device():
+  params, stacked, want = _adaptive_single_device()
+  # pmap: w_in split along its rows over 8 devices, w_out along its
+  # columns, b replicated (the device axis leads every local array).
+  local = lambda t: {
+      "w_in": np.moveaxis(t["w_in"].reshape(t["w_in"].shape[:-2]
+                                            + (8, 2, 4)), -3, 0),
+      "w_out": np.moveaxis(t["w_out"].reshape(t["w_out"].shape[:-1]
+                                              + (8, 2)), -2, 0),
+      "b": np.broadcast_to(t["b"], (8,) + t["b"].shape)}
+  kwargs = dict(axis_name="i",
+                sharded={"w_in": True, "w_out": True, "b": False})
+  got = jax.pmap(_adaptive_run(None, kwargs), axis_name="i")(
+      local(stacked), local(params))
+  for name in ADAPTIVE_CASES:  # every device holds the same statistics
+    for key, value in got[name][1].items():
+      np.testing.assert_array_equal(value, np.broadcast_to(value[:1],
+                                                           value.shape), key)
+  # (device, step, ...) -> (step, whole leaf)
+  merge = lambda x, axis, shape: np.moveaxis(x, 0, axis).reshape(
+      (x.shape[1],) + shape)
+  unlocal = {"w_in": lambda x: merge(x, -3, (16, 4)),
+             "w_out": lambda x: merge(x, -2, (4, 16)),
+             "b": lambda x: x[3]}
+  got = {name: ({k: unlocal[k](np.asarray(v)) for k, v in u.items()},
+                {k: np.asarray(v)[0] for k, v in s.items()})
+         for name, (u, s) in got.items()}
+  _check_adaptive(got, want)
+
+
+def test_guard_takes_one_decision_for_all_devices_under_pmap():
+  # An FSDP-split kernel (8, 2), global norm 13.4: the rows' norms straddle
+  # max_norm, so decisions from local norms would differ between devices.
+  rows = np.linspace(0.5, 8.0, 8)
+  kernel = (np.stack([rows, np.zeros(8)], axis=1)
+            * 13.4 / np.linalg.norm(rows)).astype(np.float32)
+  local_norms = np.linalg.norm(kernel, axis=1)
+  assert local_norms.min() < 5.0 < local_norms.max()
+
+  def steps(tx):
+    def run(g):
+      state = tx.init(g)
+      _, state = tx.update(g, state, g)  # norm 13.4: skipped
+      _, state = tx.update(g / 10, state, g)  # norm 1.34: applied
+      return state.inner_state[0].count, state.skipped
+    return jax.pmap(run, axis_name="i")(kernel.reshape(8, 1, 2))
+
+  counts, skipped = steps(optaxclip.guard(optax.adam(1e-3), max_norm=5.0,
+                                          axis_name="i"))
+  np.testing.assert_array_equal(counts, np.ones(8))
+  np.testing.assert_array_equal(skipped, np.ones(8))
+
+
+def test_adaptive_axis_name_is_checked():
+  for make in (lambda: optaxclip.clip_zscore(axis_name=3),
+               lambda: optaxclip.clip_percentile(axis_name=("a", 1)),
+               lambda: optaxclip.clip_relative(axis_name=1.0),
+               lambda: optaxclip.guard(optax.sgd(1.0), axis_name=2)):
+    with pytest.raises(TypeError, match="axis_name"):
+      make()
+
+  with pytest.raises(ValueError, match="clip_norm: axis_name must not be"):
+    optaxclip.clip_norm(1.0, axis_name="")
+  with pytest.raises(ValueError, match="axis_name must name each axis once"):
+    optaxclip.clip_global(1.0, axis_name=("a", "a"))
+
+
+@pytest.mark.parametrize("bad, error", [
+    ("no", TypeError),  # a truthy string is not True
+    ({"w": "yes"}, TypeError),
+    ({"w": 1}, TypeError),
+    (("fsdp",), ValueError),  # not an axis of axis_name
+    (P("d", "d"), ValueError),
+])
+def test_sharded_is_checked_when_built(bad, error):
+  for make in (optaxclip.clip_global, optaxclip.clip_norm,
+               optaxclip.clip_block_rms, optaxclip.clip_unitwise):
+    with pytest.raises(error, match=f"{make.__name__}: sharded"):
+      make(1.0, axis_name="d", sharded=bad)
+
+
+# ------------------------------------------- per-leaf axes on a 2-D mesh
+
+# A ("data", "fsdp") mesh with leaves split over both axes (on one dimension
+# or on two), over fsdp only (replicated over data), along a kernel's output
+# axis, and replicated.
+MESH_2D_SPECS = {
+    "both": P(("data", "fsdp"), None),
+    "both_2d": P("data", "fsdp"),
+    "fsdp": P("fsdp", None),
+    "out": P(None, "fsdp"),
+    "rep": P(),
+}
+MESH_2D_AXES = {"both": ("data", "fsdp"), "both_2d": ("data", "fsdp"),
+                "fsdp": ("fsdp",), "out": ("fsdp",), "rep": False}
+
+
+def _tree_2d(seed, scale=1.0):
+  rng = np.random.default_rng(seed)
+  shapes = {"both": (16, 6), "both_2d": (8, 8), "fsdp": (8, 6),
+            "out": (6, 8), "rep": (1, 3)}
+  return {k: (scale * rng.normal(size=s)).astype(np.float32)
+          for k, s in shapes.items()}
+
+
+def _cases_2d():
+  names = ("data", "fsdp")
+  specs, axes = MESH_2D_SPECS, MESH_2D_AXES
+  return {
+      "clip_global/spec": lambda m: optaxclip.clip_global(
+          2.0, **({"axis_name": names, "sharded": specs} if m else {})),
+      "clip_global/axes": lambda m: optaxclip.clip_global(
+          2.0, **({"axis_name": names, "sharded": axes} if m else {})),
+      "clip_norm/spec": lambda m: optaxclip.clip_norm(
+          1.0, **({"axis_name": names, "sharded": specs} if m else {})),
+      "clip_norm/axes": lambda m: optaxclip.clip_norm(
+          1.0, **({"axis_name": names, "sharded": axes} if m else {})),
+      "clip_norm_axis0/spec": lambda m: optaxclip.clip_norm(
+          1.0, axis=0, **({"axis_name": names, "sharded": specs} if m else {})),
+      "clip_block_rms/axes": lambda m: optaxclip.clip_block_rms(
+          0.3, **({"axis_name": names, "sharded": axes} if m else {})),
+      "clip_unitwise/spec": lambda m: optaxclip.clip_unitwise(
+          0.1, **({"axis_name": names, "sharded": specs} if m else {})),
+  }
+
+
+def test_per_leaf_axes_on_a_2d_mesh_match_one_device():
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"),
+                       axis_types=(AxisType.Explicit,) * 2)
+  cases = _cases_2d()
+  params, grads = _tree_2d(0), _tree_2d(1, 3.0)
+
+  def run(grads, params, mapped):
+    out = {}
+    for name, make in cases.items():
+      tx = make(mapped)
+      out[name] = tx.update(grads, tx.init(params), params)
+    return out
+
+  want = run_fast(functools.partial(run, mapped=False), grads, params)
+  mapped = jax.shard_map(
+      functools.partial(run, mapped=True), mesh=mesh,
+      in_specs=(MESH_2D_SPECS, MESH_2D_SPECS),
+      out_specs={name: (MESH_2D_SPECS, P()) for name in cases})
+  put = lambda t: jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t,
+      MESH_2D_SPECS)
+  got = run_fast(mapped, put(grads), put(params))
+  for name in cases:
+    for key in grads:
+      np.testing.assert_allclose(got[name][0][key], want[name][0][key],
+                                 rtol=TOL, atol=TOL, err_msg=f"{name}: {key}")
+    got_stats, want_stats = optaxclip.stats(got[name][1]), optaxclip.stats(
+        want[name][1])
+    for key in want_stats:
+      np.testing.assert_allclose(got_stats[key], want_stats[key], rtol=TOL,
+                                 atol=TOL, err_msg=f"{name}: {key}")
+    assert want_stats[f"{name.split('/')[0].replace('_axis0', '')}"
+                          "/clip_fraction"] > 0, name  # something is clipped
+
+
+def test_global_norm_with_leaves_on_different_axes():
+  """One kernel split over both axes, one over fsdp only, a replicated bias:
+  of the four single-bool settings none is right; per-leaf axes are.
+  """
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"),
+                       axis_types=(AxisType.Explicit,) * 2)
+  rng = np.random.default_rng(3)
+  g = {"a": np.float32(rng.normal(size=(8, 4))),
+       "b": np.float32(rng.normal(size=(4, 4))),
+       "c": np.float32(rng.normal(size=(3,)))}
+  specs = {"a": P(("data", "fsdp")), "b": P("fsdp"), "c": P()}
+  want = np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in g.values()))
+
+  def norm(sharded):
+    tx = optaxclip.clip_global(1.0, axis_name=("data", "fsdp"),
+                               sharded=sharded)
+    # Wrong settings give a different norm per device: no vma check.
+    f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[1].norm, mesh=mesh,
+                      in_specs=(specs,), out_specs=P(), check_vma=False)
+    return float(jax.jit(f)(jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), g, specs)))
+
+  np.testing.assert_allclose(norm(specs), want, rtol=TOL)
+  np.testing.assert_allclose(
+      norm({"a": ("data", "fsdp"), "b": ("fsdp",), "c": None}), want,
+      rtol=TOL)
+  np.testing.assert_allclose(
+      norm(lambda path, leaf: specs[path[0].key]), want, rtol=TOL)
+  for a in (False, True):
+    for b in (False, True):
+      assert not np.isclose(norm({"a": a, "b": b, "c": False}), want,
+                            rtol=1e-3), (a, b)
+
+
+def test_unitwise_units_come_from_the_global_shape():
+  """A Dense kernel (8, 2) split 8 ways along its inputs is (1, 2) locally:
+  its units are still its 2 columns.
+  """
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  rng = np.random.default_rng(5)
+  w = {"k": np.float32(rng.normal(size=(8, 2)))}
+  g = {"k": np.float32(rng.normal(size=(8, 2)) * [[1.0, 0.01]])}
+  ref = optaxclip.clip_unitwise(0.1)
+  want, want_state = run_fast(ref.update, g, ref.init(w), w)
+  specs = {"k": P("d", None)}
+
+  def mapped(tx):
+    return jax.shard_map(lambda g, w: tx.update(g, tx.init(w), w), mesh=mesh,
+                         in_specs=(specs, specs), out_specs=(specs, P()))
+
+  for tx in (optaxclip.clip_unitwise(0.1, axis_name="d", sharded=specs),
+             optaxclip.clip_unitwise(0.1, axis_name="d", axis=0)):
+    got, state = run_fast(mapped(tx), g, w)
+    np.testing.assert_allclose(got["k"], want["k"], rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(state.clip_fraction, want_state.clip_fraction)
+  assert want_state.clip_fraction == 0.5  # one column clipped, one not
+  tx = optaxclip.clip_unitwise(0.1, axis_name="d", sharded=True)
+  with pytest.raises(ValueError, match=r"clip_unitwise: sharded must give "
+                     r"the leaf \['k'\] as a PartitionSpec"):
+    jax.jit(mapped(tx))(g, w)
+  # pmap: the same kernel, one row per device.
+  local_g, local_w = g["k"].reshape(8, 1, 2), w["k"].reshape(8, 1, 2)
+  tx = optaxclip.clip_unitwise(0.1, axis_name="i", sharded={"k": P("i")})
+  out, state = jax.pmap(lambda g, w: tx.update(g, tx.init(w), w),
+                        axis_name="i")({"k": local_g}, {"k": local_w})
+  np.testing.assert_allclose(out["k"].reshape(8, 2), want["k"], rtol=TOL,
+                             atol=TOL)
+  np.testing.assert_allclose(state.clip_fraction, np.full(8, 0.5))
+
+
+def test_sharded_prefix_survives_masked_and_frozen_dict():
+  from flax.core import FrozenDict
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  rng = np.random.default_rng(7)
+  g = {"enc": {"k": np.float32(rng.normal(size=(16, 2)))},
+       "dec": {"k": np.float32(rng.normal(size=(8, 4))),
+               "b": np.float32(rng.normal(size=(4,)))}}
+  specs = {"enc": {"k": P("d")}, "dec": {"k": P("d"), "b": P()}}
+  put = lambda t: jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs)
+  mask = {"enc": False, "dec": True}  # the whole "enc" subtree masked out
+  inner = lambda **kw: optaxclip.clip_global(1.0, **kw)
+  ref = optax.masked(inner(), mask)
+  want, _ = ref.update(g, ref.init(g))
+  sharded = {"enc": {"k": True}, "dec": {"k": True, "b": False}}
+  tx = optax.masked(inner(axis_name="d", sharded=sharded), mask)
+  f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
+                    in_specs=(specs,), out_specs=specs)
+  got = jax.jit(f)(put(g))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
+  # FrozenDict updates with a plain-dict prefix.
+  tx = inner(axis_name="d", sharded=sharded)
+  f = jax.shard_map(lambda g: tx.update(FrozenDict(g), tx.init(g))[1].norm,
+                    mesh=mesh, in_specs=(specs,), out_specs=P())
+  want_norm = np.sqrt(sum(np.sum(x ** 2) for x in jax.tree.leaves(g)))
+  np.testing.assert_allclose(jax.jit(f)(put(g)), want_norm, rtol=TOL)
+  with pytest.raises(ValueError, match=r"clip_global: sharded must be a "
+                     r"pytree prefix .* \['dec'\]\['b'\]"):
+    bad = inner(axis_name="d", sharded={"enc": True, "dec": {"k": True}})
+    jax.eval_shape(lambda g: bad.update(g, bad.init(g)), g)

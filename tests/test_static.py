@@ -1,5 +1,6 @@
 """The static clippers: parity with TF / Keras / PyTorch formulas and optax,
-dtypes, overflow, meta-gradients, trees, hyperparameter checks, jit."""
+dtypes, overflow, meta-gradients, trees, hyperparameter checks, jit.
+"""
 
 import functools
 import math
@@ -31,7 +32,7 @@ def _tree(seed):
 
 
 def _np(tree):
-  """Device arrays to NumPy in one go (eager indexing of each would dispatch)."""
+  """Device arrays to NumPy in one go (eager indexing would dispatch each)."""
   return jax.tree.map(np.asarray, tree)
 
 
@@ -51,7 +52,7 @@ def _close_leaves(tree, expected_leaves, rtol=RTOL, atol=ATOL):
     _close(a, e, rtol, atol)
 
 
-# --- Parity ------------------------------------------------------------------
+# --- Parity -------------------------------------------------------------------
 #
 # Hyperparameters are passed as traced arrays and mapped over with jax.vmap,
 # so that each test compiles (or, without jit, traces) its clippers once.
@@ -216,7 +217,9 @@ class ParityTest(parameterized.TestCase):
 
     (outs, states), refs, by_axis = _np(jax.jit(jax.vmap(run))(clippings))
     for i, clipping in enumerate(clippings.astype(np.float64)):
-      pick = lambda t, i=i: jax.tree.map(lambda x: x[i], t)
+      def pick(t, i=i):
+        return jax.tree.map(lambda leaf: leaf[i], t)
+
       chex.assert_trees_all_close(pick(outs), pick(refs), rtol=RTOL, atol=ATOL)
       results = [np_refs.agc(x, y, clipping)
                  for x, y in zip(_leaves(g), _leaves(w))]
@@ -248,7 +251,7 @@ class ParityTest(parameterized.TestCase):
       self.assertEqual(float(state.clip_fraction), 0.0)
 
 
-# --- Every clipper, with and without jit ------------------------------------------
+# --- Every clipper, with and without jit --------------------------------------
 
 
 def _all_clippers():
@@ -340,7 +343,7 @@ class ClipperTest(chex.TestCase):
       self.assertEqual([float(f) for f in e_state], [0.0, 0.0, 0.0])
 
 
-# --- dtypes: bf16 accuracy, outputs keep dtypes ---------------------------------
+# --- dtypes: bf16 accuracy, outputs keep dtypes -------------------------------
 
 
 class DtypeTest(parameterized.TestCase):
@@ -386,7 +389,7 @@ class DtypeTest(parameterized.TestCase):
     self.assertGreater(abs(optax_norm / true_norm - 1), 0.1)
 
 
-# --- Overflow and underflow -------------------------------------------------
+# --- Overflow and underflow ---------------------------------------------------
 
 
 class OverflowTest(parameterized.TestCase):
@@ -454,7 +457,7 @@ class OverflowTest(parameterized.TestCase):
                   atol=0)
 
 
-# --- Meta-gradients ------------------------------------------------------------
+# --- Meta-gradients -----------------------------------------------------------
 
 
 _META_CASES = [
@@ -558,7 +561,7 @@ class MetaGradientTest(parameterized.TestCase):
     self.assertTrue(np.isnan(float(theirs)) or float(theirs) == 9.0)
 
 
-# --- Complex leaves, Python scalars, masked, inject_hyperparams --------------------
+# --- Complex leaves, Python scalars, masked, inject_hyperparams ---------------
 
 
 class TreeTest(parameterized.TestCase):
@@ -649,7 +652,7 @@ class TreeTest(parameterized.TestCase):
       states[k] = results[k][1]
       states[k].hyperparams[hp] = jnp.asarray(second, jnp.float32)
     results = step(g, states)
-    for k, (_, hp, first, second, reference) in cases.items():
+    for k, (_, _, _, second, reference) in cases.items():
       _close_leaves(results[k][0], reference(second))
       self.assertIn(f"{k}/norm", optaxclip.stats(results[k][1]))
     step(g, {k: r[1] for k, r in results.items()})
@@ -668,15 +671,15 @@ class TreeTest(parameterized.TestCase):
     _close(out1["a"], np.array([3.0, -4.0]) / 7)
     _close(out2["a"], np.array([3.0, -4.0]) / 4)
     # ... and injected as arrays they fail with a hint, at init.
-    with pytest.raises(TypeError, match="ord.*static_args"):
+    with pytest.raises(TypeError, match=r"ord.*static_args"):
       optax.inject_hyperparams(optaxclip.clip_global)(
           max_norm=1.0, ord=1).init(g)
-    with pytest.raises(TypeError, match="axis.*static_args"):
+    with pytest.raises(TypeError, match=r"axis.*static_args"):
       optax.inject_hyperparams(optaxclip.clip_norm)(
           max_norm=1.0, axis=0).init(g)
 
 
-# --- Hyperparameter and tree checks ----------------------------------------------
+# --- Hyperparameter and tree checks -------------------------------------------
 
 
 _FACTORIES = [
@@ -768,7 +771,7 @@ class CheckTest(parameterized.TestCase):
       optaxclip.clip_unitwise(0.1, axis=1).update(g, None, g)
 
 
-# --- jit: no host transfer, no retrace ------------------------------------------
+# --- jit: no host transfer, no retrace ----------------------------------------
 
 
 class JitTest(parameterized.TestCase):
@@ -790,7 +793,7 @@ class JitTest(parameterized.TestCase):
         logs[name] = optaxclip.stats(new_states[name])
       return new_params, new_states, logs
 
-    params = {name: params for name in opts}
+    params = dict.fromkeys(opts, params)
     states = {name: opt.init(params[name]) for name, opt in opts.items()}
     grads = [{"w": jnp.full((3, 2), s), "b": jnp.full(2, s, jnp.bfloat16)}
              for s in (0.5, 30.0, 0.0)]
@@ -799,7 +802,7 @@ class JitTest(parameterized.TestCase):
       for gr in grads:
         params, states, logs = step(params, states, gr)
     self.assertLen(traces, 1)
-    self.assertEqual(step._cache_size(), 1)  # pylint: disable=protected-access
+    self.assertEqual(step._cache_size(), 1)
     for name in opts:
       self.assertEqual(params[name]["b"].dtype, jnp.bfloat16)
       self.assertEqual(len(logs[name]), 3)

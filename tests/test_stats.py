@@ -1,5 +1,7 @@
 """stats(): every clipper's statistics from any nesting of optax states."""
 
+from typing import NamedTuple
+
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
@@ -102,7 +104,8 @@ class StatsTest(parameterized.TestCase):
     txs[10] = optaxclip.clip_global(2.0)
     tx = optax.chain(*txs)
     logs = optaxclip.stats(tx.init({"w": jnp.ones(2)}))
-    self.assertEqual(list(logs), _keys("2/clip_global") + _keys("10/clip_global"))
+    self.assertEqual(list(logs),
+                     _keys("2/clip_global") + _keys("10/clip_global"))
 
   def test_no_clipper_no_stats(self):
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
@@ -137,3 +140,114 @@ class StatsTest(parameterized.TestCase):
     self.assertEqual(float(logs["clip_unitwise/clip_fraction"]), 0.0)
     np.testing.assert_allclose(logs["clip_unitwise/norm"], 0.01 * np.sqrt(6),
                                rtol=1e-5)
+
+
+class _Counted:
+  """A pytree node that counts how often it is flattened."""
+  flattens = 0
+
+  def __init__(self, children):
+    self.children = children
+
+
+def _flatten_counted(node):
+  _Counted.flattens += 1
+  return ((jax.tree_util.SequenceKey(i), c)
+          for i, c in enumerate(node.children)), None
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Counted, _flatten_counted,
+    lambda _, children: _Counted(list(children)))
+
+
+class _Pair:
+  """A pytree node whose two children's keys render alike (0 and "0")."""
+
+  def __init__(self, a, b):
+    self.a, self.b = a, b
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Pair,
+    lambda p: (((jax.tree_util.DictKey(0), p.a),
+                (jax.tree_util.DictKey("0"), p.b)), None),
+    lambda _, children: _Pair(*children))
+
+
+class ClipGlobalState(NamedTuple):  # named like optaxclip's, but foreign.
+  norm: jax.Array
+
+
+class StatsByTypeTest(parameterized.TestCase):
+
+  def test_foreign_namedtuple_and_dict_key_named_like_a_state(self):
+    tx = optax.chain(optaxclip.clip_global(1.0), optax.sgd(0.1))
+    ours = tx.init({"w": jnp.ones(2)})
+    state = {"ClipGlobalState": jnp.ones(()), "opt": ours,
+             "foreign": ClipGlobalState(norm=jnp.ones(())),
+             "ClipNormState": {"norm": 1.0}}
+    self.assertEqual(list(optaxclip.stats(state)), _keys("clip_global"))
+
+  def test_a_slash_in_a_named_chain_name_does_not_overwrite(self):
+    g = {"w": jnp.array([3.0, 4.0])}
+    tx = optax.named_chain(
+        ("a/0", optaxclip.clip_global(1.0)),
+        ("a", optax.chain(optaxclip.clip_global(2.0))))
+    _, state = tx.update(g, tx.init(g))
+    logs = optaxclip.stats(state)
+    self.assertEqual(sorted(logs),
+                     sorted(_keys("a%2F0/clip_global")
+                            + _keys("a/0/clip_global")))
+    self.assertEqual(float(logs["a%2F0/clip_global/clipped_norm"]), 1.0)
+    self.assertEqual(float(logs["a/0/clip_global/clipped_norm"]), 1.0)
+    self.assertEqual(float(logs["a/0/clip_global/norm"]), 1.0)  # after "a/0"
+
+  def test_paths_that_render_alike_fall_back_to_the_full_path(self):
+    tx = optaxclip.clip_norm(1.0)
+    state = _Pair(tx.init({}), tx.init({}))
+    logs = optaxclip.stats(state)
+    self.assertLen(logs, 2 * len(FIELDS))
+    self.assertEqual(sorted(logs), sorted(_keys("[0]/clip_norm")
+                                          + _keys("['0']/clip_norm")))
+
+  def test_guard_and_the_clippers_it_guards(self):
+    tx = optaxclip.guard(optax.chain(
+        optaxclip.clip_global(1.0), optaxclip.clip_global(2.0),
+        optaxclip.clip_zscore(), optax.adam(1e-3)), spike_z=3.0)
+    logs = optaxclip.stats(tx.init({"w": jnp.ones(2)}))
+    self.assertEqual(
+        list(logs),
+        [f"guard/{f}" for f in ("norm", "threshold", "skipped", "nonfinite",
+                                "consecutive_skips", "restarts")]
+        + _keys("inner_state/0/clip_global")
+        + _keys("inner_state/1/clip_global")
+        + [f"clip_zscore/{f}" for f in (*FIELDS, "threshold", "restarts")])
+
+  def test_one_walk_of_the_state_whatever_the_number_of_state_classes(self):
+    params = _Counted([jnp.ones(3) for _ in range(20)])
+    tx = optax.chain(optaxclip.clip_global(1.0), optax.adam(1e-3))
+    state = tx.init(params)  # adam's mu and nu hold a _Counted each.
+    _Counted.flattens = 0
+    logs = optaxclip.stats(state)
+    self.assertEqual(list(logs), _keys("clip_global"))
+    self.assertEqual(_Counted.flattens, 2)  # mu's and nu's, once each.
+
+  def test_documented_dtypes(self):
+    g = {"w": jnp.array([3.0, 4.0])}
+    tx = optaxclip.guard(optax.chain(
+        optaxclip.clip_value(1.0), optaxclip.clip_norm(1.0),
+        optaxclip.clip_global(1.0), optaxclip.clip_block_rms(1.0),
+        optaxclip.clip_unitwise(1.0), optaxclip.clip_zscore(),
+        optaxclip.clip_percentile(), optaxclip.clip_relative()))
+    _, state = tx.update(g, tx.init(g), g)
+    pe = optaxclip.clip_per_example(1.0)
+    _, pe_state = pe.update({"w": jnp.ones((2, 2))}, pe.init(g))
+    logs = {**optaxclip.stats(state), **optaxclip.stats(pe_state)}
+    # guard 6, five static clippers 3, the adaptive ones 4 (+ restarts for
+    # clip_zscore and clip_relative), clip_per_example 5.
+    self.assertLen(logs, 6 + 5 * 3 + 3 * 4 + 2 + 5)
+    counters = ("skipped", "nonfinite", "consecutive_skips", "restarts")
+    for key, value in logs.items():
+      want = jnp.int32 if key.endswith(counters) else jnp.float32
+      self.assertEqual((key, value.dtype, value.shape), (key, want, ()))

@@ -1,4 +1,4 @@
-"""clipped(): Keras 3's clipvalue / clipnorm / global_clipnorm for any optimizer."""
+"""clipped(): Keras 3's clipvalue, clipnorm and global_clipnorm for optax."""
 
 import itertools
 

@@ -1,0 +1,124 @@
+"""Which leaves are split over which mapped axes, inside shard_map or pmap.
+
+Inside ``shard_map``/``pmap`` each device holds a local shard of a leaf, and
+a clipper with ``axis_name`` must sum a norm's partial sums over exactly the
+axes that split what the norm spans: the others hold copies (counted once)
+or other units. ``sharded`` says so per leaf, as
+
+* ``True``: split over every axis of ``axis_name`` (the default),
+* ``False`` or ``None``: not split (replicated on every device),
+* a tuple of axis names: split over those axes (dimension unknown),
+* a ``jax.sharding.PartitionSpec``: the names splitting each dimension, as
+  given to ``shard_map``'s ``in_specs``. It gives the leaf's global shape (so
+  ``clip_unitwise`` picks units from it) and tells a unit's axes from the
+  others (so per-unit statistics are exact).
+
+``sharded`` is one such entry for all leaves, a pytree prefix of the updates
+with such entries (matched by key path, so a ``dict`` prefix fits
+``FrozenDict`` updates and subtrees that ``optax.masked`` replaced by
+``MaskedNode`` need no entry), or a callable ``(path, leaf) -> entry``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+
+from optaxclip import _checks
+
+
+class LeafSharding(NamedTuple):
+  """How one leaf is split across the mapped axes.
+
+  Attributes:
+    axes: the names of ``axis_name`` the leaf is split over (in its order).
+    dims: per dimension, the names splitting it (from a PartitionSpec), or
+      ``None`` when only ``axes`` is known.
+  """
+  axes: tuple[str, ...]
+  dims: Optional[tuple[tuple[str, ...], ...]]
+
+
+def _entry(who, spec, axis_name, path, leaf) -> LeafSharding:
+  ndim = getattr(leaf, "ndim", None)
+  return LeafSharding(*_checks.shard_spec(
+      who, spec, axis_name, jax.tree_util.keystr(path) or "<root>", ndim))
+
+
+def resolve(updates: Any, sharded: Any, axis_name: Any,
+            who: str) -> list[LeafSharding]:
+  """Per leaf of ``updates`` (in ``jax.tree.leaves`` order), its sharding.
+
+  Raises:
+    ValueError or TypeError naming the leaf when ``sharded`` has no entry
+    for it, or a bad one.
+  """
+  with_path = jax.tree_util.tree_flatten_with_path(updates)[0]
+  if _checks.is_shard_spec(sharded):
+    return [_entry(who, sharded, axis_name, path, leaf)
+            for path, leaf in with_path]
+  if callable(sharded):
+    return [_entry(who, sharded(path, leaf), axis_name, path, leaf)
+            for path, leaf in with_path]
+  entries = {
+      tuple(path): spec for path, spec in
+      jax.tree_util.tree_flatten_with_path(
+          sharded, is_leaf=_checks.is_shard_spec)[0]}
+  out = []
+  for path, leaf in with_path:
+    path = tuple(path)
+    for depth in range(len(path) + 1):
+      if path[:depth] in entries:
+        out.append(_entry(who, entries[path[:depth]], axis_name, path, leaf))
+        break
+    else:
+      raise ValueError(
+          f"{who}: sharded must be a pytree prefix of the updates (an entry "
+          f"for every leaf); got none for the leaf "
+          f"{jax.tree_util.keystr(path) or '<root>'}.")
+  return out
+
+
+def axes_of(sharding: LeafSharding,
+            unit_axes: Optional[tuple[int, ...]]) -> tuple[str, ...]:
+  """The names over which the partial sums of a unit must be summed.
+
+  Without dimensions (a bool or a tuple of names), every axis the leaf is
+  split over: ``sharded`` then means "split along what a unit spans".
+  """
+  if sharding.dims is None:
+    return sharding.axes
+  spanned = (range(len(sharding.dims)) if unit_axes is None else unit_axes)
+  names = {n for d in spanned for n in sharding.dims[d]}
+  return tuple(n for n in sharding.axes if n in names)
+
+
+def other_axes(sharding: LeafSharding,
+               unit_axes: Optional[tuple[int, ...]]) -> tuple[str, ...]:
+  """The names that split a leaf across units (each device: other units)."""
+  summed = axes_of(sharding, unit_axes)
+  if sharding.dims is None:
+    return ()
+  return tuple(n for n in sharding.axes if n not in summed)
+
+
+def size(names: tuple[str, ...]) -> int:
+  """The number of devices along the named mapped axes (1 for none)."""
+  sizes = getattr(jax.lax, "axis_size", None)
+  if sizes is None:  # an older jax: psum of a Python constant is concrete.
+    return int(jax.lax.psum(1, names)) if names else 1
+  return math.prod(int(sizes(n)) for n in names)
+
+
+def global_shape(x: Any, sharding: LeafSharding) -> Optional[tuple[int, ...]]:
+  """The leaf's global shape, or ``None`` when its dimensions are unknown
+  (split, with no PartitionSpec).
+  """
+  shape = tuple(getattr(x, "shape", ()))
+  if not sharding.axes:
+    return shape
+  if sharding.dims is None:
+    return None
+  return tuple(d * size(names) for d, names in zip(shape, sharding.dims))

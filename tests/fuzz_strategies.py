@@ -1,0 +1,695 @@
+"""Shared hypothesis strategies and float64 NumPy oracles for the fuzz suite.
+
+Issue 10's harness: ``tests/test_fuzz.py`` (the cross-cutting invariants) and
+every ``tests/test_fuzz_<area>.py`` import this module (``import
+fuzz_strategies as fz``; pytest puts ``tests/`` on ``sys.path``). Everything
+drawn is plain NumPy on the host; tests move it to JAX themselves, inside
+:func:`x64` when a float64 leaf may be present.
+
+API
+---
+Dtypes and x64
+  ``DTYPES``: name -> NumPy dtype for ``"float16"``, ``"bfloat16"``,
+  ``"float32"``, ``"float64"``, ``"complex64"``. ``REAL`` (the first four),
+  ``LOW`` (float16, bfloat16).
+  ``dtype_names(names=DTYPES)``: strategy of dtype names.
+  ``x64(tree_or_dtypes)``: context manager, ``jax.enable_x64(True)`` when a
+  float64 leaf (or dtype name) is present, else a null context. Why a
+  context and not a subprocess: ``jax_enable_x64`` is part of every jit
+  cache key (the trace context), so a function jitted once is traced again
+  under the other mode instead of reusing a wrong program; the context is
+  thread-local and restored on exit, so tests that do not ask for it keep
+  float32 defaults. A subprocess would pay a JAX import (~2 s) per example.
+  ``uses_x64(tree)``: whether a tree holds a float64 leaf.
+
+Shapes (a small fixed set: each new shape compiles again)
+  ``SHAPES``: scalars, vectors, matrices, rank 3, and empty ones.
+  ``MATRIX_SHAPES``: rank >= 2 (for ``axis=0``/``-1`` and unit-wise).
+  ``SHARD_SHAPES``: leading dimension a multiple of 8 (split over 1, 2 or 8
+  devices). ``LARGE_SHAPE``: above ``_norms.SMALL_LEAF_SIZE`` elements (the
+  not-concatenated path), CI-cheap (~70k elements).
+  ``shapes(choices=SHAPES, large=False)``: strategy.
+
+Values
+  ``exponents(dtype)``: binary exponents over the whole finite range of the
+  dtype, piled up at the edges (subnormal, smallest normal, 2**126 and
+  around, near the largest finite).
+  ``limits(dtype=float32)``: a clip limit as a Python float exactly
+  representable in float32 (0, subnormal excluded, tiny, ordinary, huge, inf).
+  ``arrays(dtype, shape, nonfinite=False, zeros=True)``: one leaf. Elements
+  are ``sign * 2**(e - spread * u) * mantissa`` from a drawn seed (NumPy
+  generates them, so large leaves cost no more to draw), with the dtype's
+  extremes (0, smallest subnormal, smallest normal, largest finite) put at
+  drawn places; ``nonfinite=True`` sprinkles NaN / +inf / -inf (maybe none:
+  use ``has_nonfinite`` to branch).
+  ``trees(dtypes=REAL, shapes=SHAPES, min_leaves=0, max_leaves=4,
+  nonfinite=False, large=False)``: a pytree of such leaves in dict / list
+  nesting (an empty tree when 0 leaves).
+  ``like(tree, nonfinite=False)``: a strategy of a tree
+  of the same structure, shapes and dtypes (params for clip_unitwise).
+  ``per_example_trees(batch_sizes=(1, 2, 4, 8), ...)``: every leaf with a
+  leading batch axis; whole examples may be zero, huge or non-finite.
+  ``has_nonfinite(tree)``, ``leaves(tree)``.
+
+Clipper configurations
+  ``Config(name, kwargs)``: frozen and hashable (cache jitted runners on it),
+  ``.make(limit=None)`` builds the transformation (``limit`` overrides the
+  first argument, may be a tracer), ``.limit``, ``.kind`` (``"static"``,
+  ``"adaptive"``, ``"guard"``, ``"per_example"``), ``.needs_params``; its
+  ``repr`` is the call, so falsifying examples read as code.
+  ``static_configs(ords=..., axes=...)``: clip_value, clip_norm (ord, axis),
+  clip_global (ord), clip_block_rms, clip_unitwise, clipped(...).
+  ``adaptive_configs()``: clip_zscore, clip_percentile, clip_relative with
+  short warm-ups and histories. ``guard_configs()``: guard around
+  clip_global / identity with spike_z / max_norm. ``per_example_configs()``.
+
+Float64 oracles (NumPy, no JAX)
+  ``oracle_static(config, leaves, limit, params=None)`` -> ``Oracle`` with
+  ``out`` (float64 / complex128 leaves: the clipped result), ``measures`` and
+  ``limits`` (per unit, broadcastable to each leaf), ``factors`` (per unit),
+  ``stats`` (``norm``, ``clipped_norm``, ``clip_fraction``) and
+  ``unit_measure(leaves)`` (the measures of any tree, e.g. of the output).
+  ``measure_tree(leaves, ord)``: the tree's global ord-norm in float64.
+  ``flush_atol(dtype)``: the absolute tolerance XLA:CPU's flush of
+  subnormals to zero needs (the dtype's smallest normal): values below it may
+  come back as 0, a platform behaviour, not a clipper's.
+  ``round_tol(dtype)``: the relative rounding of one element of that dtype.
+
+Running under JAX
+  ``to_jax(tree)``: the host tree as JAX arrays (call inside :func:`x64`).
+  ``static_runner(config)``: a cached ``jax.jit`` of ``(g, limit, params) ->
+  (updates, state)`` with the limit traced, so examples that repeat shapes
+  reuse one compiled program.
+  ``step_runner(config)``: cached ``(tx, jit((g, state, params) ->
+  (updates, state)))`` for histories of adaptive clippers and guard.
+  ``mesh(n)``: a 1-D mesh of the first ``n`` devices, axis ``"d"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+
+import np_refs
+import optaxclip
+
+# --------------------------------------------------------------------------
+# Dtypes and x64
+# --------------------------------------------------------------------------
+
+DTYPES = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "complex64": np.dtype(np.complex64),
+}
+REAL = ("float16", "bfloat16", "float32", "float64")
+LOW = ("float16", "bfloat16")
+ALL = tuple(DTYPES)
+
+
+def dtype_names(names=ALL):
+  return st.sampled_from(tuple(names))
+
+
+def leaves(tree) -> list:
+  return jax.tree.leaves(tree)
+
+
+def uses_x64(tree_or_names) -> bool:
+  if isinstance(tree_or_names, (tuple, list)) and all(
+      isinstance(n, str) for n in tree_or_names):
+    return "float64" in tree_or_names
+  return any(np.asarray(x).dtype == np.float64 for x in leaves(tree_or_names))
+
+
+def x64(tree_or_names=("float64",)):
+  """``jax.enable_x64(True)`` when a float64 leaf is present, else nothing."""
+  if uses_x64(tree_or_names):
+    return jax.enable_x64(True)
+  return contextlib.nullcontext()
+
+
+def _real(dtype) -> np.dtype:
+  dtype = np.dtype(dtype)
+  return np.dtype(np.float32) if dtype == np.complex64 else (
+      np.dtype(np.float64) if dtype == np.complex128 else dtype)
+
+
+def _finfo(dtype):
+  return ml_dtypes.finfo(_real(dtype))
+
+
+def flush_atol(dtype) -> float:
+  """Values below the dtype's smallest normal may be flushed to 0 (XLA:CPU)."""
+  return float(_finfo(dtype).tiny)
+
+
+def round_tol(dtype) -> float:
+  """The relative rounding error of one element stored in ``dtype``."""
+  return float(_finfo(dtype).eps)
+
+
+# --------------------------------------------------------------------------
+# Shapes
+# --------------------------------------------------------------------------
+
+SHAPES = ((), (1,), (3,), (2, 3), (4, 4), (2, 2, 3), (0,), (0, 3))
+MATRIX_SHAPES = ((2, 3), (4, 4), (2, 2, 3), (1, 5))
+SHARD_SHAPES = ((8,), (16,), (8, 3), (16, 2))
+LARGE_SHAPE = (70_000,)
+
+
+def shapes(choices=SHAPES, large=False):
+  s = st.sampled_from(tuple(choices))
+  if large:
+    s = st.one_of(s, st.just(LARGE_SHAPE))
+  return s
+
+
+# --------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------
+
+
+def _exponent_range(dtype) -> tuple[int, int, int]:
+  """(smallest subnormal exponent, smallest normal exponent, largest)."""
+  info = _finfo(dtype)
+  min_normal = int(info.minexp)
+  min_sub = min_normal - int(info.nmant)
+  return min_sub, min_normal, int(info.maxexp) - 1
+
+
+def exponents(dtype):
+  """Binary exponents over the whole finite range, piled up at the edges."""
+  lo, normal, hi = _exponent_range(dtype)
+  edges = sorted({lo, lo + 1, normal - 1, normal, normal + 1, -1, 0, 1,
+                  min(hi, 63), min(hi, 64), min(hi, 125), min(hi, 126),
+                  min(hi, 127), hi - 1, hi})
+  return st.one_of(st.sampled_from(edges), st.integers(lo, hi))
+
+
+def limits(dtype=np.float32, zero=True, inf=True):
+  """A clip limit, exactly representable in float32 and not subnormal.
+
+  Subnormal limits are left out: XLA:CPU flushes them to zero, a platform
+  behaviour that no clipper can change.
+  """
+  lo, normal, hi = _exponent_range(np.float32)
+  del lo
+  finite = st.builds(
+      lambda m, e: float(np.float32(math.ldexp(m, e))),
+      st.sampled_from((0.5, 0.75, 0.6180339887, 0.9999999)),
+      st.one_of(st.sampled_from((normal + 1, -20, -1, 0, 1, 2, 20, 64, 100,
+                                 hi)), st.integers(normal + 1, hi)))
+  options = [finite]
+  if zero:
+    options.append(st.just(0.0))
+  if inf:
+    options.append(st.just(math.inf))
+  return st.one_of(*options)
+
+
+def _cast(values: np.ndarray, dtype) -> np.ndarray:
+  """float64 magnitudes into ``dtype``, clamped to its largest finite value."""
+  top = float(_finfo(dtype).max)
+  return np.clip(values, -top, top).astype(_real(dtype))
+
+
+NONFINITE = (math.nan, math.inf, -math.inf)
+
+
+@st.composite
+def _elements(draw, dtype, size):
+  """``size`` float64 values in the finite range of ``dtype`` (real part)."""
+  lo, _, hi = _exponent_range(dtype)
+  seed = draw(st.integers(0, 2**32 - 1))
+  rng = np.random.default_rng(seed)
+  kind = draw(st.sampled_from(("spread", "constant", "zeros", "one_hot")))
+  top = draw(exponents(dtype))
+  spread = draw(st.sampled_from((0, 2, 10, 60, hi - lo)))
+  e = top - np.floor(spread * rng.random(size)).astype(np.int64)
+  e = np.clip(e, lo, hi)
+  mant = 0.5 + 0.5 * rng.random(size)
+  sign = np.where(rng.random(size) < 0.5, -1.0, 1.0)
+  values = sign * np.ldexp(mant, e)
+  if kind == "constant":
+    values = np.full(size, math.ldexp(0.75, top))
+  elif kind == "zeros":
+    values = np.zeros(size)
+  elif kind == "one_hot":
+    values = np.zeros(size)
+    if size:
+      values[rng.integers(size)] = math.ldexp(0.75, top)
+  if size and draw(st.booleans()):
+    info = _finfo(dtype)
+    extremes = (0.0, math.ldexp(1.0, lo), float(info.tiny), float(info.max),
+                -float(info.max))
+    for _ in range(draw(st.integers(1, 3))):
+      values[draw(st.integers(0, size - 1))] = draw(st.sampled_from(extremes))
+  return values
+
+
+@st.composite
+def arrays(draw, dtype, shape, nonfinite=False):
+  """One leaf of ``dtype`` and ``shape`` (see the module docstring)."""
+  dtype = np.dtype(DTYPES.get(dtype, dtype))
+  size = math.prod(shape)
+  real = _cast(draw(_elements(dtype, size)), dtype)
+  if np.issubdtype(dtype, np.complexfloating):
+    imag = _cast(draw(_elements(dtype, size)), dtype)
+    x = (real.astype(dtype) + 1j * imag.astype(dtype)).astype(dtype)
+  else:
+    x = real.astype(dtype)
+  x = x.reshape(shape)
+  if nonfinite and size:
+    flat = x.reshape(-1)
+    for _ in range(draw(st.integers(0, 2))):
+      i = draw(st.integers(0, size - 1))
+      value = draw(st.sampled_from(NONFINITE))
+      if np.issubdtype(dtype, np.complexfloating) and draw(st.booleans()):
+        flat[i] = complex(0.0, value)
+      else:
+        flat[i] = value
+  return x
+
+
+def _nest(draw, items: list) -> Any:
+  """The leaves in a drawn dict / list nesting."""
+  if not items:
+    return draw(st.sampled_from(({}, [], {"a": {}}, {"a": []})))
+  if len(items) == 1 and draw(st.booleans()):
+    return items[0]
+  kind = draw(st.sampled_from(("dict", "list")))
+  cut = draw(st.integers(1, len(items)))
+  groups = [items[:cut], items[cut:]] if cut < len(items) else [items]
+  children = [(_nest(draw, g) if len(g) > 1 or draw(st.booleans()) else g[0])
+              for g in groups]
+  if kind == "list":
+    return children
+  return {f"k{i}": child for i, child in enumerate(children)}
+
+
+@st.composite
+def trees(draw, dtypes=REAL, shapes=SHAPES, min_leaves=0, max_leaves=4,
+          nonfinite=False, large=False):
+  """A pytree of :func:`arrays` leaves in dict / list nesting."""
+  n = draw(st.integers(min_leaves, max_leaves))
+  items = []
+  for i in range(n):
+    shape = draw(globals()["shapes"](shapes, large=large and i == 0))
+    dtype = draw(dtype_names(dtypes))
+    items.append(draw(arrays(dtype, shape, nonfinite=nonfinite)))
+  return _nest(draw, items)
+
+
+@st.composite
+def like(draw, tree, nonfinite=False):
+  """A tree with the structure, shapes and dtypes of ``tree``."""
+  flat, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, [
+      draw(arrays(np.asarray(x).dtype, np.shape(x), nonfinite=nonfinite))
+      for x in flat])
+
+
+@st.composite
+def per_example_trees(draw, batch_sizes=(1, 2, 4, 8), dtypes=("float32",),
+                      shapes=((), (3,), (2, 2)), max_leaves=3,
+                      nonfinite=False):
+  """Leaves with a leading batch axis; some whole examples zero, huge (above
+  2**126) or non-finite.
+  """
+  batch = draw(st.sampled_from(tuple(batch_sizes)))
+  n = draw(st.integers(1, max_leaves))
+  items = []
+  for _ in range(n):
+    shape = (batch,) + draw(st.sampled_from(tuple(shapes)))
+    items.append(draw(arrays(draw(dtype_names(dtypes)), shape)))
+  for b in range(batch):
+    what = draw(st.sampled_from(
+        ("keep", "keep", "zero", "huge") + (("nonfinite",) if nonfinite
+                                            else ())))
+    if what == "keep":
+      continue
+    for x in items:
+      if what == "zero":
+        x[b] = 0
+      elif what == "huge":
+        top = float(_finfo(x.dtype).max)
+        x[b] = np.asarray(np.sign(x[b].astype(np.float64)) * top * 0.5,
+                          ).astype(x.dtype)
+      elif x[b].size:
+        x[b].reshape(-1)[draw(st.integers(0, x[b].size - 1))] = draw(
+            st.sampled_from(NONFINITE))
+  return _nest(draw, items)
+
+
+def has_nonfinite(tree) -> bool:
+  return any(not np.all(np.isfinite(np.asarray(x, np.complex128
+                                               if np.iscomplexobj(x)
+                                               else np.float64)))
+             for x in leaves(tree))
+
+
+# --------------------------------------------------------------------------
+# Clipper configurations
+# --------------------------------------------------------------------------
+
+_FIRST_ARG = {
+    "clip_value": "max_delta", "clip_norm": "max_norm",
+    "clip_global": "max_norm", "clip_block_rms": "threshold",
+    "clip_unitwise": "clipping", "clip_per_example": "l2_clip",
+    "clipvalue": "clipvalue", "clipnorm": "clipnorm",
+    "global_clipnorm": "global_clipnorm",
+}
+STATIC = ("clip_value", "clip_norm", "clip_global", "clip_block_rms",
+          "clip_unitwise")
+ADAPTIVE = ("clip_zscore", "clip_percentile", "clip_relative")
+CLIPPED_KINDS = {"clipvalue": "clip_value", "clipnorm": "clip_norm",
+                 "global_clipnorm": "clip_global"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A clipper configuration over the public API: ``name(**kwargs)``.
+
+  ``name`` is a public function of optaxclip, or ``"clipped.<kind>"`` for
+  ``clipped(optax.identity(), <kind>=limit)``, or ``"guard.<inner>"``
+  (inner: ``"clip_global"`` or ``"identity"``).
+  """
+  name: str
+  kwargs: tuple = ()
+
+  def __repr__(self):
+    args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs)
+    return f"{self.name}({args})"
+
+  @property
+  def kw(self) -> dict:
+    return dict(self.kwargs)
+
+  @property
+  def kind(self) -> str:
+    base = self.name.split(".")[0]
+    if base in STATIC or base == "clipped":
+      return "static"
+    if base in ADAPTIVE:
+      return "adaptive"
+    return "per_example" if base == "clip_per_example" else base
+
+  @property
+  def static_name(self) -> str:
+    """The static clipper whose numbers this config has."""
+    if self.name.startswith("clipped."):
+      return CLIPPED_KINDS[self.name.split(".")[1]]
+    return self.name
+
+  @property
+  def needs_params(self) -> bool:
+    return self.name == "clip_unitwise"
+
+  @property
+  def limit(self) -> float | None:
+    key = _FIRST_ARG.get(self.name.split(".")[-1]) or _FIRST_ARG.get(
+        self.name)
+    return self.kw.get(key)
+
+  def with_limit(self, limit) -> Config:
+    key = _FIRST_ARG.get(self.name.split(".")[-1]) or _FIRST_ARG[self.name]
+    kw = self.kw
+    kw[key] = limit
+    return Config(self.name, tuple(sorted(kw.items())))
+
+  def make(self, limit=None) -> optax.GradientTransformation:
+    kw = self.kw
+    if limit is not None:
+      key = _FIRST_ARG.get(self.name.split(".")[-1]) or _FIRST_ARG[self.name]
+      kw[key] = limit
+    if self.name.startswith("clipped."):
+      return optaxclip.clipped(optax.identity(), **kw)
+    if self.name.startswith("guard."):
+      inner_name = self.name.split(".")[1]
+      inner_limit = kw.pop("inner_limit", 1.0)
+      inner = (optax.identity() if inner_name == "identity"
+               else optaxclip.clip_global(inner_limit))
+      return optaxclip.guard(inner, **kw)
+    return getattr(optaxclip, self.name)(**kw)
+
+
+def _config(name, **kwargs) -> Config:
+  return Config(name, tuple(sorted(kwargs.items())))
+
+
+ORDS = (None, 1, 2, 3, "inf")
+AXES = (None, 0, -1, (0, 1))
+
+
+def ord_value(o) -> float:
+  return 2.0 if o is None else (math.inf if o in ("inf", math.inf)
+                                else float(o))
+
+
+@st.composite
+def static_configs(draw, names=STATIC + ("clipped",), ords=ORDS, axes=(None,),
+                   limit=None):
+  """A static clipper; ``limit`` None leaves the first argument at 1.0 (set
+  it with ``Config.with_limit`` or pass it to ``static_runner``).
+  """
+  name = draw(st.sampled_from(tuple(names)))
+  lim = 1.0 if limit is None else limit
+  if name == "clip_value":
+    return _config(name, max_delta=lim)
+  if name == "clip_norm":
+    return _config(name, max_norm=lim, ord=draw(st.sampled_from(ords)),
+                   axis=draw(st.sampled_from(tuple(axes))))
+  if name == "clip_global":
+    return _config(name, max_norm=lim, ord=draw(st.sampled_from(ords)))
+  if name == "clip_block_rms":
+    return _config(name, threshold=lim)
+  if name == "clip_unitwise":
+    return _config(name, clipping=lim,
+                   eps=draw(st.sampled_from((1e-3, 0.0))))
+  kind = draw(st.sampled_from(tuple(CLIPPED_KINDS)))
+  return _config(f"clipped.{kind}", **{kind: lim})
+
+
+@st.composite
+def adaptive_configs(draw, names=ADAPTIVE, scopes=("global", "leaf")):
+  """An adaptive clipper with a short warm-up / history (cheap histories)."""
+  name = draw(st.sampled_from(tuple(names)))
+  if name == "clip_zscore":
+    mode = draw(st.sampled_from(("zscore", "percentile")))
+    return _config(
+        name, warmup_steps=draw(st.sampled_from((1, 3))),
+        alpha=draw(st.sampled_from((0.5, 0.97))),
+        z_thresh=draw(st.sampled_from((1.0, 2.5))),
+        max_norm=draw(st.sampled_from((None, 1.0, 1e30))), mode=mode,
+        clip_option=draw(st.sampled_from(("adaptive_scaling", "mean"))),
+        skip_update_on_spike=draw(st.booleans()),
+        scope=draw(st.sampled_from(tuple(scopes))))
+  if name == "clip_percentile":
+    return _config(name, percentile=draw(st.sampled_from((0.0, 10.0, 50.0,
+                                                          100.0))),
+                   history=draw(st.sampled_from((1, 4))),
+                   scope=draw(st.sampled_from(tuple(scopes))))
+  return _config(name, factor=draw(st.sampled_from((1.0, 1.05, 2.0))),
+                 beta=draw(st.sampled_from((0.5, 0.98))),
+                 warmup_steps=draw(st.sampled_from((1, 3))),
+                 warmup_max_norm=draw(st.sampled_from((1.0, 1e30, math.inf))))
+
+
+@st.composite
+def guard_configs(draw):
+  inner = draw(st.sampled_from(("clip_global", "identity")))
+  kw = {"spike_z": draw(st.sampled_from((None, 1.0, 3.0))),
+        "max_norm": draw(st.sampled_from((None, 1e3, 1e30))),
+        "warmup_steps": draw(st.sampled_from((1, 3))),
+        "alpha": draw(st.sampled_from((0.5, 0.97)))}
+  if inner == "clip_global":
+    kw["inner_limit"] = 1.0
+  return _config(f"guard.{inner}", **kw)
+
+
+@st.composite
+def per_example_configs(draw, l2_clips=None):
+  l2 = draw(l2_clips if l2_clips is not None else st.sampled_from(
+      (0.0, 1e-30, 1.0, 1e30)))
+  return _config("clip_per_example", l2_clip=l2,
+                 scope=draw(st.sampled_from(("global", "layer"))),
+                 reduce="sum")
+
+
+# --------------------------------------------------------------------------
+# Float64 oracles
+# --------------------------------------------------------------------------
+
+
+def _f64(x) -> np.ndarray:
+  return np_refs.f64(np.asarray(x).astype(
+      np.complex128 if np.iscomplexobj(x) else np.float64))
+
+
+def _unit_pnorm(x, p, axes):
+  """The p-norm of each unit of ``x`` (reduced axes kept), float64."""
+  a = np.abs(_f64(x))
+  axes = tuple(range(a.ndim)) if axes is None else axes
+  if a.size == 0:
+    shape = tuple(1 if i in axes else d for i, d in enumerate(a.shape))
+    return np.zeros(shape)
+  if math.isinf(p):
+    return np.max(a, axis=axes, keepdims=True)
+  with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+    m = np.max(a, axis=axes, keepdims=True)
+    safe = np.where((m > 0) & np.isfinite(m), m, 1.0)
+    q = np.sum((a / safe) ** p, axis=axes, keepdims=True) ** (1.0 / p)
+    return np.where(np.isfinite(m), np.where(m > 0, m * q, 0.0), m)
+
+
+def _combine(values, p) -> float:
+  flat = np.concatenate([np.ravel(v) for v in values]) if values else (
+      np.zeros(0))
+  return float(_unit_pnorm(flat, p, None).reshape(())) if flat.size else 0.0
+
+
+def measure_tree(tree_leaves, ord=2.0) -> float:
+  """The global ``ord``-norm of a list of leaves, float64 (overflow-safe)."""
+  return _combine([_unit_pnorm(x, ord_value(ord), None) for x in tree_leaves],
+                  ord_value(ord))
+
+
+def _norm_axes(x, axis) -> tuple | None:
+  if axis is None:
+    return None
+  axis = (axis,) if isinstance(axis, int) else tuple(axis)
+  return tuple(sorted(a % np.ndim(x) for a in axis))
+
+
+def _factor(measure, limit):
+  with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+    return np.where(measure > limit, limit / np.where(measure > limit,
+                                                      measure, 1.0), 1.0)
+
+
+@dataclasses.dataclass
+class Oracle:
+  out: list
+  measures: list
+  limits: list
+  factors: list
+  stats: dict
+  unit_measure: Any
+
+
+def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
+  """What a static clipper must return, in float64 (finite input)."""
+  name = config.static_name
+  kw = config.kw
+  xs = [_f64(x) for x in tree_leaves]
+  limit = float(limit)
+  if name == "clip_value":
+    def unit_measure(ls):
+      return [np.abs(_f64(x)) for x in ls]
+    measures = unit_measure(xs)
+    lims = [np.full(m.shape, limit) for m in measures]
+    p = math.inf
+  elif name == "clip_global":
+    p = ord_value(kw.get("ord"))
+    def unit_measure(ls):
+      total = measure_tree(ls, p)
+      return [np.full((1,) * np.ndim(x), total) for x in ls]
+    measures = unit_measure(xs)
+    lims = [np.full(m.shape, limit) for m in measures]
+  elif name == "clip_norm":
+    p = ord_value(kw.get("ord") if not config.name.startswith("clipped")
+                  else None)
+    axis = kw.get("axis")
+    def unit_measure(ls):
+      return [_unit_pnorm(x, p, _norm_axes(x, axis)) for x in ls]
+    measures = unit_measure(xs)
+    lims = [np.full(m.shape, limit) for m in measures]
+  elif name == "clip_block_rms":
+    p = 2.0
+    def unit_measure(ls):
+      return [_unit_pnorm(x, 2.0, None) for x in ls]
+    measures = unit_measure(xs)
+    lims = [np.full(m.shape, limit * math.sqrt(max(x.size, 1))) for m, x in
+            zip(measures, xs)]
+  elif name == "clip_unitwise":
+    p = 2.0
+    axes = [optaxclip.default_unit_axes(np.asarray(x)) for x in xs]
+    def unit_measure(ls):
+      return [_unit_pnorm(x, 2.0, a) for x, a in zip(ls, axes)]
+    measures = unit_measure(xs)
+    eps = kw.get("eps", 1e-3)
+    lims = [limit * np.maximum(_unit_pnorm(w, 2.0, a), eps)
+            for w, a in zip(params, axes)]
+  else:
+    raise ValueError(f"no static oracle for {config!r}")
+  if name == "clip_value":
+    out = [np.where(m > lim, x * _factor(m, lim), x)
+           for x, m, lim in zip(xs, measures, lims)]
+    factors = [_factor(m, lim) for m, lim in zip(measures, lims)]
+    total = sum(m.size for m in measures)
+    biggest = max((float(m.max()) for m in measures if m.size), default=0.0)
+    stats = {"norm": biggest, "clipped_norm": min(biggest, limit),
+             "clip_fraction": sum(int(np.sum(m > lim)) for m, lim in
+                                  zip(measures, lims)) / max(total, 1)}
+  else:
+    factors = [_factor(m, lim) for m, lim in zip(measures, lims)]
+    out = [x * f for x, f in zip(xs, factors)]
+    if name == "clip_global":
+      norm = measures[0].reshape(-1)[0] if measures else 0.0
+      f = float(factors[0].reshape(-1)[0]) if factors else 1.0
+      stats = {"norm": float(norm), "clipped_norm": float(norm) * f,
+               "clip_fraction": float(f < 1)}
+    else:
+      units = sum(m.size for m in measures)
+      stats = {"norm": _combine(measures, p),
+               "clipped_norm": _combine([m * f for m, f in
+                                         zip(measures, factors)], p),
+               "clip_fraction": sum(int(np.sum(f < 1)) for f in factors)
+                                / max(units, 1)}
+  return Oracle(out, measures, lims, factors, stats, unit_measure)
+
+
+# --------------------------------------------------------------------------
+# Running under JAX
+# --------------------------------------------------------------------------
+
+
+def to_jax(tree):
+  return jax.tree.map(jnp.asarray, tree)
+
+
+@functools.cache
+def static_runner(config: Config):
+  """``jit((g, limit, params) -> (updates, state))``, the limit traced."""
+  def run(g, limit, params):
+    tx = config.make(limit)
+    return tx.update(g, tx.init(g if params is None else params), params)
+  return jax.jit(run)
+
+
+@functools.cache
+def step_runner(config: Config):
+  """``(tx, jit((g, state, params) -> (updates, state)))`` of a concrete
+  config: ``tx.init`` starts a history, the jitted step continues it.
+  """
+  tx = config.make()
+  return tx, jax.jit(tx.update)
+
+
+def mesh(n: int) -> jax.sharding.Mesh:
+  assert jax.device_count() >= n, "conftest.py must set 8 host devices"
+  return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("d",))
