@@ -759,9 +759,9 @@ def count_above(x: jax.Array, limit: Any) -> jax.Array:
   """
   dtype = accumulation_dtype(x.dtype)
   limit = jnp.asarray(limit, dtype)
+  if x.size <= EXACT_COUNT_SIZE or may_span_devices(x):
+    return count(magnitude(x, dtype) > limit)  # no reshape: no all-gather
   flat = jnp.ravel(x)
-  if flat.size <= EXACT_COUNT_SIZE or may_span_devices(x):
-    return count(magnitude(flat, dtype) > limit)
   sample = flat[::SAMPLE_STRIDE]
   return count(magnitude(sample, dtype) > limit) * (flat.size / sample.size)
 
@@ -861,7 +861,10 @@ def clip_scale(norm: Union[jax.Array, Scaled],
   finite_limit = limit.value < jnp.inf
   above = (n_m > 0) & finite_limit & (
       (limit.value == 0) | (n_e > l_e) | ((n_e == l_e) & (n_m > l_m)))
-  value = jnp.where(above, l_m / jnp.where(above, n_m, 1), 1)
+  # Both operands masked: no inf (an infinite limit) or 0 in the branch
+  # not taken, whose derivative would be 0 * inf = NaN.
+  value = jnp.where(above, jnp.where(above, l_m, 1) / jnp.where(above, n_m, 1),
+                    1)
   bad = ~jnp.isfinite(norm.value) | jnp.isnan(limit.value)
   value = jnp.where(bad, jnp.nan, value).astype(dtype)
   return Scaled(value, jnp.where(above, l_e - n_e, 0))

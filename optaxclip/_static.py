@@ -181,7 +181,7 @@ def clip_value(max_delta: float) -> optax.GradientTransformation:
     del params, state
     leaves, treedef = _flatten(updates, "clip_value")
     out, largest = [], jnp.zeros((), jnp.float32)
-    clipped, total = jnp.zeros((), jnp.float32), 0
+    clipped, total, finite = jnp.zeros((), jnp.float32), 0, jnp.array(True)
     for x in leaves:
       if x.size == 0:
         out.append(x)
@@ -202,13 +202,15 @@ def clip_value(max_delta: float) -> optax.GradientTransformation:
       else:
         out.append(jnp.clip(x, -limit, limit).astype(x.dtype))
       largest = jnp.maximum(largest, biggest.astype(jnp.float32))
+      # In the leaf's own dtype: a finite float64 may be inf in float32.
+      finite = finite & (biggest < jnp.inf)
       clipped = clipped + jnp.where(biggest < jnp.inf, n_over, x.size)
       total += x.size
     limit = jnp.asarray(max_delta, jnp.float32)
     new_state = ClipValueState(
         norm=_stats.as_stat(largest),
         clipped_norm=_stats.as_stat(jnp.where(
-            largest < jnp.inf, jnp.minimum(largest, limit), jnp.nan)),
+            finite, jnp.minimum(largest, limit), jnp.nan)),
         clip_fraction=_fraction(clipped, total))
     return jax.tree.unflatten(treedef, out), new_state
 
@@ -235,10 +237,6 @@ def _leaf_axes(x: jax.Array, axis: Optional[tuple[int, ...]], path: str,
 
 def _raise():
   raise ValueError
-
-
-def _units(norms: Sequence[_norms.Scaled]) -> int:
-  return sum(n.value.size for n in norms)
 
 
 def _per_unit_clip(leaves, norms, limits, ord, across=None):  # pylint: disable=redefined-builtin
@@ -519,8 +517,13 @@ def _unitwise_limit(w_norm, clipping, eps):
   dtype = w_norm.value.dtype
   small = w_norm.as_float() < jnp.asarray(eps, dtype)
   value = jnp.where(small, jnp.asarray(eps, dtype), w_norm.value)
-  return _norms.Scaled(jnp.asarray(clipping, dtype) * value,
-                       jnp.where(small, 0, w_norm.exponent))
+  # clipping=inf: no limit. Not inf * value, whose derivative with respect
+  # to the params would be inf * 0 = NaN.
+  clipping = jnp.asarray(clipping, dtype)
+  unlimited = clipping == jnp.inf
+  value = jnp.where(unlimited, jnp.inf,
+                    jnp.where(unlimited, 1, clipping) * value)
+  return _norms.Scaled(value, jnp.where(small, 0, w_norm.exponent))
 
 
 def _global_unit_axes(x, split: _sharding.LeafSharding, path: str):
