@@ -1,19 +1,44 @@
 """Test-session set-up, shared by tests/ and the doctests in optaxclip/.
 
 Eight host devices let the sharding tests run on a CPU; the flag must be set
-before jax is first imported, which is why it lives here.
+before jax is first imported, which is why it lives here. The suite runs
+with JAX's standard dtype promotion: optax.adam fails under "strict" (its bias
+correction raises a float to an int32 power), so tests/test_strict_dtypes.py
+audits the clippers alone under strict promotion.
 """
 
 import os
 
-os.environ["XLA_FLAGS"] = " ".join(filter(None, (
-    os.environ.get("XLA_FLAGS", ""),
-    "--xla_force_host_platform_device_count=8",
-)))
+os.environ["XLA_FLAGS"] = " ".join(
+  filter(
+    None,
+    (
+      os.environ.get("XLA_FLAGS", ""),
+      "--xla_force_host_platform_device_count=8",
+    ),
+  )
+)
 
 import hypothesis
 
 hypothesis.settings.register_profile(
-    "ci", max_examples=40, deadline=None, derandomize=True,
-    suppress_health_check=[hypothesis.HealthCheck.too_slow])
+  "ci",
+  max_examples=40,
+  deadline=None,
+  derandomize=True,
+  suppress_health_check=[hypothesis.HealthCheck.too_slow],
+)
+# Release checks: many more examples, a fresh random seed each run (the fuzz
+# suite's invariants over far more of the input space; minutes, not seconds).
+# HYPOTHESIS_PROFILE=release python -m pytest tests/test_fuzz*.py
+hypothesis.settings.register_profile(
+  "release",
+  max_examples=1000,
+  deadline=None,
+  derandomize=False,
+  suppress_health_check=[
+    hypothesis.HealthCheck.too_slow,
+    hypothesis.HealthCheck.data_too_large,
+  ],
+)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

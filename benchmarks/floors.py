@@ -2,9 +2,9 @@
 
 ``benchmarks/run.py`` compares each clipper with adam; this script explains
 the gaps to the targets, on tree (a) of run.py (64 float32 leaves of 400k),
-timed the same way (adam between every two variant steps, median of
-per-round ratios, one process). Each ablation is written here, in plain JAX,
-as the same clipper without one of its parts:
+timed the same way (``benchmarks/harness.py``: each variant's step between
+two adam steps, median of per-round ratios, one process). Each ablation is
+written here, in plain JAX, as the same clipper without one of its parts:
 
 * ``read``: adam plus one float32 sum-of-squares pass over the gradients
   whose result is not used (the cost of reading the gradients once);
@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import harness
 import optaxclip
-import run
 
 MAX_NORM = 1.0  # the global norm of the gradients below is ~5: always clipped
 MAX_LEAF_NORM = 0.1  # each leaf's norm is ~0.63
@@ -93,38 +93,43 @@ def value_clip(stats: str):
 
 
 VARIANTS = {
-    "adam + read (floor)": run.chained(run.read_only),
-    "global, no overflow check": run.chained(global_without_check),
-    "optaxclip.clip_global": run.chained(
+    "adam + read (floor)": harness.chained(harness.read_only),
+    "global, no overflow check": harness.chained(global_without_check),
+    "optaxclip.clip_global": harness.chained(
         lambda: optaxclip.clip_global(MAX_NORM)),
-    "per-leaf norms, no check": run.chained(per_leaf_without_check),
-    "optaxclip.clip_norm": run.chained(
+    "per-leaf norms, no check": harness.chained(per_leaf_without_check),
+    "optaxclip.clip_norm": harness.chained(
         lambda: optaxclip.clip_norm(MAX_LEAF_NORM)),
-    "element clip, no statistics": run.chained(lambda: value_clip("none")),
-    "element clip + max(abs(g))": run.chained(lambda: value_clip("max")),
-    "element clip + max(abs(g)) + count": run.chained(
+    "element clip, no statistics": harness.chained(lambda: value_clip("none")),
+    "element clip + max(abs(g))": harness.chained(lambda: value_clip("max")),
+    "element clip + max(abs(g)) + count": harness.chained(
         lambda: value_clip("max+count")),
-    "optaxclip.clip_value": run.chained(
+    "optaxclip.clip_value": harness.chained(
         lambda: optaxclip.clip_value(MAX_DELTA)),
-    "optax.clip": run.chained(lambda: optax.clip(MAX_DELTA)),
+    "optax.clip": harness.chained(lambda: optax.clip(MAX_DELTA)),
 }
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--rounds", type=int, default=11)
-  parser.add_argument("--leaves", type=int, default=64)
-  parser.add_argument("--size", type=int, default=400_000)
+  parser.add_argument("--rounds", type=int, default=11,
+                      help="timing rounds (default: 11)")
+  parser.add_argument("--leaves", type=int, default=64,
+                      help="float32 leaves in the tree (default: 64)")
+  parser.add_argument("--size", type=int, default=400_000,
+                      help="elements per leaf (default: 400000)")
   args = parser.parse_args(argv)
-  shapes = run.many_leaves(args.leaves, args.size)
-  params = run.make_arrays(shapes, jnp.float32, 0.02, seed=0)
-  grads = run.make_arrays(shapes, jnp.float32, run.GRAD_SCALE, seed=1)
-  variants = {"adam": (run.adam, False)}
+  for name in ("rounds", "leaves", "size"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name} must be at least 1; got {getattr(args, name)}")
+  shapes = harness.many_leaves(args.leaves, args.size)
+  params = harness.make_arrays(shapes, jnp.float32, 0.02, seed=0)
+  grads = harness.make_arrays(shapes, jnp.float32, harness.GRAD_SCALE, seed=1)
+  variants = {"adam": (harness.adam, False)}
   variants.update({name: (make, False) for name, make in VARIANTS.items()})
-  results = run.time_variants(variants, params, grads, args.rounds,
-                              budget_s=30.0,
-                              log=lambda m: print(m, file=sys.stderr))
-  print("\n".join(run.machine_lines()))
+  results = harness.time_variants(variants, params, grads, args.rounds,
+                                  budget_s=30.0)
+  print("\n".join(harness.machine_lines()))
   print(f"- Command: `python benchmarks/floors.py --rounds {args.rounds} "
         f"--leaves {args.leaves} --size {args.size}`")
   print()
@@ -132,7 +137,8 @@ def main(argv=None) -> int:
   print("|---|---|---|")
   for name in VARIANTS:
     res = results[name]
-    print(f"| {name} | {run.fmt_ratio(res)} | {run.fmt_mb(res.temp_bytes)} |")
+    print(f"| {name} | {harness.fmt_ratio(res)} | "
+          f"{harness.fmt_mb(res.temp_bytes)} |")
   return 0
 
 

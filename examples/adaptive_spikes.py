@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from _flags import number
 import optaxclip
 
 SPIKES = {60: 8.0, 61: 1.5, 100: 25.0, 130: 4.0, 131: 6.0, 132: 5.0, 170: 3.0}
@@ -114,11 +115,20 @@ def plot(norms, records, path):
   print(f"wrote {path}")
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=200)
-  parser.add_argument("--png", default=None, help="write a plot here")
-  args = parser.parse_args()
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--steps", type=number(int, 1), default=200,
+                      help="length of the norm stream (its spikes, NaN and "
+                      f"jump are at steps {min(SPIKES)} to {JUMP_AT})")
+  parser.add_argument("--png", default=None,
+                      help="write a plot here (needs matplotlib)")
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   norms, records = run(args.steps)
   print_table(norms, records)
   if args.png:

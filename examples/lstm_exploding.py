@@ -46,6 +46,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from _flags import number
 import optaxclip
 
 matplotlib.use("Agg")
@@ -249,30 +250,42 @@ def plot(names, losses, norms, path, title):
   plt.close(fig)
 
 
-def main(argv=None):
+def parse_args(argv=None):
   parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n", maxsplit=1)[0])
-  parser.add_argument("--steps", type=int, default=1500)
-  parser.add_argument("--seq-len", type=int, default=100)
-  parser.add_argument("--lr", type=float, default=2e-2)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--init-scale", type=float, default=INIT_SCALE,
+      description=__doc__.split("\n\n", maxsplit=1)[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--steps", type=number(int, 1), default=1500,
+                      help="training steps of each variant")
+  parser.add_argument("--seq-len", type=number(int, 2), default=100,
+                      help="length of the adding problem's sequences")
+  parser.add_argument("--lr", type=number(float, 0, open_low=True),
+                      default=2e-2, help="Adam's learning rate")
+  parser.add_argument("--seed", type=number(int, 0, high=2**32), default=0,
+                      help="seed of the init and the data (the same for "
+                      "every variant)")
+  parser.add_argument("--init-scale", type=number(float, 0, open_low=True),
+                      default=INIT_SCALE,
                       help="the recurrent kernel's orthogonal init scale; 1 is "
                       "Flax's default, where gradients do not explode")
-  parser.add_argument("--variants", default=",".join(VARIANTS),
+  parser.add_argument("--variants", default="all",
                       help="comma-separated, from: " + ", ".join(VARIANTS))
   parser.add_argument(
-      "--out", help="where to write the PNG (default: out/lstm_exploding.png "
-      "next to this script)",
+      "--out", help="where to write the PNG",
       default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                            "lstm_exploding.png"))
   args = parser.parse_args(argv)
-  names = [n.strip() for n in args.variants.split(",") if n.strip()]
-  unknown = [n for n in names if n not in VARIANTS]
-  if unknown or not names:
-    parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
-  if args.steps < 1 or args.seq_len < 2:
-    parser.error("--steps must be at least 1 and --seq-len at least 2")
+  args.names = (list(VARIANTS) if args.variants == "all" else
+                [n.strip() for n in args.variants.split(",") if n.strip()])
+  unknown = [n for n in args.names if n not in VARIANTS]
+  if unknown or not args.names:
+    parser.error(f"argument --variants: unknown {unknown or 'none given'}; "
+                 f"choose from {', '.join(VARIANTS)}")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  names = args.names
 
   print(f"adding problem, sequence length {args.seq_len}; LSTM({HIDDEN}), "
         f"recurrent init x{args.init_scale}, forget bias {FORGET_BIAS}; Adam "

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from _flags import number
 import optaxclip
 
 
@@ -50,13 +51,23 @@ def train_step(model, optimizer, x, y):
   return loss, optaxclip.stats(optimizer.opt_state)
 
 
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--steps", type=number(int, 1), default=300,
+                      help="training steps")
+  parser.add_argument("--seq-len", type=number(int, 2), default=50,
+                      help="length of the adding problem's sequences")
+  parser.add_argument("--lr", type=number(float, 0, open_low=True),
+                      default=1e-2, help="Adam's learning rate")
+  parser.add_argument("--seed", type=number(int, 0, high=2**32), default=0,
+                      help="seed of the init and the data")
+  return parser.parse_args(argv)
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--seq-len", type=int, default=50)
-  parser.add_argument("--lr", type=float, default=1e-2)
-  parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args(argv)
+  args = parse_args(argv)
 
   model = LSTMRegressor(32, rngs=nnx.Rngs(args.seed))
   tx = optax.chain(optaxclip.clip_global(1.0), optax.adam(args.lr))

@@ -28,6 +28,7 @@ from optaxclip._static import clip_unitwise
 from optaxclip._static import clip_value
 from optaxclip._static import default_unit_axes
 from optaxclip._stats import stats
+from optaxclip._stats import upgrade_state
 from optaxclip._wrappers import clipped
 
 __version__ = "0.1.0"
@@ -56,4 +57,5 @@ __all__ = (
     "default_unit_axes",
     "guard",
     "stats",
+    "upgrade_state",
 )

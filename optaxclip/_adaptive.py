@@ -31,7 +31,7 @@ they share:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,12 +43,14 @@ from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _static
 from optaxclip import _stats
+from optaxclip._typing import AxisName
+from optaxclip._typing import Scalar
+from optaxclip._typing import Scope
 
 _F32 = jnp.float32
 _INT32_MAX = np.iinfo(np.int32).max
 ADAPTIVE_FIELDS = (*_stats.CLIP_FIELDS, "threshold")
 SCOPES = ("global", "leaf")
-AxisName = Optional[Union[str, tuple[str, ...]]]
 
 
 @_stats.register("clip_zscore", (*ADAPTIVE_FIELDS, "restarts"))
@@ -148,17 +150,6 @@ class ClipRelativeState(NamedTuple):
 # --- Shared pieces ------------------------------------------------------------
 
 
-def check_patience(patience: Any, who: str) -> None:
-  _checks.check_steps(who, "patience", patience)
-
-
-def check_axis_name(who: str, axis_name: Any, sharded: Any) -> Any:
-  """Checks ``axis_name`` and what can be checked of ``sharded`` now."""
-  _checks.check_axis_name(who, axis_name)
-  _checks.check_sharded(who, sharded, axis_name)
-  return axis_name
-
-
 def stats_dtype(params: Any) -> np.dtype:
   """The dtype of an adaptive state's statistics, fixed at ``init``.
 
@@ -216,7 +207,7 @@ class _Measured:
       if axis_name
       else None
     )
-    self.dtype = jnp.promote_types(
+    self.dtype = _norms.promote_types(
       state_dtype, _norms.tree_accumulation_dtype(self.leaves)
     )
     if scope == "global":
@@ -327,7 +318,8 @@ def running_moments(
     restart: per unit, whether the statistics restart at ``x``.
 
   Returns:
-    The new ``(count, mean, var)``.
+    The new ``(count, mean, var)``; the variance saturates at the dtype's
+    largest finite value.
   """
   warming = count < warmup_steps
   warm_mean, warm_var = welford(count, mean, var, x)
@@ -338,6 +330,9 @@ def running_moments(
     alpha * var + (1 - alpha) * (x - mean) ** 2,
     jnp.where(warming, warm_var, ema_var),
   )
+  # A spread beyond the dtype's range (norms above ~1e19 in float32, ~1e154
+  # in float64) saturates rather than turning into inf, then NaN.
+  new_var = jnp.minimum(new_var, jnp.finfo(var.dtype).max)
   take = finite & (take | restart)
   new_count = jnp.where(finite, jnp.minimum(count + 1, warmup_steps), count)
   return (
@@ -367,17 +362,17 @@ def add_count(total: jax.Array, n: jax.Array) -> jax.Array:
 @_compiled.compiled_once
 def clip_zscore(
   *,
-  alpha: float = 0.97,
-  z_thresh: float = 2.5,
-  max_norm: Optional[float] = None,
-  eps: float = 1e-6,
-  warmup_steps: int = 25,
-  mode: str = "zscore",
-  clip_option: str = "adaptive_scaling",
-  clip_factor: float = 1.0,
+  alpha: Scalar = 0.97,
+  z_thresh: Scalar = 2.5,
+  max_norm: Optional[Scalar] = None,
+  eps: Scalar = 1e-6,
+  warmup_steps: Scalar = 25,
+  mode: Literal["zscore", "percentile"] = "zscore",
+  clip_option: Literal["adaptive_scaling", "mean"] = "adaptive_scaling",
+  clip_factor: Scalar = 1.0,
   skip_update_on_spike: bool = False,
-  scope: str = "global",
-  patience: int = 25,
+  scope: Scope = "global",
+  patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
 ) -> optax.GradientTransformation:
@@ -473,26 +468,26 @@ def clip_zscore(
     1.407
   """
   who = "clip_zscore"
-  _checks.check_probability(f"{who}: alpha", alpha)
-  _checks.check_number(f"{who}: z_thresh", z_thresh, low=0.0, low_open=True)
+  _checks.check_probability("alpha", alpha, who=who)
+  _checks.check_number("z_thresh", z_thresh, who=who, low=0.0, low_open=True)
   _checks.check_number(
-    f"{who}: max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
+    "max_norm", max_norm, who=who, low=0.0, allow_inf=True, allow_none=True
   )
-  _checks.check_number(f"{who}: eps", eps, low=0.0)
+  _checks.check_number("eps", eps, who=who, low=0.0)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
   _checks.check_choice(who, "mode", mode, ("zscore", "percentile"))
   _checks.check_choice(
     who, "clip_option", clip_option, ("adaptive_scaling", "mean")
   )
   _checks.check_number(
-    f"{who}: clip_factor", clip_factor, low=0.0, low_open=True
+    "clip_factor", clip_factor, who=who, low=0.0, low_open=True
   )
   skip_update_on_spike = _checks.check_bool(
     who, "skip_update_on_spike", skip_update_on_spike
   )
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
-  check_patience(patience, who)
-  axis_name = check_axis_name(who, axis_name, sharded)
+  _checks.check_steps(who, "patience", patience)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
   cap = _no_limit(max_norm)
 
   def init_fn(params):
@@ -664,10 +659,10 @@ def _as_is(history, ordered, filled):
 
 @_compiled.compiled_once
 def clip_percentile(
-  percentile: float = 10.0,
+  percentile: Scalar = 10.0,
   *,
   history: int = 1024,
-  scope: str = "global",
+  scope: Scope = "global",
   axis_name: AxisName = None,
   sharded: Any = True,
 ) -> optax.GradientTransformation:
@@ -721,10 +716,10 @@ def clip_percentile(
     (2.5, Array([2.5], dtype=float32))
   """
   who = "clip_percentile"
-  _checks.check_number(f"{who}: percentile", percentile, low=0.0, high=100.0)
+  _checks.check_number("percentile", percentile, who=who, low=0.0, high=100.0)
   history = _checks.check_count(who, "history", history)
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
-  axis_name = check_axis_name(who, axis_name, sharded)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def init_fn(params):
     shape = (history,) + _unit_shape(params, scope)
@@ -754,8 +749,9 @@ def clip_percentile(
     # leaves the window); a zero norm is recorded as +inf: it does not count.
     value = measured.stat_norm.astype(dtype)
     value = jnp.where(value > 0, value, jnp.inf)
-    # A state from release 0.1.0, restored with `ordered` at its fresh value.
-    legacy = (state.filled > 0) & jnp.all(state.ordered == jnp.inf)
+    # A state from release 0.1.0, restored with `ordered` at its fresh value
+    # (all +inf: the sorted first row tells, without a pass over the rest).
+    legacy = (state.filled > 0) & jnp.all(state.ordered[0] == jnp.inf)
     past, past_order = jax.lax.cond(
       legacy,
       _from_release_0_1,
@@ -790,12 +786,12 @@ def clip_percentile(
 
 @_compiled.compiled_once
 def clip_relative(
-  factor: float = 1.05,
+  factor: Scalar = 1.05,
   *,
-  beta: float = 0.98,
-  warmup_steps: int = 100,
-  warmup_max_norm: float = 1.0,
-  patience: int = 25,
+  beta: Scalar = 0.98,
+  warmup_steps: Scalar = 100,
+  warmup_max_norm: Scalar = 1.0,
+  patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
 ) -> optax.GradientTransformation:
@@ -825,7 +821,8 @@ def clip_relative(
     (``restarts`` counts these).
 
   Args:
-    factor: the relative threshold (``lambda_rel`` in the paper; > 0).
+    factor: the relative threshold (``lambda_rel`` in the paper; >= 1:
+      below 1 every leaf's limit, and so its update, decays to zero).
     beta: EMA smoothing of each ``gamma_i``, in (0, 1).
     warmup_steps: steps of global clipping that set the ``gamma_i`` (>= 1).
     warmup_max_norm: the global norm limit during warm-up (``lambda_abs``;
@@ -857,14 +854,21 @@ def clip_relative(
     (Array([1.2], dtype=float32), Array([0.8], dtype=float32))
   """
   who = "clip_relative"
-  _checks.check_number(f"{who}: factor", factor, low=0.0, low_open=True)
-  _checks.check_probability(f"{who}: beta", beta)
+  _checks.check_number(
+    "factor",
+    factor,
+    who=who,
+    low=1.0,
+    why="below 1 a leaf's limit is under its own recent clipped norm: every"
+    " step is clipped and the limit keeps shrinking",
+  )
+  _checks.check_probability("beta", beta, who=who)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
   _checks.check_number(
-    f"{who}: warmup_max_norm", warmup_max_norm, low=0.0, allow_inf=True
+    "warmup_max_norm", warmup_max_norm, who=who, low=0.0, allow_inf=True
   )
-  check_patience(patience, who)
-  axis_name = check_axis_name(who, axis_name, sharded)
+  _checks.check_steps(who, "patience", patience)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def init_fn(params):
     shape = _unit_shape(params, "leaf")

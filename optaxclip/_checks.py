@@ -190,8 +190,29 @@ def check_axis(name: str, axis: Any, *,
       f"{arg} must be None, an int or a tuple of ints; got {axis!r}.")
 
 
+def leaf_axes(who: str, axis: Optional[tuple[int, ...]], x: Any,
+              path: str) -> Optional[tuple[int, ...]]:
+  """``axis`` (from :func:`check_axis`) for one leaf: non-negative, sorted.
+
+  Raises:
+    ValueError: naming the leaf, when an axis is outside its rank or two
+      name the same axis of it.
+  """
+  if axis is None:
+    return None
+  ndim = np.ndim(x)
+  if not all(-ndim <= a < ndim for a in axis):
+    raise ValueError(f"{who}: axis must fit every leaf; got {axis} for the "
+                     f"leaf {path} of shape {np.shape(x)}.")
+  axes = tuple(sorted(a % ndim for a in axis))
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"{who}: axis must name each axis of a leaf once; got "
+                     f"{axis} for the leaf {path} of shape {np.shape(x)}.")
+  return axes
+
+
 def check_choice(who: str, name: str, value: Any, choices: Sequence[str],
-                 aliases: Optional[Mapping[str, str]] = None) -> str:
+                 aliases: Optional[Mapping[str, str]] = None) -> Any:
   """One of ``choices``; a deprecated alias is accepted with a warning.
 
   Returns:
@@ -208,6 +229,17 @@ def check_choice(who: str, name: str, value: Any, choices: Sequence[str],
     options = ", ".join(repr(c) for c in choices)
     raise ValueError(f"{who}: {name} must be one of {options}; got {value!r}.")
   return value
+
+
+def check_finite_with_noise(who: str, l2_clip: Any,
+                            noise_multiplier: Any) -> None:
+  """An infinite clip norm with noise would make infinite noise."""
+  if (is_concrete_number(l2_clip) and math.isinf(float(l2_clip))
+      and is_concrete_number(noise_multiplier) and noise_multiplier > 0):
+    raise ValueError(
+        f"{who}: l2_clip must be finite when noise_multiplier > 0 (the noise "
+        f"is noise_multiplier * l2_clip); got l2_clip={l2_clip!r} and "
+        f"noise_multiplier={noise_multiplier!r}.")
 
 
 def check_bool(who: str, name: str, value: Any) -> bool:
@@ -252,9 +284,9 @@ def check_seed(who: str, seed: Any) -> Callable[[], jax.Array]:
     raw_shape = jax.eval_shape(jax.random.PRNGKey, 0).shape
     if seed.shape != raw_shape or seed.dtype != np.uint32:
       raise TypeError(
-          f"{who}: seed must be an int or a key; got an array of shape "
-          f"{seed.shape} and dtype {seed.dtype} (a raw key of the default "
-          f"PRNG is uint32 of shape {raw_shape}).")
+          f"{who}: seed must be an int or a key (a raw key of the default "
+          f"PRNG is uint32 of shape {raw_shape}); got an array of shape "
+          f"{seed.shape} and dtype {seed.dtype}.")
     return lambda: jnp.asarray(seed)
   if isinstance(seed, jax.Array):
     if seed.ndim != 0 or not jnp.issubdtype(seed.dtype, jnp.integer):
@@ -432,3 +464,12 @@ def check_sharded(who: str, sharded: Any, axis_name: Any) -> None:
                       "a PartitionSpec, a pytree prefix of those or a "
                       f"callable; got an entry {entry!r}.")
     shard_spec(who, entry, axis_name)
+
+
+def check_sharding(who: str, axis_name: Any, sharded: Any) -> Any:
+  """Checks ``axis_name`` and what can be checked of ``sharded`` before the
+  updates are seen. Returns ``axis_name``.
+  """
+  check_axis_name(who, axis_name)
+  check_sharded(who, sharded, axis_name)
+  return axis_name

@@ -14,6 +14,8 @@ from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _static
 from optaxclip import _stats
+from optaxclip._typing import AxisName
+from optaxclip._typing import Scalar
 
 
 @_stats.register(
@@ -100,12 +102,12 @@ def guard(
   inner: optax.GradientTransformation,
   *,
   skip_nonfinite: bool = True,
-  spike_z: Optional[float] = None,
-  max_norm: Optional[float] = None,
-  alpha: float = 0.97,
-  warmup_steps: int = 25,
-  patience: int = 25,
-  axis_name: _adaptive.AxisName = None,
+  spike_z: Optional[Scalar] = None,
+  max_norm: Optional[Scalar] = None,
+  alpha: Scalar = 0.97,
+  warmup_steps: Scalar = 25,
+  patience: Scalar = 25,
+  axis_name: AxisName = None,
   sharded: Any = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Skips the whole ``inner`` update when the gradient is NaN/Inf or spikes.
@@ -197,15 +199,15 @@ def guard(
   _checks.check_transformation(who, "inner", inner)
   skip_nonfinite = _checks.check_bool(who, "skip_nonfinite", skip_nonfinite)
   _checks.check_number(
-    f"{who}: spike_z", spike_z, low=0.0, low_open=True, allow_none=True
+    "spike_z", spike_z, who=who, low=0.0, low_open=True, allow_none=True
   )
   _checks.check_number(
-    f"{who}: max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
+    "max_norm", max_norm, who=who, low=0.0, allow_inf=True, allow_none=True
   )
-  _checks.check_probability(f"{who}: alpha", alpha)
+  _checks.check_probability("alpha", alpha, who=who)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
-  _adaptive.check_patience(patience, who)
-  axis_name = _adaptive.check_axis_name(who, axis_name, sharded)
+  _checks.check_steps(who, "patience", patience)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -236,7 +238,7 @@ def guard(
       if axis_name
       else None
     )
-    dtype = jnp.promote_types(
+    dtype = _norms.promote_types(
       state.mean.dtype, _norms.tree_accumulation_dtype(leaves)
     )
     norm = jax.lax.stop_gradient(

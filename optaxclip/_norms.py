@@ -74,7 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-AxisName = Union[None, str, tuple]
+from optaxclip._typing import AxisName
 
 # Leaves with at most this many elements are concatenated into one buffer for
 # a tree-wide reduction: one reduction instead of one per leaf keeps compile
@@ -85,16 +85,26 @@ SMALL_LEAF_SIZE = 1 << 16
 CHUNK_SIZE = 1 << 20
 
 
+def promote_types(a: Any, b: Any) -> np.dtype:
+  """``jnp.promote_types`` on JAX's standard lattice, whatever the config.
+
+  Every dtype change in the package is written out with this: it also holds
+  under ``jax_numpy_dtype_promotion="strict"``, which refuses to promote
+  (bfloat16, float32) implicitly.
+  """
+  with jax.numpy_dtype_promotion("standard"):
+    return np.dtype(jnp.promote_types(a, b))
+
+
 def accumulation_dtype(dtype: Any) -> np.dtype:
   """float32, or the leaf's real dtype when that is wider (float64)."""
-  real = jnp.finfo(dtype).dtype
-  return jnp.promote_types(real, jnp.float32)
+  return promote_types(jnp.finfo(dtype).dtype, jnp.float32)
 
 
 def tree_accumulation_dtype(leaves: Sequence[jax.Array]) -> np.dtype:
   dtype = np.dtype(np.float32)
   for x in leaves:
-    dtype = jnp.promote_types(dtype, accumulation_dtype(x.dtype))
+    dtype = promote_types(dtype, accumulation_dtype(x.dtype))
   return dtype
 
 
@@ -870,6 +880,7 @@ def clip_scale(norm: Union[jax.Array, Scaled],
   return Scaled(value, jnp.where(above, l_e - n_e, 0))
 
 
+<<<<<<< HEAD
 def is_scaled_down(factor: Scaled) -> jax.Array:
   """Whether a factor from :func:`clip_scale` changes what it scales (NaN
   factors included)."""
@@ -901,6 +912,12 @@ def scale_leaf(x: jax.Array, factor: Union[jax.Array, Scaled]) -> jax.Array:
   first = jnp.clip(factor.exponent, lo + 1, hi - 1)
   head = factor.value.astype(dtype) * pow2(first, dtype)
   return ldexp(x * head, factor.exponent - first, pieces=2).astype(x.dtype)
+=======
+def scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
+  """``x * factor`` computed in the accumulation dtype, in ``x``'s dtype."""
+  wide = promote_types(x.dtype, accumulation_dtype(x.dtype))
+  return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
+>>>>>>> main
 
 
 def count(mask: jax.Array) -> jax.Array:

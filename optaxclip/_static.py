@@ -17,8 +17,11 @@ from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _sharding
 from optaxclip import _stats
+from optaxclip._typing import Axis
+from optaxclip._typing import AxisName
+from optaxclip._typing import Ord
+from optaxclip._typing import Scalar
 
-Axis = Optional[Union[int, Sequence[int]]]
 
 @_stats.register("clip_value")
 class ClipValueState(NamedTuple):
@@ -127,15 +130,8 @@ def sharded_flags(updates: Any, sharded: Sharded, who: str,
   return [s.axes for s in _sharding.resolve(updates, sharded, axis_name, who)]
 
 
-def _check_axis_name(axis_name, who, sharded: Sharded = True):
-  """Checks ``axis_name`` and what can be checked of ``sharded`` now."""
-  _checks.check_axis_name(who, axis_name)
-  _checks.check_sharded(who, sharded, axis_name)
-  return axis_name
-
-
 @_compiled.compiled_once
-def clip_value(max_delta: float) -> optax.GradientTransformation:
+def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
   """Clips each element of the updates into ``[-max_delta, max_delta]``.
 
   The element-wise clipping of ``tf.clip_by_value``, Keras' ``clipvalue``,
@@ -175,7 +171,8 @@ def clip_value(max_delta: float) -> optax.GradientTransformation:
     >>> round(float(state.clip_fraction), 4)
     0.6667
   """
-  _checks.check_number("max_delta", max_delta, low=0.0, allow_inf=True)
+  _checks.check_number("max_delta", max_delta, who="clip_value", low=0.0,
+                       allow_inf=True)
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -200,7 +197,8 @@ def clip_value(max_delta: float) -> optax.GradientTransformation:
         factor = jnp.where(over, limit / jnp.where(over, mag, 1), 1) + poison
         out.append(_norms.scale_leaf(x, factor))
       else:
-        out.append(jnp.clip(x, -limit, limit).astype(x.dtype))
+        out.append(jnp.clip(x.astype(limit.dtype), -limit, limit
+                            ).astype(x.dtype))
       largest = jnp.maximum(largest, biggest.astype(jnp.float32))
       # In the leaf's own dtype: a finite float64 may be inf in float32.
       finite = finite & (biggest < jnp.inf)
@@ -216,27 +214,6 @@ def clip_value(max_delta: float) -> optax.GradientTransformation:
 
   return optax.GradientTransformation(
       _init_stats(ClipValueState), _compiled.jit_update(update_fn))
-
-
-def _leaf_axes(x: jax.Array, axis: Optional[tuple[int, ...]], path: str,
-               who: str) -> Optional[tuple[int, ...]]:
-  """Normalises reduction axes for one leaf, naming the leaf on error."""
-  if axis is None:
-    return None
-  try:
-    axes = tuple(sorted(a % x.ndim if -x.ndim <= a < x.ndim else _raise()
-                        for a in axis))
-  except (ValueError, ZeroDivisionError):
-    raise ValueError(f"{who}: axis {axis} does not fit the leaf {path} of "
-                     f"shape {x.shape}.") from None
-  if len(set(axes)) != len(axes):
-    raise ValueError(f"{who}: axis {axis} names the same axis twice for the "
-                     f"leaf {path} of shape {x.shape}.")
-  return axes
-
-
-def _raise():
-  raise ValueError
 
 
 def _per_unit_clip(leaves, norms, limits, ord, across=None):  # pylint: disable=redefined-builtin
@@ -266,11 +243,11 @@ def _per_unit_clip(leaves, norms, limits, ord, across=None):  # pylint: disable=
 
 @_compiled.compiled_once
 def clip_norm(
-    max_norm: float,
+    max_norm: Scalar,
     *,
-    ord: Union[float, str, None] = None,
+    ord: Ord = None,
     axis: Axis = None,
-    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    axis_name: AxisName = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Clips each leaf (or each slice of it) to ``ord``-norm at most ``max_norm``.
@@ -321,16 +298,17 @@ def clip_norm(
     >>> float(state.clip_fraction)
     0.5
   """
-  _checks.check_number("max_norm", max_norm, low=0.0, allow_inf=True)
-  p = _checks.check_ord("ord", ord)
-  axis = _checks.check_axis("axis", axis)
-  axis_name = _check_axis_name(axis_name, "clip_norm", sharded)
+  who = "clip_norm"
+  _checks.check_number("max_norm", max_norm, who=who, low=0.0, allow_inf=True)
+  p = _checks.check_ord("ord", ord, who=who)
+  axis = _checks.check_axis("axis", axis, who=who)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
     leaves, treedef = _flatten(updates, "clip_norm")
     paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
-    axes = [_leaf_axes(x, axis, path, "clip_norm")
+    axes = [_checks.leaf_axes(who, axis, x, path)
             for x, path in zip(leaves, paths)]
     splits = _sharding.resolve(updates, sharded, axis_name, "clip_norm")
     norms = _norms.unit_norms_scaled(
@@ -347,10 +325,10 @@ def clip_norm(
 
 @_compiled.compiled_once
 def clip_global(
-    max_norm: float,
+    max_norm: Scalar,
     *,
-    ord: Union[float, str, None] = None,
-    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    ord: Ord = None,
+    axis_name: AxisName = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Scales the whole update to a global ``ord``-norm of at most ``max_norm``.
@@ -398,9 +376,10 @@ def clip_global(
     >>> float(optaxclip.stats(state)["clip_global/norm"])
     10.0
   """
-  _checks.check_number("max_norm", max_norm, low=0.0, allow_inf=True)
-  p = _checks.check_ord("ord", ord)
-  axis_name = _check_axis_name(axis_name, "clip_global", sharded)
+  who = "clip_global"
+  _checks.check_number("max_norm", max_norm, who=who, low=0.0, allow_inf=True)
+  p = _checks.check_ord("ord", ord, who=who)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -422,9 +401,9 @@ def clip_global(
 
 @_compiled.compiled_once
 def clip_block_rms(
-    threshold: float,
+    threshold: Scalar,
     *,
-    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    axis_name: AxisName = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Clips each leaf to a root-mean-square of at most ``threshold``.
@@ -462,8 +441,10 @@ def clip_block_rms(
     >>> clipped["w"]
     Array([ 1., -1.,  1., -1.], dtype=float32)
   """
-  _checks.check_number("threshold", threshold, low=0.0, allow_inf=True)
-  axis_name = _check_axis_name(axis_name, "clip_block_rms", sharded)
+  who = "clip_block_rms"
+  _checks.check_number("threshold", threshold, who=who, low=0.0,
+                       allow_inf=True)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -551,11 +532,11 @@ def _global_unit_axes(x, split: _sharding.LeafSharding, path: str):
 
 @_compiled.compiled_once
 def clip_unitwise(
-    clipping: float = 0.01,
+    clipping: Scalar = 0.01,
     *,
-    eps: float = 1e-3,
+    eps: Scalar = 1e-3,
     axis: Axis = None,
-    axis_name: Optional[Union[str, tuple[str, ...]]] = None,
+    axis_name: AxisName = None,
     sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Adaptive gradient clipping: ``||g_u|| <= clipping * max(||w_u||, eps)``.
@@ -608,10 +589,11 @@ def clip_unitwise(
     >>> float(state.clip_fraction)
     0.5
   """
-  _checks.check_number("clipping", clipping, low=0.0, allow_inf=True)
-  _checks.check_number("eps", eps, low=0.0)
-  axis = _checks.check_axis("axis", axis)
-  axis_name = _check_axis_name(axis_name, "clip_unitwise", sharded)
+  who = "clip_unitwise"
+  _checks.check_number("clipping", clipping, who=who, low=0.0, allow_inf=True)
+  _checks.check_number("eps", eps, who=who, low=0.0)
+  axis = _checks.check_axis("axis", axis, who=who)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
     del state
@@ -626,7 +608,7 @@ def clip_unitwise(
     paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
     splits = _sharding.resolve(updates, sharded, axis_name, "clip_unitwise")
     axes = [_global_unit_axes(x, s, path) if axis is None
-            else _leaf_axes(x, axis, path, "clip_unitwise")
+            else _checks.leaf_axes(who, axis, x, path)
             for x, s, path in zip(leaves, splits, paths)]
     flags = [_sharding.axes_of(s, a) for s, a in zip(splits, axes)]
     g_norms = _norms.unit_norms_scaled(leaves, 2.0, axes, axis_name=axis_name,

@@ -169,3 +169,81 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     for field in _REGISTRY[type(state)][1]:
       out[f"{prefix}/{field}"] = _unwrap(getattr(state, field))
   return out
+
+
+_MISSING = object()
+
+
+def _child(saved: Any, entry: Any) -> Any:
+  """The child of a saved node (a dict, list, tuple or NamedTuple) at one
+  entry of a path, or _MISSING.
+  """
+  if saved is None or saved is _MISSING:
+    return _MISSING
+  if isinstance(saved, dict):
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        name = getattr(entry, attr)
+        if name in saved:
+          return saved[name]
+        return saved.get(str(name), _MISSING)
+    return _MISSING
+  if hasattr(entry, "name"):
+    return getattr(saved, entry.name, _MISSING)
+  index = getattr(entry, "idx", getattr(entry, "key", None))
+  if isinstance(saved, (list, tuple)) and isinstance(index, int):
+    return saved[index] if index < len(saved) else _MISSING
+  return _MISSING
+
+
+def upgrade_state(saved: Any, template: Any, *, _path: str = "") -> Any:
+  """An optimizer state saved by an earlier version, in today's layout.
+
+  Later versions may add fields to a state (a new counter) or change a
+  field's dtype; a checkpoint written before then no longer has the layout
+  of ``tx.init(params)``, so a restore into that target fails. Restore the
+  checkpoint without a target (orbax then returns dicts and lists) and pass
+  it here with today's freshly initialised state as ``template``: every
+  value the checkpoint holds is kept, cast to today's dtype; a field it
+  lacks takes the template's (initial) value.
+
+  Args:
+    saved: the restored state: nested dicts (keyed by field names), lists,
+      tuples or the state classes themselves.
+    template: today's state for the same optimizer, e.g. ``tx.init(params)``.
+
+  Returns:
+    A pytree of ``template``'s structure and classes.
+
+  Raises:
+    ValueError: when a saved array's shape differs from the template's (a
+      different optimizer or parameters), naming the path.
+
+  Example:
+    >>> import jax.numpy as jnp, optaxclip
+    >>> tx = optaxclip.clip_per_example(1.0)
+    >>> template = tx.init({"w": jnp.zeros(2)})
+    >>> saved = {"norm": 2.0, "clipped_norm": 1.0, "clip_fraction": 0.5,
+    ...          "clip_norm": 1.0, "key": [0, 3]}  # saved without `nonfinite`
+    >>> state = optaxclip.upgrade_state(saved, template)
+    >>> type(state).__name__, float(state.norm), int(state.nonfinite)
+    ('ClipPerExampleState', 2.0, 0)
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+      template, is_leaf=lambda node: node is not template)
+  if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a leaf
+    if saved is _MISSING or saved is None or not hasattr(template, "shape"):
+      return template
+    value = jnp.asarray(saved)
+    if value.shape != template.shape:
+      raise ValueError(
+          f"upgrade_state: the saved value at {_path or '<root>'} must have "
+          f"the template's shape {template.shape}; got {value.shape}.")
+    return value.astype(template.dtype)
+  children = []
+  for path, child in flat:
+    entry = path[0]
+    children.append(upgrade_state(
+        _child(saved, entry), child,
+        _path=_path + jax.tree_util.keystr((entry,))))
+  return jax.tree_util.tree_unflatten(treedef, children)

@@ -6,15 +6,17 @@ from typing import Optional
 
 import optax
 
+from optaxclip import _checks
 from optaxclip import _static
+from optaxclip._typing import Scalar
 
 
 def clipped(
     inner: optax.GradientTransformation,
     *,
-    clipvalue: Optional[float] = None,
-    clipnorm: Optional[float] = None,
-    global_clipnorm: Optional[float] = None,
+    clipvalue: Optional[Scalar] = None,
+    clipnorm: Optional[Scalar] = None,
+    global_clipnorm: Optional[Scalar] = None,
 ) -> optax.GradientTransformation:
   """Returns ``inner`` with Keras-style gradient clipping chained before it.
 
@@ -51,24 +53,18 @@ def clipped(
     >>> updates["w"]
     Array([-0.6, -0.8], dtype=float32)
   """
-  if not (callable(getattr(inner, "init", None))
-          and callable(getattr(inner, "update", None))):
-    raise TypeError("clipped: inner must be an optax.GradientTransformation; "
-                    f"got {type(inner).__name__}.")
+  _checks.check_transformation("clipped", "inner", inner)
   given = {name: value for name, value in (
       ("clipvalue", clipvalue), ("clipnorm", clipnorm),
       ("global_clipnorm", global_clipnorm)) if value is not None}
   if len(given) > 1:
     raise ValueError(
-        "clipped: give at most one of clipvalue, clipnorm and global_clipnorm,"
-        f" as Keras requires; got {', '.join(sorted(given))}.")
+        "clipped: at most one of clipvalue, clipnorm and global_clipnorm must"
+        f" be given, as Keras requires; got {', '.join(sorted(given))}.")
   if not given:
     return inner
   name, value = next(iter(given.items()))
+  _checks.check_number(name, value, who="clipped", low=0.0, allow_inf=True)
   clipper = {"clipvalue": _static.clip_value, "clipnorm": _static.clip_norm,
              "global_clipnorm": _static.clip_global}[name]
-  try:
-    transformation = clipper(value)
-  except (TypeError, ValueError) as err:
-    raise type(err)(f"clipped: {name}: {err}") from None
-  return optax.chain(transformation, inner)
+  return optax.chain(clipper(value), inner)

@@ -31,24 +31,31 @@ Shapes (a small fixed set: each new shape compiles again)
   ``shapes(choices=SHAPES, large=False)``: strategy.
 
 Values
-  ``exponents(dtype)``: binary exponents over the whole finite range of the
-  dtype, piled up at the edges (subnormal, smallest normal, 2**126 and
-  around, near the largest finite).
-  ``limits(dtype=float32)``: a clip limit as a Python float exactly
-  representable in float32 (0, subnormal excluded, tiny, ordinary, huge, inf).
-  ``arrays(dtype, shape, nonfinite=False, zeros=True)``: one leaf. Elements
-  are ``sign * 2**(e - spread * u) * mantissa`` from a drawn seed (NumPy
-  generates them, so large leaves cost no more to draw), with the dtype's
+  ``exponents(dtype, magnitudes="all")``: binary exponents over the whole
+  finite range of the dtype, piled up at the edges (subnormal, smallest
+  normal, 2**126 and around, near the largest finite); ``"ordinary"``
+  (2**-40..2**40, no overflow or underflow) or ``"extreme"`` (edges only).
+  ``MAGNITUDES``: the three names. Every value strategy below takes
+  ``magnitudes=``.
+  ``limits(zero=True, inf=True, magnitudes="all")``: a clip limit as a
+  Python float exactly representable in float32 (0, subnormal excluded,
+  tiny, ordinary, huge, inf).
+  ``arrays(dtype, shape, nonfinite=False, magnitudes="all")``: one leaf.
+  Elements are ``sign * 2**(e - spread * u) * mantissa`` from a drawn seed
+  (NumPy generates them, so large leaves cost no more to draw), the dtype's
   extremes (0, smallest subnormal, smallest normal, largest finite) put at
-  drawn places; ``nonfinite=True`` sprinkles NaN / +inf / -inf (maybe none:
-  use ``has_nonfinite`` to branch).
+  drawn places; ``nonfinite=True`` sprinkles NaN / +inf / -inf (maybe none
+  in one leaf; a tree of :func:`trees` then holds at least one, unless all
+  its leaves are empty).
   ``trees(dtypes=REAL, shapes=SHAPES, min_leaves=0, max_leaves=4,
-  nonfinite=False, large=False)``: a pytree of such leaves in dict / list
-  nesting (an empty tree when 0 leaves).
-  ``like(tree, nonfinite=False)``: a strategy of a tree
+  nonfinite=False, large=False, magnitudes="all")``: a pytree of such
+  leaves in dict / list nesting (an empty tree when 0 leaves).
+  ``like(tree, nonfinite=False, magnitudes="all")``: a strategy of a tree
   of the same structure, shapes and dtypes (params for clip_unitwise).
-  ``per_example_trees(batch_sizes=(1, 2, 4, 8), ...)``: every leaf with a
-  leading batch axis; whole examples may be zero, huge or non-finite.
+  ``per_example_trees(batch_sizes=(1, 2, 4, 8), ..., nonfinite=False,
+  magnitudes="ordinary", huge=True)``: every leaf with a leading batch
+  axis; whole examples may be zero, huge (half the dtype's largest value)
+  or non-finite.
   ``has_nonfinite(tree)``, ``leaves(tree)``.
 
 Clipper configurations
@@ -74,6 +81,8 @@ Float64 oracles (NumPy, no JAX)
   subnormals to zero needs (the dtype's smallest normal): values below it may
   come back as 0, a platform behaviour, not a clipper's.
   ``round_tol(dtype)``: the relative rounding of one element of that dtype.
+  ``oracle_per_example(leaves, l2_clip, scope)`` -> ``(sum, contributions,
+  nonfinite)`` of ``clip_per_example(..., reduce="sum")`` without noise.
 
 Running under JAX
   ``to_jax(tree)``: the host tree as JAX arrays (call inside :func:`x64`).
@@ -82,6 +91,8 @@ Running under JAX
   reuse one compiled program.
   ``step_runner(config)``: cached ``(tx, jit((g, state, params) ->
   (updates, state)))`` for histories of adaptive clippers and guard.
+  ``sharded_runner(config, n)``: the same with every leaf split along its
+  first axis over ``n`` devices in ``shard_map`` (``axis_name="d"``).
   ``mesh(n)``: a 1-D mesh of the first ``n`` devices, axis ``"d"``.
 """
 
@@ -90,6 +101,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -100,6 +112,7 @@ import ml_dtypes
 import numpy as np
 import optax
 
+import fast_compile
 import np_refs
 import optaxclip
 
@@ -108,11 +121,11 @@ import optaxclip
 # --------------------------------------------------------------------------
 
 DTYPES = {
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "complex64": np.dtype(np.complex64),
+  "float16": np.dtype(np.float16),
+  "bfloat16": np.dtype(ml_dtypes.bfloat16),
+  "float32": np.dtype(np.float32),
+  "float64": np.dtype(np.float64),
+  "complex64": np.dtype(np.complex64),
 }
 REAL = ("float16", "bfloat16", "float32", "float64")
 LOW = ("float16", "bfloat16")
@@ -129,7 +142,8 @@ def leaves(tree) -> list:
 
 def uses_x64(tree_or_names) -> bool:
   if isinstance(tree_or_names, (tuple, list)) and all(
-      isinstance(n, str) for n in tree_or_names):
+    isinstance(n, str) for n in tree_or_names
+  ):
     return "float64" in tree_or_names
   return any(np.asarray(x).dtype == np.float64 for x in leaves(tree_or_names))
 
@@ -143,8 +157,11 @@ def x64(tree_or_names=("float64",)):
 
 def _real(dtype) -> np.dtype:
   dtype = np.dtype(dtype)
-  return np.dtype(np.float32) if dtype == np.complex64 else (
-      np.dtype(np.float64) if dtype == np.complex128 else dtype)
+  return (
+    np.dtype(np.float32)
+    if dtype == np.complex64
+    else (np.dtype(np.float64) if dtype == np.complex128 else dtype)
+  )
 
 
 def _finfo(dtype):
@@ -191,28 +208,66 @@ def _exponent_range(dtype) -> tuple[int, int, int]:
   return min_sub, min_normal, int(info.maxexp) - 1
 
 
-def exponents(dtype):
-  """Binary exponents over the whole finite range, piled up at the edges."""
+MAGNITUDES = ("all", "ordinary", "extreme")
+
+
+def exponents(dtype, magnitudes="all"):
+  """Binary exponents of the dtype's finite range, piled up at the edges.
+
+  ``magnitudes``: ``"all"`` (the whole range), ``"ordinary"`` (2**-40 to
+  2**40 within the dtype's normal range: no overflow or underflow anywhere)
+  or ``"extreme"`` (the edges only: subnormals, the smallest normals, 2**126
+  and around, the largest finite values).
+  """
   lo, normal, hi = _exponent_range(dtype)
-  edges = sorted({lo, lo + 1, normal - 1, normal, normal + 1, -1, 0, 1,
-                  min(hi, 63), min(hi, 64), min(hi, 125), min(hi, 126),
-                  min(hi, 127), hi - 1, hi})
-  return st.one_of(st.sampled_from(edges), st.integers(lo, hi))
+  edges = sorted(
+    {
+      lo,
+      lo + 1,
+      normal - 1,
+      normal,
+      normal + 1,
+      min(hi, 125),
+      min(hi, 126),
+      min(hi, 127),
+      hi - 1,
+      hi,
+    }
+  )
+  ordinary = st.integers(max(normal + 12, -40), min(hi - 2, 40))
+  if magnitudes == "ordinary":
+    return ordinary
+  if magnitudes == "extreme":
+    return st.sampled_from(edges)
+  return st.one_of(
+    st.sampled_from(edges + [-1, 0, 1, min(hi, 63), min(hi, 64)]),
+    st.integers(lo, hi),
+  )
 
 
-def limits(dtype=np.float32, zero=True, inf=True):
+def _ldexp32(m, e) -> float:
+  return float(np.float32(math.ldexp(m, e)))
+
+
+def limits(zero=True, inf=True, magnitudes="all"):
   """A clip limit, exactly representable in float32 and not subnormal.
 
   Subnormal limits are left out: XLA:CPU flushes them to zero, a platform
-  behaviour that no clipper can change.
+  behaviour that no clipper can change. ``magnitudes="ordinary"``: 2**-40
+  to 2**40 (with 0 and inf unless excluded).
   """
-  lo, normal, hi = _exponent_range(np.float32)
-  del lo
+  _, normal, hi = _exponent_range(np.float32)
+  exps = (
+    st.integers(-40, 40)
+    if magnitudes == "ordinary"
+    else st.one_of(
+      st.sampled_from((normal + 1, -20, -1, 0, 1, 2, 20, 64, 100, hi)),
+      st.integers(normal + 1, hi),
+    )
+  )
   finite = st.builds(
-      lambda m, e: float(np.float32(math.ldexp(m, e))),
-      st.sampled_from((0.5, 0.75, 0.6180339887, 0.9999999)),
-      st.one_of(st.sampled_from((normal + 1, -20, -1, 0, 1, 2, 20, 64, 100,
-                                 hi)), st.integers(normal + 1, hi)))
+    _ldexp32, st.sampled_from((0.5, 0.75, 0.6180339887, 0.9999999)), exps
+  )
   options = [finite]
   if zero:
     options.append(st.just(0.0))
@@ -231,14 +286,18 @@ NONFINITE = (math.nan, math.inf, -math.inf)
 
 
 @st.composite
-def _elements(draw, dtype, size):
+def _elements(draw, dtype, size, magnitudes="all"):
   """``size`` float64 values in the finite range of ``dtype`` (real part)."""
   lo, _, hi = _exponent_range(dtype)
   seed = draw(st.integers(0, 2**32 - 1))
   rng = np.random.default_rng(seed)
   kind = draw(st.sampled_from(("spread", "constant", "zeros", "one_hot")))
-  top = draw(exponents(dtype))
-  spread = draw(st.sampled_from((0, 2, 10, 60, hi - lo)))
+  top = draw(exponents(dtype, magnitudes))
+  spread = draw(
+    st.sampled_from(
+      (0, 2, 10) if magnitudes == "ordinary" else (0, 2, 10, 60, hi - lo)
+    )
+  )
   e = top - np.floor(spread * rng.random(size)).astype(np.int64)
   e = np.clip(e, lo, hi)
   mant = 0.5 + 0.5 * rng.random(size)
@@ -252,23 +311,28 @@ def _elements(draw, dtype, size):
     values = np.zeros(size)
     if size:
       values[rng.integers(size)] = math.ldexp(0.75, top)
-  if size and draw(st.booleans()):
+  if size and magnitudes != "ordinary" and draw(st.booleans()):
     info = _finfo(dtype)
-    extremes = (0.0, math.ldexp(1.0, lo), float(info.tiny), float(info.max),
-                -float(info.max))
+    extremes = (
+      0.0,
+      math.ldexp(1.0, lo),
+      float(info.tiny),
+      float(info.max),
+      -float(info.max),
+    )
     for _ in range(draw(st.integers(1, 3))):
       values[draw(st.integers(0, size - 1))] = draw(st.sampled_from(extremes))
   return values
 
 
 @st.composite
-def arrays(draw, dtype, shape, nonfinite=False):
+def arrays(draw, dtype, shape, nonfinite=False, magnitudes="all"):
   """One leaf of ``dtype`` and ``shape`` (see the module docstring)."""
   dtype = np.dtype(DTYPES.get(dtype, dtype))
   size = math.prod(shape)
-  real = _cast(draw(_elements(dtype, size)), dtype)
+  real = _cast(draw(_elements(dtype, size, magnitudes)), dtype)
   if np.issubdtype(dtype, np.complexfloating):
-    imag = _cast(draw(_elements(dtype, size)), dtype)
+    imag = _cast(draw(_elements(dtype, size, magnitudes)), dtype)
     x = (real.astype(dtype) + 1j * imag.astype(dtype)).astype(dtype)
   else:
     x = real.astype(dtype)
@@ -294,72 +358,113 @@ def _nest(draw, items: list) -> Any:
   kind = draw(st.sampled_from(("dict", "list")))
   cut = draw(st.integers(1, len(items)))
   groups = [items[:cut], items[cut:]] if cut < len(items) else [items]
-  children = [(_nest(draw, g) if len(g) > 1 or draw(st.booleans()) else g[0])
-              for g in groups]
+  children = [
+    (_nest(draw, g) if len(g) > 1 or draw(st.booleans()) else g[0])
+    for g in groups
+  ]
   if kind == "list":
     return children
   return {f"k{i}": child for i, child in enumerate(children)}
 
 
 @st.composite
-def trees(draw, dtypes=REAL, shapes=SHAPES, min_leaves=0, max_leaves=4,
-          nonfinite=False, large=False):
-  """A pytree of :func:`arrays` leaves in dict / list nesting."""
+def trees(
+  draw,
+  dtypes=REAL,
+  shapes=SHAPES,
+  min_leaves=0,
+  max_leaves=4,  # pylint: disable=redefined-outer-name
+  nonfinite=False,
+  large=False,
+  magnitudes="all",
+):
+  """A pytree of :func:`arrays` leaves in dict / list nesting; each leaf
+  draws its own magnitudes (see :func:`exponents`).
+  """
   n = draw(st.integers(min_leaves, max_leaves))
   items = []
   for i in range(n):
     shape = draw(globals()["shapes"](shapes, large=large and i == 0))
     dtype = draw(dtype_names(dtypes))
-    items.append(draw(arrays(dtype, shape, nonfinite=nonfinite)))
+    items.append(
+      draw(arrays(dtype, shape, nonfinite=nonfinite, magnitudes=magnitudes))
+    )
+  sized = [x for x in items if x.size]
+  if nonfinite and sized and not has_nonfinite(items):
+    # At least one NaN / Inf somewhere (the other leaves may stay finite).
+    x = sized[draw(st.integers(0, len(sized) - 1))].reshape(-1)
+    x[draw(st.integers(0, x.size - 1))] = draw(st.sampled_from(NONFINITE))
   return _nest(draw, items)
 
 
 @st.composite
-def like(draw, tree, nonfinite=False):
+def like(draw, tree, nonfinite=False, magnitudes="all"):
   """A tree with the structure, shapes and dtypes of ``tree``."""
   flat, treedef = jax.tree.flatten(tree)
-  return jax.tree.unflatten(treedef, [
-      draw(arrays(np.asarray(x).dtype, np.shape(x), nonfinite=nonfinite))
-      for x in flat])
+  return jax.tree.unflatten(
+    treedef,
+    [
+      draw(
+        arrays(
+          np.asarray(x).dtype,
+          np.shape(x),
+          nonfinite=nonfinite,
+          magnitudes=magnitudes,
+        )
+      )
+      for x in flat
+    ],
+  )
 
 
 @st.composite
-def per_example_trees(draw, batch_sizes=(1, 2, 4, 8), dtypes=("float32",),
-                      shapes=((), (3,), (2, 2)), max_leaves=3,
-                      nonfinite=False):
-  """Leaves with a leading batch axis; some whole examples zero, huge (above
-  2**126) or non-finite.
+def per_example_trees(
+  draw,
+  batch_sizes=(1, 2, 4, 8),
+  dtypes=("float32",),
+  shapes=((), (3,), (2, 2)),
+  max_leaves=3,
+  nonfinite=False,
+  magnitudes="ordinary",
+  huge=True,
+):
+  """Leaves with a leading batch axis; some whole examples zero, huge (with
+  ``huge``: half the dtype's largest value in every element, far above
+  2**126) or, with ``nonfinite``, holding a NaN / Inf.
   """
   batch = draw(st.sampled_from(tuple(batch_sizes)))
   n = draw(st.integers(1, max_leaves))
   items = []
   for _ in range(n):
     shape = (batch,) + draw(st.sampled_from(tuple(shapes)))
-    items.append(draw(arrays(draw(dtype_names(dtypes)), shape)))
+    dtype = draw(dtype_names(dtypes))
+    items.append(draw(arrays(dtype, shape, magnitudes=magnitudes)))
+  kinds = ("keep", "keep", "zero") + (("huge",) if huge else ())
+  kinds += ("nonfinite", "nonfinite") if nonfinite else ()
   for b in range(batch):
-    what = draw(st.sampled_from(
-        ("keep", "keep", "zero", "huge") + (("nonfinite",) if nonfinite
-                                            else ())))
-    if what == "keep":
-      continue
+    what = draw(st.sampled_from(kinds))
     for x in items:
+      rows = x.reshape(batch, -1)  # a view: writes go to x
       if what == "zero":
-        x[b] = 0
+        rows[b] = 0
       elif what == "huge":
-        top = float(_finfo(x.dtype).max)
-        x[b] = np.asarray(np.sign(x[b].astype(np.float64)) * top * 0.5,
-                          ).astype(x.dtype)
-      elif x[b].size:
-        x[b].reshape(-1)[draw(st.integers(0, x[b].size - 1))] = draw(
-            st.sampled_from(NONFINITE))
+        top = float(_finfo(x.dtype).max) * 0.5
+        rows[b] = np.where(rows[b].astype(np.float64) < 0, -top, top)
+      elif what == "nonfinite" and rows.shape[1]:
+        i = draw(st.integers(0, rows.shape[1] - 1))
+        rows[b, i] = draw(st.sampled_from(NONFINITE))
   return _nest(draw, items)
 
 
 def has_nonfinite(tree) -> bool:
-  return any(not np.all(np.isfinite(np.asarray(x, np.complex128
-                                               if np.iscomplexobj(x)
-                                               else np.float64)))
-             for x in leaves(tree))
+  return any(
+    not np.all(
+      np.isfinite(
+        np.asarray(x, np.complex128 if np.iscomplexobj(x) else np.float64)
+      )
+    )
+    for x in leaves(tree)
+  )
 
 
 # --------------------------------------------------------------------------
@@ -367,17 +472,29 @@ def has_nonfinite(tree) -> bool:
 # --------------------------------------------------------------------------
 
 _FIRST_ARG = {
-    "clip_value": "max_delta", "clip_norm": "max_norm",
-    "clip_global": "max_norm", "clip_block_rms": "threshold",
-    "clip_unitwise": "clipping", "clip_per_example": "l2_clip",
-    "clipvalue": "clipvalue", "clipnorm": "clipnorm",
-    "global_clipnorm": "global_clipnorm",
+  "clip_value": "max_delta",
+  "clip_norm": "max_norm",
+  "clip_global": "max_norm",
+  "clip_block_rms": "threshold",
+  "clip_unitwise": "clipping",
+  "clip_per_example": "l2_clip",
+  "clipvalue": "clipvalue",
+  "clipnorm": "clipnorm",
+  "global_clipnorm": "global_clipnorm",
 }
-STATIC = ("clip_value", "clip_norm", "clip_global", "clip_block_rms",
-          "clip_unitwise")
+STATIC = (
+  "clip_value",
+  "clip_norm",
+  "clip_global",
+  "clip_block_rms",
+  "clip_unitwise",
+)
 ADAPTIVE = ("clip_zscore", "clip_percentile", "clip_relative")
-CLIPPED_KINDS = {"clipvalue": "clip_value", "clipnorm": "clip_norm",
-                 "global_clipnorm": "clip_global"}
+CLIPPED_KINDS = {
+  "clipvalue": "clip_value",
+  "clipnorm": "clip_norm",
+  "global_clipnorm": "clip_global",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,6 +505,7 @@ class Config:
   ``clipped(optax.identity(), <kind>=limit)``, or ``"guard.<inner>"``
   (inner: ``"clip_global"`` or ``"identity"``).
   """
+
   name: str
   kwargs: tuple = ()
 
@@ -421,8 +539,7 @@ class Config:
 
   @property
   def limit(self) -> float | None:
-    key = _FIRST_ARG.get(self.name.split(".")[-1]) or _FIRST_ARG.get(
-        self.name)
+    key = _FIRST_ARG.get(self.name.split(".")[-1]) or _FIRST_ARG.get(self.name)
     return self.kw.get(key)
 
   def with_limit(self, limit) -> Config:
@@ -441,8 +558,11 @@ class Config:
     if self.name.startswith("guard."):
       inner_name = self.name.split(".")[1]
       inner_limit = kw.pop("inner_limit", 1.0)
-      inner = (optax.identity() if inner_name == "identity"
-               else optaxclip.clip_global(inner_limit))
+      inner = (
+        optax.identity()
+        if inner_name == "identity"
+        else optaxclip.clip_global(inner_limit)
+      )
       return optaxclip.guard(inner, **kw)
     return getattr(optaxclip, self.name)(**kw)
 
@@ -456,13 +576,15 @@ AXES = (None, 0, -1, (0, 1))
 
 
 def ord_value(o) -> float:
-  return 2.0 if o is None else (math.inf if o in ("inf", math.inf)
-                                else float(o))
+  return (
+    2.0 if o is None else (math.inf if o in ("inf", math.inf) else float(o))
+  )
 
 
 @st.composite
-def static_configs(draw, names=STATIC + ("clipped",), ords=ORDS, axes=(None,),
-                   limit=None):
+def static_configs(
+  draw, names=STATIC + ("clipped",), ords=ORDS, axes=(None,), limit=None
+):
   """A static clipper; ``limit`` None leaves the first argument at 1.0 (set
   it with ``Config.with_limit`` or pass it to ``static_runner``).
   """
@@ -471,15 +593,18 @@ def static_configs(draw, names=STATIC + ("clipped",), ords=ORDS, axes=(None,),
   if name == "clip_value":
     return _config(name, max_delta=lim)
   if name == "clip_norm":
-    return _config(name, max_norm=lim, ord=draw(st.sampled_from(ords)),
-                   axis=draw(st.sampled_from(tuple(axes))))
+    return _config(
+      name,
+      max_norm=lim,
+      ord=draw(st.sampled_from(ords)),
+      axis=draw(st.sampled_from(tuple(axes))),
+    )
   if name == "clip_global":
     return _config(name, max_norm=lim, ord=draw(st.sampled_from(ords)))
   if name == "clip_block_rms":
     return _config(name, threshold=lim)
   if name == "clip_unitwise":
-    return _config(name, clipping=lim,
-                   eps=draw(st.sampled_from((1e-3, 0.0))))
+    return _config(name, clipping=lim, eps=draw(st.sampled_from((1e-3, 0.0))))
   kind = draw(st.sampled_from(tuple(CLIPPED_KINDS)))
   return _config(f"clipped.{kind}", **{kind: lim})
 
@@ -491,31 +616,41 @@ def adaptive_configs(draw, names=ADAPTIVE, scopes=("global", "leaf")):
   if name == "clip_zscore":
     mode = draw(st.sampled_from(("zscore", "percentile")))
     return _config(
-        name, warmup_steps=draw(st.sampled_from((1, 3))),
-        alpha=draw(st.sampled_from((0.5, 0.97))),
-        z_thresh=draw(st.sampled_from((1.0, 2.5))),
-        max_norm=draw(st.sampled_from((None, 1.0, 1e30))), mode=mode,
-        clip_option=draw(st.sampled_from(("adaptive_scaling", "mean"))),
-        skip_update_on_spike=draw(st.booleans()),
-        scope=draw(st.sampled_from(tuple(scopes))))
+      name,
+      warmup_steps=draw(st.sampled_from((1, 3))),
+      alpha=draw(st.sampled_from((0.5, 0.97))),
+      z_thresh=draw(st.sampled_from((1.0, 2.5))),
+      max_norm=draw(st.sampled_from((None, 1.0, 1e30))),
+      mode=mode,
+      clip_option=draw(st.sampled_from(("adaptive_scaling", "mean"))),
+      skip_update_on_spike=draw(st.booleans()),
+      scope=draw(st.sampled_from(tuple(scopes))),
+    )
   if name == "clip_percentile":
-    return _config(name, percentile=draw(st.sampled_from((0.0, 10.0, 50.0,
-                                                          100.0))),
-                   history=draw(st.sampled_from((1, 4))),
-                   scope=draw(st.sampled_from(tuple(scopes))))
-  return _config(name, factor=draw(st.sampled_from((1.0, 1.05, 2.0))),
-                 beta=draw(st.sampled_from((0.5, 0.98))),
-                 warmup_steps=draw(st.sampled_from((1, 3))),
-                 warmup_max_norm=draw(st.sampled_from((1.0, 1e30, math.inf))))
+    return _config(
+      name,
+      percentile=draw(st.sampled_from((0.0, 10.0, 50.0, 100.0))),
+      history=draw(st.sampled_from((1, 4))),
+      scope=draw(st.sampled_from(tuple(scopes))),
+    )
+  return _config(
+    name,
+    factor=draw(st.sampled_from((1.0, 1.05, 2.0))),
+    beta=draw(st.sampled_from((0.5, 0.98))),
+    warmup_steps=draw(st.sampled_from((1, 3))),
+    warmup_max_norm=draw(st.sampled_from((1.0, 1e30, math.inf))),
+  )
 
 
 @st.composite
 def guard_configs(draw):
   inner = draw(st.sampled_from(("clip_global", "identity")))
-  kw = {"spike_z": draw(st.sampled_from((None, 1.0, 3.0))),
-        "max_norm": draw(st.sampled_from((None, 1e3, 1e30))),
-        "warmup_steps": draw(st.sampled_from((1, 3))),
-        "alpha": draw(st.sampled_from((0.5, 0.97)))}
+  kw = {
+    "spike_z": draw(st.sampled_from((None, 1.0, 3.0))),
+    "max_norm": draw(st.sampled_from((None, 1e4, 1e30))),
+    "warmup_steps": draw(st.sampled_from((1, 3))),
+    "alpha": draw(st.sampled_from((0.5, 0.97))),
+  }
   if inner == "clip_global":
     kw["inner_limit"] = 1.0
   return _config(f"guard.{inner}", **kw)
@@ -523,11 +658,21 @@ def guard_configs(draw):
 
 @st.composite
 def per_example_configs(draw, l2_clips=None):
-  l2 = draw(l2_clips if l2_clips is not None else st.sampled_from(
-      (0.0, 1e-30, 1.0, 1e30)))
-  return _config("clip_per_example", l2_clip=l2,
-                 scope=draw(st.sampled_from(("global", "layer"))),
-                 reduce="sum")
+  """clip_per_example without noise, ``reduce="sum"`` (the sum each
+  example moves by at most ``l2_clip``); ``l2_clip`` drawn from 0, tiny, 1,
+  huge and inf unless ``l2_clips`` (a strategy) is given.
+  """
+  l2 = draw(
+    l2_clips
+    if l2_clips is not None
+    else st.sampled_from((0.0, 1e-30, 1.0, 1e30, math.inf))
+  )
+  return _config(
+    "clip_per_example",
+    l2_clip=l2,
+    scope=draw(st.sampled_from(("global", "leaf"))),
+    reduce="sum",
+  )
 
 
 # --------------------------------------------------------------------------
@@ -536,36 +681,58 @@ def per_example_configs(draw, l2_clips=None):
 
 
 def _f64(x) -> np.ndarray:
-  return np_refs.f64(np.asarray(x).astype(
-      np.complex128 if np.iscomplexobj(x) else np.float64))
+  return np_refs.f64(
+    np.asarray(x).astype(np.complex128 if np.iscomplexobj(x) else np.float64)
+  )
+
+
+# The oracle's measures and factors are computed in NumPy's longdouble (80-bit
+# extended on x86-64: float64's 53-bit mantissa or more, exponents to 1e4932),
+# so that the norm of float64 leaves near their largest value, which float64
+# cannot hold, still gives the right factor.
+_WIDE = np.longdouble
+
+
+def _abs_wide(x) -> np.ndarray:
+  x = np.asarray(x)
+  if np.iscomplexobj(x):
+    x = x.astype(np.complex128)
+    return np.hypot(x.real.astype(_WIDE), x.imag.astype(_WIDE))
+  if x.dtype != _WIDE:
+    x = x.astype(np.float64)
+  return np.abs(x.astype(_WIDE))
 
 
 def _unit_pnorm(x, p, axes):
-  """The p-norm of each unit of ``x`` (reduced axes kept), float64."""
-  a = np.abs(_f64(x))
+  """The p-norm of each unit of ``x`` (reduced axes kept), in longdouble."""
+  a = _abs_wide(x)
   axes = tuple(range(a.ndim)) if axes is None else axes
   if a.size == 0:
     shape = tuple(1 if i in axes else d for i, d in enumerate(a.shape))
-    return np.zeros(shape)
+    return np.zeros(shape, _WIDE)
   if math.isinf(p):
     return np.max(a, axis=axes, keepdims=True)
   with np.errstate(over="ignore", under="ignore", invalid="ignore"):
     m = np.max(a, axis=axes, keepdims=True)
     safe = np.where((m > 0) & np.isfinite(m), m, 1.0)
-    q = np.sum((a / safe) ** p, axis=axes, keepdims=True) ** (1.0 / p)
+    q = np.sum((a / safe) ** p, axis=axes, keepdims=True) ** (_WIDE(1) / p)
     return np.where(np.isfinite(m), np.where(m > 0, m * q, 0.0), m)
 
 
-def _combine(values, p) -> float:
-  flat = np.concatenate([np.ravel(v) for v in values]) if values else (
-      np.zeros(0))
-  return float(_unit_pnorm(flat, p, None).reshape(())) if flat.size else 0.0
+def _combine(values, p):
+  flat = (
+    np.concatenate([np.ravel(v) for v in values]) if values else (np.zeros(0))
+  )
+  return _unit_pnorm(flat, p, None).reshape(()) if flat.size else _WIDE(0)
 
 
-def measure_tree(tree_leaves, ord=2.0) -> float:
-  """The global ``ord``-norm of a list of leaves, float64 (overflow-safe)."""
-  return _combine([_unit_pnorm(x, ord_value(ord), None) for x in tree_leaves],
-                  ord_value(ord))
+def measure_tree(tree_leaves, ord=2.0) -> float:  # pylint: disable=redefined-builtin
+  """The global ``ord``-norm of a list of leaves (overflow-safe; may exceed
+  float64's range, then returned as a longdouble).
+  """
+  return _combine(
+    [_unit_pnorm(x, ord_value(ord), None) for x in tree_leaves], ord_value(ord)
+  )
 
 
 def _norm_axes(x, axis) -> tuple | None:
@@ -576,9 +743,21 @@ def _norm_axes(x, axis) -> tuple | None:
 
 
 def _factor(measure, limit):
+  limit = np.asarray(limit, _WIDE)
   with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-    return np.where(measure > limit, limit / np.where(measure > limit,
-                                                      measure, 1.0), 1.0)
+    return np.where(
+      measure > limit, limit / np.where(measure > limit, measure, 1.0), 1.0
+    )
+
+
+def _times(x, factor) -> np.ndarray:
+  """``x * factor`` in longdouble, returned as float64 / complex128."""
+  x = _f64(x)
+  if np.iscomplexobj(x):
+    return (x.real.astype(_WIDE) * factor).astype(np.float64) + 1j * (
+      x.imag.astype(_WIDE) * factor
+    ).astype(np.float64)
+  return (x.astype(_WIDE) * factor).astype(np.float64)
 
 
 @dataclasses.dataclass
@@ -598,69 +777,132 @@ def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
   xs = [_f64(x) for x in tree_leaves]
   limit = float(limit)
   if name == "clip_value":
+
     def unit_measure(ls):
-      return [np.abs(_f64(x)) for x in ls]
+      return [_abs_wide(x) for x in ls]
+
     measures = unit_measure(xs)
     lims = [np.full(m.shape, limit) for m in measures]
     p = math.inf
   elif name == "clip_global":
     p = ord_value(kw.get("ord"))
+
     def unit_measure(ls):
       total = measure_tree(ls, p)
       return [np.full((1,) * np.ndim(x), total) for x in ls]
+
     measures = unit_measure(xs)
     lims = [np.full(m.shape, limit) for m in measures]
   elif name == "clip_norm":
-    p = ord_value(kw.get("ord") if not config.name.startswith("clipped")
-                  else None)
+    p = ord_value(
+      kw.get("ord") if not config.name.startswith("clipped") else None
+    )
     axis = kw.get("axis")
+
     def unit_measure(ls):
       return [_unit_pnorm(x, p, _norm_axes(x, axis)) for x in ls]
+
     measures = unit_measure(xs)
     lims = [np.full(m.shape, limit) for m in measures]
   elif name == "clip_block_rms":
     p = 2.0
+
     def unit_measure(ls):
       return [_unit_pnorm(x, 2.0, None) for x in ls]
+
     measures = unit_measure(xs)
-    lims = [np.full(m.shape, limit * math.sqrt(max(x.size, 1))) for m, x in
-            zip(measures, xs)]
+    lims = [
+      np.full(m.shape, _WIDE(limit) * _WIDE(math.sqrt(max(x.size, 1))))
+      for m, x in zip(measures, xs)
+    ]
   elif name == "clip_unitwise":
     p = 2.0
     axes = [optaxclip.default_unit_axes(np.asarray(x)) for x in xs]
+
     def unit_measure(ls):
       return [_unit_pnorm(x, 2.0, a) for x, a in zip(ls, axes)]
+
     measures = unit_measure(xs)
     eps = kw.get("eps", 1e-3)
-    lims = [limit * np.maximum(_unit_pnorm(w, 2.0, a), eps)
-            for w, a in zip(params, axes)]
+    lims = [
+      _WIDE(limit) * np.maximum(_unit_pnorm(w, 2.0, a), eps)
+      for w, a in zip(params, axes)
+    ]
   else:
     raise ValueError(f"no static oracle for {config!r}")
   if name == "clip_value":
-    out = [np.where(m > lim, x * _factor(m, lim), x)
-           for x, m, lim in zip(xs, measures, lims)]
+    out = [
+      np.where(m > lim, _times(x, _factor(m, lim)), x)
+      for x, m, lim in zip(xs, measures, lims)
+    ]
     factors = [_factor(m, lim) for m, lim in zip(measures, lims)]
     total = sum(m.size for m in measures)
     biggest = max((float(m.max()) for m in measures if m.size), default=0.0)
-    stats = {"norm": biggest, "clipped_norm": min(biggest, limit),
-             "clip_fraction": sum(int(np.sum(m > lim)) for m, lim in
-                                  zip(measures, lims)) / max(total, 1)}
+    # clip_value's measure is one element's magnitude: float64 holds it.
+    stats = {
+      "norm": biggest,
+      "clipped_norm": min(biggest, limit),
+      "clip_fraction": sum(
+        int(np.sum(m > lim)) for m, lim in zip(measures, lims)
+      )
+      / max(total, 1),
+    }
   else:
     factors = [_factor(m, lim) for m, lim in zip(measures, lims)]
-    out = [x * f for x, f in zip(xs, factors)]
+    out = [_times(x, f) for x, f in zip(xs, factors)]
     if name == "clip_global":
-      norm = measures[0].reshape(-1)[0] if measures else 0.0
-      f = float(factors[0].reshape(-1)[0]) if factors else 1.0
-      stats = {"norm": float(norm), "clipped_norm": float(norm) * f,
-               "clip_fraction": float(f < 1)}
+      norm = measures[0].reshape(-1)[0] if measures else _WIDE(0)
+      f = factors[0].reshape(-1)[0] if factors else _WIDE(1)
+      stats = {
+        "norm": float(norm),
+        "clipped_norm": float(norm * f),
+        "clip_fraction": float(f < 1),
+      }
     else:
       units = sum(m.size for m in measures)
-      stats = {"norm": _combine(measures, p),
-               "clipped_norm": _combine([m * f for m, f in
-                                         zip(measures, factors)], p),
-               "clip_fraction": sum(int(np.sum(f < 1)) for f in factors)
-                                / max(units, 1)}
+      stats = {
+        "norm": float(_combine(measures, p)),
+        "clipped_norm": float(
+          _combine([m * f for m, f in zip(measures, factors)], p)
+        ),
+        "clip_fraction": sum(int(np.sum(f < 1)) for f in factors)
+        / max(units, 1),
+      }
   return Oracle(out, measures, lims, factors, stats, unit_measure)
+
+
+def oracle_per_example(tree_leaves, l2_clip, scope="global"):
+  """What ``clip_per_example(l2_clip, scope=scope, reduce="sum")`` without
+  noise must return: ``(sum, contributions, nonfinite)`` with ``sum`` the
+  float64 leaves, ``contributions[b]`` example ``b``'s clipped leaves (zero
+  for an example holding a NaN / Inf) and ``nonfinite`` their count.
+  """
+  xs = [_f64(x) for x in tree_leaves]
+  batch = xs[0].shape[0] if xs else 0
+  k = len(xs)
+  contributions, nonfinite = [], 0
+  for b in range(batch):
+    parts = [x[b] for x in xs]
+    if not all(np.all(np.isfinite(p)) for p in parts):
+      nonfinite += 1
+      contributions.append([np.zeros_like(p) for p in parts])
+      continue
+    if scope == "global":
+      norm = measure_tree(parts)
+      f = _factor(norm, l2_clip)
+      contributions.append([_times(p, f) for p in parts])
+    else:
+      limit = _WIDE(l2_clip) / _WIDE(math.sqrt(k))
+      contributions.append(
+        [_times(p, _factor(_unit_pnorm(p, 2.0, None), limit)) for p in parts]
+      )
+  total = [
+    np.sum([c[i] for c in contributions], axis=0)
+    if batch
+    else np.zeros(x.shape[1:])
+    for i, x in enumerate(xs)
+  ]
+  return total, contributions, nonfinite
 
 
 # --------------------------------------------------------------------------
@@ -672,22 +914,79 @@ def to_jax(tree):
   return jax.tree.map(jnp.asarray, tree)
 
 
+class FastJit:
+  """``jax.jit(fn)`` compiled with ``fast_compile.OPTIONS`` (no LLVM
+  optimisation: about half the compile time of these small programs, which
+  dominates a fuzz example), one executable per argument signature (shapes,
+  dtypes, x64 mode and tree structure).
+  """
+
+  def __init__(self, fn):
+    self.jitted = jax.jit(fn)
+    self.compiled = {}
+
+  def __call__(self, *args):
+    flat, treedef = jax.tree.flatten(args)
+    key = (
+      treedef,
+      tuple((np.shape(x), jnp.result_type(x)) for x in flat),
+      jax.config.jax_enable_x64,
+    )
+    if key not in self.compiled:
+      self.compiled[key] = fast_compile.compile_fast(self.jitted.lower(*args))
+    return self.compiled[key](*args)
+
+
 @functools.cache
 def static_runner(config: Config):
-  """``jit((g, limit, params) -> (updates, state))``, the limit traced."""
+  """``(g, limit, params) -> (updates, state)`` jitted, the limit traced."""
+
   def run(g, limit, params):
     tx = config.make(limit)
     return tx.update(g, tx.init(g if params is None else params), params)
-  return jax.jit(run)
+
+  return FastJit(run)
 
 
 @functools.cache
 def step_runner(config: Config):
-  """``(tx, jit((g, state, params) -> (updates, state)))`` of a concrete
-  config: ``tx.init`` starts a history, the jitted step continues it.
+  """``(tx, step)`` of a concrete config: ``tx.init`` starts a history, the
+  jitted ``step(g, state, params) -> (updates, state)`` continues it.
   """
   tx = config.make()
-  return tx, jax.jit(tx.update)
+  return tx, FastJit(tx.update)
+
+
+@functools.cache
+def sharded_runner(config: Config, n: int):
+  """:func:`static_runner` with every leaf split along its first axis over
+  ``n`` devices inside ``shard_map`` (the clipper built with
+  ``axis_name="d"``); the statistics come back from device 0.
+  """
+  kw = dict(config.kwargs)
+  factory = getattr(optaxclip, config.name, None)
+  if (
+    factory is not None and "axis_name" in inspect.signature(factory).parameters
+  ):
+    kw["axis_name"] = "d"  # clip_value is element-wise: it needs none
+  with_axis = Config(config.name, tuple(sorted(kw.items())))
+  spec = jax.sharding.PartitionSpec
+
+  def local(g, limit):
+    tx = with_axis.make(limit)
+    return tx.update(g, tx.init(g))
+
+  def mapped(g, limit):
+    specs = jax.tree.map(lambda _: spec("d"), g)
+    return jax.shard_map(
+      local,
+      mesh=mesh(n),
+      in_specs=(specs, spec()),
+      out_specs=(specs, spec()),
+      check_vma=False,
+    )(g, limit)
+
+  return FastJit(mapped)
 
 
 def mesh(n: int) -> jax.sharding.Mesh:

@@ -2,7 +2,6 @@
 continues bit for bit like the run that never stopped.
 """
 
-import collections
 import json
 import pathlib
 import sys
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 
 import optaxclip
 
@@ -100,27 +100,22 @@ def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
                      .read_text())
   chained, per_example = fixture.optimizers()
   p = fixture.params()
-  # ClipPerExampleState gained its last field, nonfinite, after 0.1.0: the
-  # old state restores into the five older fields and upgrades.
-  new_pe = per_example.init(p)
-  legacy = collections.namedtuple("ClipPerExampleState", new_pe._fields[:-1])
   target = {"params": p, "opt_state": chained.init(p),
-            "per_example_state": legacy(*new_pe[:-1])}
-  # Fields added to the adaptive states and guard since 0.1.0 are not in the
-  # checkpoint: they take their fresh values from `target` (orbax's fallback
-  # transform).
-  added = {rf".*\b{field}$": ocp.Transform(use_fallback=True) for field in (
-      "consecutive_spikes", "consecutive_clips", "restarts", "ordered")}
-  checkpointer = ocp.PyTreeCheckpointer()
-  restored = checkpointer.restore(
-      fixture.extract(FIXTURE_DIR / "checkpoint_0_1_0", tmp_path),
-      args=ocp.args.PyTreeRestore(
-          item=target, transforms=added,
-          restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+            "per_example_state": per_example.init(p)}
+  # States gained fields since 0.1.0 (clip_per_example's `nonfinite`, the
+  # adaptive clippers' `restarts`, ...): restore without a target, then into
+  # today's layout, the new fields at their initial values.
+  checkpointer = ocp.StandardCheckpointer()
+  restored = optaxclip.upgrade_state(
+      checkpointer.restore(
+          fixture.extract(FIXTURE_DIR / "checkpoint_0_1_0", tmp_path)),
+      target)
   checkpointer.close()
+  assert jax.tree.structure(restored) == jax.tree.structure(target)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
   p, state = restored["params"], restored["opt_state"]
-  pe_state = optaxclip.ClipPerExampleState(*restored["per_example_state"])
-  assert int(pe_state.nonfinite) == 0
+  pe_state = restored["per_example_state"]
 
   # Into today's declared classes, every one of them.
   for cls in (optaxclip.GuardState, optaxclip.ClipValueState,
@@ -132,14 +127,15 @@ def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
                                                     cls.__name__)
     assert len(found) == 1 and isinstance(found[0][1], cls), cls
   logs = {**optaxclip.stats(state), **optaxclip.stats(pe_state)}
-  assert logs.pop("clip_per_example/nonfinite") == 0
-  # The same statistics, and the counters added since, at zero.
-  assert [k for k in logs if k in saved["stats"]] == list(saved["stats"])
-  for key, value in logs.items():
-    np.testing.assert_array_equal(np.asarray(value),
-                                  saved["stats"].get(key, 0), err_msg=key)
-  assert {k.split("/")[-1] for k in logs if k not in saved["stats"]} == {
-      "restarts"}
+  target_logs = {**optaxclip.stats(target["opt_state"]),
+                 **optaxclip.stats(target["per_example_state"])}
+  # Every statistic saved is restored (new ones start at their initial value).
+  assert set(saved["stats"]) <= set(logs)
+  for key, value in saved["stats"].items():
+    np.testing.assert_array_equal(np.asarray(logs[key]), value, err_msg=key)
+    assert logs[key].dtype == target_logs[key].dtype, key
+  for key in set(logs) - set(saved["stats"]):
+    np.testing.assert_array_equal(logs[key], target_logs[key], err_msg=key)
   np.testing.assert_array_equal(pe_state.key, saved["per_example_key"])
 
   # It continues: the counters move on from where they were (the guarded
@@ -155,3 +151,28 @@ def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
                                optaxclip.stats(pe_state))):
     assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
   assert not np.array_equal(pe_state.key, saved["per_example_key"])
+
+
+def test_upgrade_state_casts_keeps_and_fills():
+  template = optax.chain(optaxclip.clip_zscore(), optax.adam(1e-3)).init(
+      {"w": jnp.zeros(2)})
+  saved = [{"norm": np.float64(3.0), "count": np.int64(4),
+            "mean": 1.5, "var": 0.25, "clipped_norm": 2.0},  # no fraction...
+           jax.tree.map(np.asarray, template[1])]
+  state = optaxclip.upgrade_state(saved, template)
+  assert jax.tree.structure(state) == jax.tree.structure(template)
+  zscore = state[0]
+  assert isinstance(zscore, optaxclip.ClipZscoreState)
+  assert (float(zscore.norm), int(zscore.count)) == (3.0, 4)
+  assert zscore.norm.dtype == jnp.float32 and zscore.count.dtype == jnp.int32
+  assert float(zscore.clip_fraction) == float(template[0].clip_fraction)
+
+
+def test_upgrade_state_names_a_shape_mismatch():
+  template = optaxclip.clip_relative().init({"a": jnp.zeros(2),
+                                             "b": jnp.zeros(2)})
+  saved = template._asdict() | {"gamma": np.ones(3)}
+  with pytest.raises(ValueError, match=r"^upgrade_state: the saved value at "
+                     r"\.gamma must have the template's shape \(2,\); got "
+                     r"\(3,\)"):
+    optaxclip.upgrade_state(saved, template)

@@ -34,9 +34,15 @@ def _run_script(path, *args, cwd):
 
 
 def _load(path):
+  """An example as a module (its folder on sys.path, as when it runs)."""
   spec = importlib.util.spec_from_file_location(path.stem, path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  saved = list(sys.path)
+  sys.path.insert(0, str(path.parent))
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    sys.path[:] = saved
   return module
 
 

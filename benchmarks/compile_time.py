@@ -1,0 +1,190 @@
+"""Compile time of ``chain(clipper, adam)`` on trees of many tiny leaves.
+
+A model written without ``scan`` has hundreds to thousands of leaves, and a
+per-tensor clipper that unrolls its statistics per leaf pays for it at every
+restart. This measures, for each clipper, the seconds to trace, lower and
+XLA-compile one jitted step ``apply_updates(p, chain(clipper, adam).update(g,
+s, p))`` (params and state donated), next to ``adam`` alone.
+
+Variants run interleaved, in a shifted order each round, in one process (the
+machine is noisy and shared: load hits all of them alike); the table gives the
+median seconds and the median of per-round ratios to adam.
+
+    python benchmarks/compile_time.py --leaves 300 1000 --rounds 1
+    python benchmarks/compile_time.py --quick     # 30 leaves: checks it runs
+
+``measure`` and ``table`` are meant to be called from a benchmark harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+import pathlib
+import statistics
+import sys
+import time
+
+# This checkout's optaxclip, not an installed one.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optaxclip
+
+# The target of issue 15: every clipper within this factor of adam.
+TARGET = 2.0
+
+CLIPPERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+  "adam": optax.identity,
+  "clip_global": lambda: optaxclip.clip_global(1.0),
+  "clip_norm": lambda: optaxclip.clip_norm(1.0),
+  "clip_block_rms": lambda: optaxclip.clip_block_rms(1.0),
+  "clip_unitwise": lambda: optaxclip.clip_unitwise(0.01),
+  "clip_zscore(scope=leaf)": lambda: optaxclip.clip_zscore(scope="leaf"),
+  "clip_percentile(scope=leaf)": lambda: optaxclip.clip_percentile(
+    scope="leaf"
+  ),
+  "clip_relative": optaxclip.clip_relative,
+}
+
+# Leaf shapes, cycled: vectors (biases, scales) and small kernels, as in a
+# network of tiny layers; "vectors" is benchmarks/run.py's compile tree.
+TREES = {
+  "mixed": ((100,), (16, 8), (8,), (3, 3, 4, 8), (7, 9)),
+  "vectors": ((100,),),
+}
+
+
+def make_tree(
+  n_leaves: int, tree: str = "mixed", seed: int = 0, scale: float = 1.0
+) -> dict[str, jax.Array]:
+  shapes = TREES[tree]
+  rng = np.random.default_rng(seed)
+  return {
+    f"leaf_{i:04d}": jnp.asarray(
+      scale * rng.normal(size=shapes[i % len(shapes)]), jnp.float32
+    )
+    for i in range(n_leaves)
+  }
+
+
+def compile_seconds(make_clipper, params, grads) -> float:
+  """Seconds to trace, lower and compile one step of chain(clipper, adam)."""
+  tx = optax.chain(make_clipper(), optax.adam(1e-3))
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  state = tx.init(params)
+  start = time.perf_counter()
+  jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+  return time.perf_counter() - start
+
+
+def measure(
+  names, n_leaves: int, rounds: int = 1, tree: str = "mixed", log=None
+) -> dict[str, list[float]]:
+  """Per variant, the compile seconds of each round (adam always included)."""
+  names = ["adam"] + [n for n in names if n != "adam"]
+  params = make_tree(n_leaves, tree, seed=0, scale=0.02)
+  grads = make_tree(n_leaves, tree, seed=1)
+  compile_seconds(CLIPPERS["adam"], *(make_tree(3, tree),) * 2)  # warm-up
+  seconds = {n: [] for n in names}
+  for r in range(rounds):
+    order = names[r % len(names) :] + names[: r % len(names)]
+    for name in order:
+      seconds[name].append(compile_seconds(CLIPPERS[name], params, grads))
+      if log:
+        log(
+          f"  {n_leaves} leaves, round {r + 1}: {name} "
+          f"{seconds[name][-1]:.1f} s"
+        )
+  return seconds
+
+
+def table(results: dict[int, dict[str, list[float]]], tree: str) -> list[str]:
+  """Markdown rows: seconds and the median per-round ratio to adam."""
+  sizes = sorted(results)
+  head = " | ".join(f"{n} leaves: s (x adam)" for n in sizes)
+  lines = [
+    (
+      f"Compile time of chain(clipper, adam), tree {tree!r} "
+      f"(shapes {TREES[tree]} cycled); target <= {TARGET:.0f}x adam."
+    ),
+    "",
+    f"| clipper | {head} | met |",
+    "|---|" + "---|" * len(sizes) + "---|",
+  ]
+  names = list(results[sizes[0]])
+  for name in names:
+    cells, met = [], True
+    for n in sizes:
+      s = results[n][name]
+      ratio = statistics.median(a / b for a, b in zip(s, results[n]["adam"]))
+      met &= ratio <= TARGET
+      cells.append(f"{statistics.median(s):.2f} ({ratio:.2f}x)")
+    lines.append(
+      f"| {name} | {' | '.join(cells)} | "
+      f"{'' if name == 'adam' else ('yes' if met else 'no')} |"
+    )
+  return lines
+
+
+def main():
+  parser = argparse.ArgumentParser(
+    description="Compile time of chain(clipper, adam) on many tiny leaves."
+  )
+  parser.add_argument(
+    "--leaves",
+    type=int,
+    nargs="+",
+    default=[300, 1000],
+    help="tree sizes in leaves (default: 300 1000)",
+  )
+  parser.add_argument(
+    "--rounds",
+    type=int,
+    default=1,
+    help="interleaved rounds per size (default: 1)",
+  )
+  parser.add_argument(
+    "--tree",
+    choices=sorted(TREES),
+    default="mixed",
+    help="leaf shapes (default: mixed)",
+  )
+  parser.add_argument(
+    "--only",
+    nargs="+",
+    choices=sorted(CLIPPERS),
+    default=sorted(CLIPPERS),
+    help="clippers to measure (adam is always measured)",
+  )
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="30 leaves, one round: checks that it runs",
+  )
+  args = parser.parse_args()
+  if args.quick:
+    args.leaves, args.rounds = [30], 1
+  if args.rounds < 1 or min(args.leaves) < 1:
+    parser.error("--rounds and --leaves must be positive")
+  log = lambda msg: print(msg, file=sys.stderr, flush=True)
+  results = {
+    n: measure(args.only, n, args.rounds, args.tree, log) for n in args.leaves
+  }
+  print(
+    f"jax {jax.__version__}, {jax.devices()[0].platform}, "
+    f"{args.rounds} round(s), interleaved; a shared machine: noisy."
+  )
+  print("\n".join(table(results, args.tree)))
+
+
+if __name__ == "__main__":
+  main()

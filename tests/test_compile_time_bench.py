@@ -1,0 +1,45 @@
+"""benchmarks/compile_time.py measures every clipper and writes a sane table
+(so that it never rots); the timings themselves belong to the benchmarks.
+"""
+
+import importlib.util
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _module():
+  spec = importlib.util.spec_from_file_location(
+    "compile_time", ROOT / "benchmarks" / "compile_time.py"
+  )
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_measures_each_clipper_and_tabulates_ratios():
+  ct = _module()
+  assert set(ct.CLIPPERS) >= {
+    "adam",
+    "clip_global",
+    "clip_norm",
+    "clip_block_rms",
+    "clip_unitwise",
+    "clip_zscore(scope=leaf)",
+    "clip_percentile(scope=leaf)",
+    "clip_relative",
+  }
+  seconds = ct.measure(["clip_norm"], 3, rounds=2)
+  assert list(seconds) == ["adam", "clip_norm"]
+  assert all(len(s) == 2 and min(s) > 0 for s in seconds.values())
+  lines = ct.table({3: seconds}, "mixed")
+  rows = {
+    line.split("|")[1].strip(): line
+    for line in lines
+    if line.startswith("| ") and "clipper" not in line
+  }
+  assert set(rows) == {"adam", "clip_norm"}
+  assert re.search(r"\d+\.\d\d \(1\.00x\)", rows["adam"])
+  assert re.search(r"\| (yes|no) \|$", rows["clip_norm"])

@@ -1,0 +1,289 @@
+"""Hypothesis properties for the adaptive clippers and guard (issues 10, 15).
+
+Each fix has a property here, beside the examples in test_adaptive.py and
+test_guard.py:
+
+* no absorbing state: after any history (zeros, equal norms, NaN/Inf, huge
+  and tiny norms), a new constant level of the norm is held back at most
+  ``patience`` steps in a row (``history`` steps for clip_percentile);
+* float64: tiny and huge float64 norms keep float64 decisions, statistics
+  and outputs (nothing flushed to zero, nothing counted as non-finite);
+* non-finite steps: a NaN/Inf anywhere gives a non-finite update whose
+  finite parts are not passed unclipped, ``clipped_norm`` is NaN, and the
+  statistics do not move;
+* sharded == one device: under ``pmap`` with ``axis_name`` every device
+  holds the state of one device and the same (split) update.
+
+The programs are jitted once per configuration (module level), so examples
+only run them.
+"""
+
+import functools
+import math
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optaxclip
+
+PATIENCE, WARMUP, HISTORY = 4, 3, 6
+ALPHA = 0.9
+CLIPPERS = {
+  "zscore": lambda **kw: optaxclip.clip_zscore(
+    warmup_steps=WARMUP, patience=PATIENCE, alpha=ALPHA, **kw
+  ),
+  "zscore_skip": lambda **kw: optaxclip.clip_zscore(
+    warmup_steps=WARMUP,
+    patience=PATIENCE,
+    skip_update_on_spike=True,
+    mode="percentile",
+    **kw,
+  ),
+  "zscore_leaf": lambda **kw: optaxclip.clip_zscore(
+    warmup_steps=WARMUP, patience=PATIENCE, scope="leaf", **kw
+  ),
+  "percentile": lambda **kw: optaxclip.clip_percentile(
+    10.0, history=HISTORY, **kw
+  ),
+  "percentile_leaf": lambda **kw: optaxclip.clip_percentile(
+    50.0, history=HISTORY, scope="leaf", **kw
+  ),
+  "relative": lambda **kw: optaxclip.clip_relative(
+    warmup_steps=WARMUP, patience=PATIENCE, warmup_max_norm=math.inf, **kw
+  ),
+}
+GUARD = lambda **kw: optaxclip.guard(
+  optax.sgd(1.0),
+  spike_z=2.0,
+  warmup_steps=WARMUP,
+  patience=PATIENCE,
+  alpha=ALPHA,
+  **kw,
+)
+SHARE = np.array([0.6, 0.8])  # leaf shares of the global norm
+
+
+def tree(norm, dtype=np.float32):
+  """Two leaves whose norms are ``norm * SHARE`` (NaN/Inf go in as such)."""
+  return {
+    "a": jnp.asarray(np.full((1,), norm * SHARE[0]), dtype),
+    "b": jnp.asarray(np.array([norm * SHARE[1], 0.0]), dtype),
+  }
+
+
+def norm_of(t):
+  """The global L2 norm in float64, scaled (no overflow, no underflow)."""
+  flat = np.concatenate(
+    [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(t)]
+  )
+  scale = np.max(np.abs(flat)) if flat.size else 0.0
+  if not np.isfinite(scale) or scale == 0:
+    return float(scale) if np.isnan(scale) or scale == 0 else math.inf
+  return float(scale * np.sqrt(np.sum(np.square(flat / scale))))
+
+
+@functools.cache
+def transform(name):
+  tx = GUARD() if name == "guard" else CLIPPERS[name]()
+  return tx, jax.jit(tx.update)
+
+
+# A history: zeros, one repeated value, NaN/Inf and norms over 40 decades.
+histories = st.lists(
+  st.one_of(
+    st.just(0.0),
+    st.just(1.0),
+    st.sampled_from([math.nan, math.inf]),
+    st.floats(1e-20, 1e20),
+  ),
+  min_size=0,
+  max_size=14,
+)
+levels = st.floats(1e-15, 1e15)
+
+
+@hypothesis.settings(max_examples=25)
+@hypothesis.given(
+  name=st.sampled_from([*CLIPPERS, "guard"]), history=histories, level=levels
+)
+def test_a_new_level_is_held_back_a_bounded_number_of_steps(
+  name, history, level
+):
+  tx, update = transform(name)
+  params = tree(1.0)
+  state = tx.init(params)
+  for g in history:
+    _, state = update(tree(g), state, params)
+  bound = HISTORY if name.startswith("percentile") else PATIENCE
+  held = []  # per step at the new level: held back (skipped or cut)?
+  for _ in range(bound + 6):
+    out, state = update(tree(level), state, params)
+    got = norm_of(out)
+    if name == "guard":
+      held.append(got == 0.0)
+    else:  # each leaf keeps its share of the level: nothing cut
+      held.append(got < level * (1 - 1e-5))
+  runs = "".join("x" if h else "." for h in held)
+  assert "x" * (bound + 1) not in runs, (runs, bound)
+  if name.startswith("percentile"):
+    assert "x" not in runs[bound:], runs  # the window now holds the level
+  restarts = optaxclip.stats(state).get(
+    f"{'guard' if name == 'guard' else 'clip_' + name.split('_')[0]}/restarts"
+  )
+  assert restarts is None or int(restarts) >= 0
+
+
+@hypothesis.settings(max_examples=10)
+@hypothesis.given(
+  name=st.sampled_from([*CLIPPERS, "guard"]),
+  exponent=st.integers(-300, 300),
+  factors=st.lists(st.floats(0.5, 4.0), min_size=5, max_size=5),
+)
+def test_float64_keeps_tiny_and_huge_norms(name, exponent, factors):
+  with jax.enable_x64(True):
+    tx, update = transform(name)
+    params = tree(1.0, np.float64)
+    state = tx.init(params)
+    for f in factors:
+      g = tree(f * 10.0**exponent, np.float64)
+      out, state = update(g, state, params)
+      want = norm_of(g)
+      assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(out))
+      got = norm_of(out)
+      assert math.isfinite(got) and 0 < got <= want * (1 + 1e-12), (got, want)
+      np.testing.assert_allclose(float(state.norm), want, rtol=1e-12)
+    floats = [
+      x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    assert all(x.dtype == jnp.float64 for x in floats)
+    if name == "guard":
+      assert int(state.nonfinite) == 0 and int(state.skipped) == 0
+
+
+STAT_FIELDS = {
+  "count",
+  "mean",
+  "var",
+  "consecutive_spikes",
+  "restarts",
+  "filled",
+  "index",
+  "history",
+  "ordered",
+  "gamma",
+  "consecutive_clips",
+}
+
+
+@hypothesis.settings(max_examples=20)
+@hypothesis.given(
+  name=st.sampled_from(list(CLIPPERS)),
+  history=st.lists(st.floats(0.1, 10.0), min_size=0, max_size=5),
+  bad=st.sampled_from([math.nan, math.inf, -math.inf]),
+  leaf=st.sampled_from(["a", "b"]),
+  other=st.floats(1e-3, 1e6),
+)
+def test_a_nonfinite_step_gives_a_nonfinite_update_and_keeps_statistics(
+  name, history, bad, leaf, other
+):
+  tx, update = transform(name)
+  params = tree(1.0)
+  state = tx.init(params)
+  for g in history:
+    _, state = update(tree(g), state, params)
+  g = tree(other)
+  g[leaf] = g[leaf].at[0].set(bad)
+  out, new = update(g, state, params)
+  for field in STAT_FIELDS & set(state._fields):
+    np.testing.assert_array_equal(
+      getattr(new, field), getattr(state, field), err_msg=field
+    )
+  assert math.isnan(float(new.clipped_norm))
+  assert not np.all(np.isfinite(np.asarray(out[leaf])))
+  per_leaf = name.endswith("_leaf") or name == "relative"
+  for key in ("a", "b"):
+    values = np.asarray(out[key])
+    # Whatever stays finite is scaled down (here: to zero), never passed
+    # as it came, in the unit of the bad leaf (the tree, or that leaf).
+    if key == leaf or not per_leaf:
+      finite = np.isfinite(values)
+      assert np.all(values[finite] == 0.0) or not np.any(finite), (key, values)
+
+
+# Sharded == one device: a (4, 2) kernel split over 8 pmap devices along its
+# flattened elements, and a replicated bias.
+N_DEV = 8
+
+
+def _split_tree(norms):
+  """Per step: a kernel of 8 elements (one per device) and a bias."""
+  rng = np.random.default_rng(0)
+  direction = rng.standard_normal(N_DEV + 2)
+  direction /= np.linalg.norm(direction)
+  return [
+    {
+      "k": (n * direction[:N_DEV]).astype(np.float32),
+      "b": (n * direction[N_DEV:]).astype(np.float32),
+    }
+    for n in norms
+  ]
+
+
+@functools.cache
+def _sharded_runner(name, steps):
+  make = GUARD if name == "guard" else CLIPPERS[name]
+
+  def run(stacked, mapped):
+    tx = (
+      make(axis_name="i", sharded={"k": True, "b": False}) if mapped else make()
+    )
+
+    def step(state, g):
+      out, state = tx.update(g, state, g)
+      return state, (out, optaxclip.stats(state))
+
+    params = jax.tree.map(lambda x: x[0], stacked)
+    return jax.lax.scan(step, tx.init(params), stacked)[1]
+
+  single = jax.jit(functools.partial(run, mapped=False))
+  sharded = jax.pmap(
+    functools.partial(run, mapped=True),
+    axis_name="i",
+    in_axes=({"k": 1, "b": None},),
+  )
+  return single, sharded
+
+
+@hypothesis.settings(max_examples=6)
+@hypothesis.given(
+  name=st.sampled_from(["zscore", "percentile", "relative", "guard"]),
+  norms=st.lists(
+    st.one_of(st.floats(1e-3, 1e3), st.just(0.0), st.just(math.nan)),
+    min_size=6,
+    max_size=6,
+  ),
+)
+def test_sharded_equals_one_device(name, norms):
+  single, sharded = _sharded_runner(name, len(norms))
+  trees = _split_tree(norms)
+  stacked = jax.tree.map(lambda *xs: np.stack(xs), *trees)
+  want_out, want_stats = single(stacked)
+  local = {"k": stacked["k"].reshape(len(norms), N_DEV, 1), "b": stacked["b"]}
+  got_out, got_stats = sharded(local)
+  np.testing.assert_allclose(
+    np.moveaxis(np.asarray(got_out["k"]), 0, 1).reshape(len(norms), N_DEV),
+    want_out["k"],
+    rtol=2e-5,
+    atol=1e-30,
+  )
+  for key, value in want_stats.items():
+    np.testing.assert_allclose(
+      np.asarray(got_stats[key]),
+      np.broadcast_to(value, (N_DEV, len(norms))),
+      rtol=2e-5,
+      err_msg=key,
+    )

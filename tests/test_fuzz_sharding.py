@@ -1,0 +1,129 @@
+"""Property: inside shard_map, with per-leaf sharding specs, the clippers give
+one device's numbers (issue 15, items 2 and 3).
+
+For random small trees, each leaf split over a random subset of the mesh's
+axes along random dimensions (1, 2 or 8 devices, 1-D and 2-D meshes), the
+updates and statistics of clip_global, clip_norm (whole leaves and
+``axis=0``), clip_block_rms and clip_unitwise with ``sharded`` given as the
+leaves' PartitionSpecs (or, where the form allows, as tuples of axis names)
+equal those of the same clipper on one device. Every example compiles two
+programs, so the examples are few (tests/fast_compile.py compiles them
+cheaply).
+"""
+
+import functools
+import math
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from fast_compile import run_fast
+import optaxclip
+
+MESHES = {
+  "1 device": ((1,), ("d",)),
+  "2 devices": ((2,), ("d",)),
+  "8 devices": ((8,), ("d",)),
+  "2x4 devices": ((2, 4), ("data", "fsdp")),
+}
+TOL = 2e-5
+
+
+@st.composite
+def sharded_trees(draw):
+  """(mesh name, {leaf: array}, {leaf: PartitionSpec})."""
+  mesh_name = draw(st.sampled_from(sorted(MESHES)))
+  sizes, names = MESHES[mesh_name]
+  size_of = dict(zip(names, sizes))
+  rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+  tree, specs = {}, {}
+  for i in range(draw(st.integers(1, 3))):
+    rank = draw(st.integers(1, 2))
+    free = list(names)
+    dims, entries = [], []
+    for _ in range(rank):
+      split = tuple(n for n in free if draw(st.booleans()))
+      free = [n for n in free if n not in split]
+      entries.append(
+        None if not split else split[0] if len(split) == 1 else split
+      )
+      dims.append(
+        draw(st.integers(1, 2)) * math.prod(size_of[n] for n in split)
+      )
+    scale = draw(st.sampled_from([0.1, 1.0, 10.0]))
+    tree[f"w{i}"] = (scale * rng.normal(size=dims)).astype(np.float32)
+    specs[f"w{i}"] = P(*entries)
+  return mesh_name, tree, specs
+
+
+def _names(spec):
+  return tuple(
+    n for e in spec if e for n in ((e,) if isinstance(e, str) else e)
+  )
+
+
+def _clippers(specs, axis_name):
+  """Factories ``mapped -> clipper``: on one device or sharded, by name."""
+  axes = {k: _names(s) or False for k, s in specs.items()}
+
+  def kw(mapped, sharded):
+    return {"axis_name": axis_name, "sharded": sharded} if mapped else {}
+
+  return {
+    "clip_global": lambda m: optaxclip.clip_global(1.0, **kw(m, axes)),
+    "clip_norm": lambda m: optaxclip.clip_norm(0.5, **kw(m, specs)),
+    "clip_norm_axis0": lambda m: optaxclip.clip_norm(
+      0.5, axis=0, **kw(m, specs)
+    ),
+    "clip_block_rms": lambda m: optaxclip.clip_block_rms(0.3, **kw(m, axes)),
+    "clip_unitwise": lambda m: optaxclip.clip_unitwise(0.05, **kw(m, specs)),
+  }
+
+
+@hypothesis.settings(max_examples=6)
+@hypothesis.given(sharded_trees())
+def test_sharded_clippers_equal_one_device(case):
+  mesh_name, grads, specs = case
+  sizes, names = MESHES[mesh_name]
+  mesh = jax.make_mesh(
+    sizes, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(sizes)
+  )
+  params = jax.tree.map(lambda g: np.float32(np.cos(g) + 0.5), grads)
+  clippers = _clippers(specs, names if len(names) > 1 else names[0])
+
+  def run(grads, params, mapped):
+    out = {}
+    for name, make in clippers.items():
+      tx = make(mapped)
+      updates, state = tx.update(grads, tx.init(params), params)
+      out[name] = (updates, optaxclip.stats(state))
+    return out
+
+  want = run_fast(functools.partial(run, mapped=False), grads, params)
+  mapped = jax.shard_map(
+    functools.partial(run, mapped=True),
+    mesh=mesh,
+    in_specs=(specs, specs),
+    out_specs={name: (specs, P()) for name in clippers},
+  )
+  put = lambda t: jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs
+  )
+  got = run_fast(mapped, put(grads), put(params))
+  for name in clippers:
+    for key in grads:
+      np.testing.assert_allclose(
+        got[name][0][key],
+        want[name][0][key],
+        rtol=TOL,
+        atol=TOL,
+        err_msg=f"{name} {key}",
+      )
+    for key, value in want[name][1].items():
+      np.testing.assert_allclose(
+        got[name][1][key], value, rtol=TOL, atol=TOL, err_msg=f"{name} {key}"
+      )
