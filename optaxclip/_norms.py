@@ -880,7 +880,6 @@ def clip_scale(norm: Union[jax.Array, Scaled],
   return Scaled(value, jnp.where(above, l_e - n_e, 0))
 
 
-<<<<<<< HEAD
 def is_scaled_down(factor: Scaled) -> jax.Array:
   """Whether a factor from :func:`clip_scale` changes what it scales (NaN
   factors included)."""
@@ -904,20 +903,16 @@ def scale_leaf(x: jax.Array, factor: Union[jax.Array, Scaled]) -> jax.Array:
   value times the part of ``2**exponent`` that keeps it normal, then the
   rest as further exact powers of two (each 1 for an ordinary factor).
   """
-  dtype = accumulation_dtype(x.dtype)
+  wide = promote_types(x.dtype, accumulation_dtype(x.dtype))
   if not isinstance(factor, Scaled):
-    return (x * factor.astype(dtype)).astype(x.dtype)
+    return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
+  dtype = accumulation_dtype(x.dtype)
   lo, hi = _exp_range(dtype)
   # value is in [0.5, 2] (or 1, or NaN): value * 2**first stays normal.
   first = jnp.clip(factor.exponent, lo + 1, hi - 1)
-  head = factor.value.astype(dtype) * pow2(first, dtype)
-  return ldexp(x * head, factor.exponent - first, pieces=2).astype(x.dtype)
-=======
-def scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-  """``x * factor`` computed in the accumulation dtype, in ``x``'s dtype."""
-  wide = promote_types(x.dtype, accumulation_dtype(x.dtype))
-  return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
->>>>>>> main
+  head = (factor.value.astype(dtype) * pow2(first, dtype)).astype(wide)
+  return ldexp(x.astype(wide) * head, factor.exponent - first,
+               pieces=2).astype(x.dtype)
 
 
 def count(mask: jax.Array) -> jax.Array:
