@@ -12,12 +12,12 @@ they share:
   so the state's dtypes never change from step to step (no retrace).
 * **Non-finite steps.** A step whose norm is NaN or infinite leaves the
   statistics untouched (one bad step must not poison them) and gives a
-  non-finite update, as ``torch.nn.utils.clip_grad_norm_`` and optax do: a
-  unit (the tree, or a leaf with per-leaf scope) with a NaN norm, or an
-  infinite norm and no finite limit, comes out all NaN; one with an infinite
-  norm and a finite limit is scaled by 0 (its infinite elements become NaN).
-  No finite part of such a unit passes unclipped, its ``clipped_norm`` is
-  NaN, and :func:`guard` can skip the step.
+  non-finite update, the policy of every clipper (``optaxclip/_norms.py``):
+  every value of a unit (the tree, or a leaf with per-leaf scope) whose norm
+  is NaN or infinite comes out NaN, so no finite part of it passes
+  unclipped and :func:`guard` can skip the step. ``clipped_norm`` is then
+  NaN (it describes the update returned) and such units count as clipped in
+  ``clip_fraction``.
 * **No absorbing state.** Whatever the history (zeros, equal norms, NaN), a
   lasting new level of the norm gets through within a bounded number of
   steps: after ``patience`` clipped spikes in a row the statistics restart at
@@ -239,15 +239,14 @@ class _Measured:
     limit = jax.lax.stop_gradient(jnp.asarray(limit, self.dtype))
     g = self.stat_norm
     factor = _norms.clip_factor(self.norm, limit)
-    # The non-finite policy (see the module's docstring): NaN where torch
-    # and optax give NaN, so that no finite part passes unclipped.
-    nan_unit = jnp.isnan(g) | (jnp.isinf(g) & ~(limit < jnp.inf))
-    factor = jnp.where(nan_unit, jnp.nan, factor)
+    # The non-finite policy (see the module's docstring): a unit with a
+    # NaN or infinite norm comes out all NaN.
+    factor = jnp.where(self.unit_finite, factor, jnp.nan)
     if self.scope == "global":
       out = [_norms.scale_leaf(x, factor) for x in self.leaves]
     else:
       out = [_norms.scale_leaf(x, factor[i]) for i, x in enumerate(self.leaves)]
-    scaled = jax.lax.stop_gradient(factor) < 1
+    scaled = (jax.lax.stop_gradient(factor) < 1) | ~self.unit_finite
     # Exactly min(norm, limit), without inf * 0; NaN for a non-finite unit,
     # whose output holds NaN.
     clipped = jnp.where(self.unit_finite, jnp.where(scaled, limit, g), jnp.nan)
