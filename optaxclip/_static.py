@@ -4,7 +4,7 @@ block RMS and unit-wise (AGC).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 import math
 from typing import Any, NamedTuple, Optional, Union
 
@@ -494,7 +494,8 @@ def _unit_axes_of_shape(shape: tuple[int, ...]) -> Optional[tuple[int, ...]]:
 
 def _unitwise_limit(w_norm, clipping, eps):
   """``clipping * max(||w||, eps)`` as a Scaled (params' norms may exceed the
-  dtype's range)."""
+  dtype's range).
+  """
   dtype = w_norm.value.dtype
   small = w_norm.as_float() < jnp.asarray(eps, dtype)
   value = jnp.where(small, jnp.asarray(eps, dtype), w_norm.value)
