@@ -172,14 +172,15 @@ def exponent(v: jax.Array) -> jax.Array:
   v = jax.lax.stop_gradient(v)
   int_dtype, nmant, bias = _bits(v.dtype)
   bits = jax.lax.bitcast_convert_type(v, int_dtype)
-  field = jnp.right_shift(bits, nmant) & ((2 * bias + 1))
+  field = jnp.right_shift(bits, nmant) & (2 * bias + 1)
   field = jnp.maximum(field, 1)  # subnormals: as the smallest normal
   return (field - (bias - 1)).astype(jnp.int32)
 
 
 def pow2(k: jax.Array, dtype: Any) -> jax.Array:
   """Exactly ``2.0**k`` in ``dtype`` for integer k in its normal range; 0
-  below it, the largest normal power above it."""
+  below it, the largest normal power above it.
+  """
   int_dtype, nmant, bias = _bits(dtype)
   field = jnp.clip(jnp.asarray(k).astype(int_dtype) + bias, 0, 2 * bias)
   return jax.lax.bitcast_convert_type(
@@ -205,7 +206,7 @@ def ldexp(v: jax.Array, k: jax.Array, pieces: int = 3) -> jax.Array:
   k = jnp.asarray(k, jnp.int32)
   for _ in range(pieces):
     step = jnp.clip(k, lo, hi)
-    v = v * pow2(step, real)
+    v = v * pow2(step, real).astype(v.dtype)  # complex v: explicit
     k = k - step
   return v
 
@@ -222,7 +223,7 @@ class Scaled(NamedTuple):
     """The number in ``value``'s dtype (inf on overflow, 0 on underflow)."""
     return ldexp(self.value, self.exponent)
 
-  def __mul__(self, other: "Scaled") -> "Scaled":  # type: ignore[override]
+  def __mul__(self, other: Scaled) -> Scaled:  # type: ignore[override]
     return Scaled(self.value * other.value, self.exponent + other.exponent)
 
 
@@ -237,7 +238,8 @@ def as_scaled(x: Union[jax.Array, Scaled]) -> Scaled:
 
 def _normalized(x: Scaled) -> tuple[jax.Array, jax.Array]:
   """``(m, E)`` with ``x = m * 2**E`` and ``0.5 <= m < 1`` for ``x > 0``
-  (``m = 0`` for 0; ``inf`` and NaN values stay as they are)."""
+  (``m = 0`` for 0; ``inf`` and NaN values stay as they are).
+  """
   e = exponent(x.value)
   e = jnp.where(e > jnp.finfo(x.value.dtype).maxexp, 0, e)
   return ldexp(x.value, -e, pieces=2), x.exponent + e
@@ -380,7 +382,8 @@ def _power_sum(x: jax.Array, p: float, axes, dtype) -> jax.Array:
 def _scale_exponent(m: jax.Array) -> jax.Array:
   """``E`` such that ``m * 2**-E`` is in [0.5, 4) (smaller for tiny m) and
   ``2**-E`` is a normal number: the scale for values whose largest magnitude
-  is ``m``. Non-finite ``m``: the largest such E."""
+  is ``m``. Non-finite ``m``: the largest such E.
+  """
   lo, hi = _exp_range(m.dtype)
   return jnp.clip(exponent(m), lo, hi)
 
@@ -508,7 +511,7 @@ def unit_norms_scaled(
     axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
     *,
     axis_name: AxisName = None,
-    sharded: Optional[Sequence[bool]] = None,
+    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> list[Scaled]:
   """The p-norm of each unit of each leaf, with reduced axes kept as size 1.
 
@@ -634,7 +637,7 @@ def global_norm_scaled(
     ord: float = 2.0,  # pylint: disable=redefined-builtin
     *,
     axis_name: AxisName = None,
-    sharded: Optional[Sequence[bool]] = None,
+    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> Scaled:
   """The p-norm of all leaves taken together, as one vector.
 
@@ -779,7 +782,8 @@ def count_above(x: jax.Array, limit: Any) -> jax.Array:
 def _flat_scaled(norms: Sequence[Scaled]) -> list[Scaled]:
   """The norms as 1-D parts: those on one device concatenated into one, the
   others (that may be split across devices: no all-gather, no
-  ``ShardingTypeError``) raveled on their own."""
+  ``ShardingTypeError``) raveled on their own.
+  """
   local = [n for n in norms if not may_span_devices(n.value)]
   parts = [Scaled(jnp.ravel(n.value), jnp.ravel(n.exponent))
            for n in norms if may_span_devices(n.value)]
@@ -882,7 +886,8 @@ def clip_scale(norm: Union[jax.Array, Scaled],
 
 def is_scaled_down(factor: Scaled) -> jax.Array:
   """Whether a factor from :func:`clip_scale` changes what it scales (NaN
-  factors included)."""
+  factors included).
+  """
   return (factor.value != 1) | (factor.exponent != 0)
 
 
