@@ -299,6 +299,38 @@ def _layer_sq_norms(kind, module_fn, theta, x, y, g) -> dict:
   return {k: _sum_sq(v) for k, v in grads.items()}
 
 
+def like(value: jax.Array, probe: jax.Array) -> jax.Array:
+  """``value`` with ``probe``'s sharding where an Explicit mesh types it
+  (a ``(B,)``-sized array: matching moves next to nothing).
+  """
+  typeof = getattr(jax, "typeof", None)
+  want = getattr(typeof(probe), "sharding", None) if typeof else None
+  have = getattr(typeof(value), "sharding", None) if typeof else None
+  mesh = getattr(want, "mesh", None)
+  if (
+    want is None
+    or mesh is None
+    or mesh.empty
+    or have is None
+    or have.spec == want.spec
+  ):
+    return value
+  return jax.sharding.reshard(value, want.spec)
+
+
+def batch_like(mask: jax.Array, x: jax.Array) -> jax.Array:
+  """A ``(B,)`` array split like ``x``'s leading (batch) axis, where an
+  Explicit mesh types ``x``.
+  """
+  typeof = getattr(jax, "typeof", None)
+  sharding = getattr(typeof(x), "sharding", None) if typeof else None
+  mesh = getattr(sharding, "mesh", None)
+  spec = tuple(getattr(sharding, "spec", None) or ())
+  if mesh is None or mesh.empty or not spec or spec[0] is None:
+    return mask
+  return jax.sharding.reshard(mask, jax.sharding.PartitionSpec(spec[0]))
+
+
 def _zero_cotangent(x):
   if jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros_like(x)
@@ -316,10 +348,11 @@ def _make_tap(kind, module_fn, groups: dict, n_groups: int):
     return y
 
   def fwd(y, x, theta, probe):
-    return y, (x, theta, jnp.zeros((), y.dtype), probe.shape)
+    return y, (x, theta, jnp.zeros((), y.dtype), probe)
 
   def bwd(res, g):
-    x, theta, y0, shape = res
+    x, theta, y0, probe = res
+    shape = probe.shape
     sq = _layer_sq_norms(
       kind, module_fn, theta, x, jax.ShapeDtypeStruct(g.shape, y0.dtype), g
     )
@@ -330,7 +363,7 @@ def _make_tap(kind, module_fn, groups: dict, n_groups: int):
       g,
       _zero_cotangent(x),
       jax.tree.map(jnp.zeros_like, theta),
-      jnp.stack(rows),
+      like(jnp.stack(rows), probe),
     )
 
   tap.defvjp(fwd, bwd)
