@@ -216,6 +216,8 @@ def clipped_grad(
   _check_clip(l2_clip)
   method = _checks.check_choice(WHO, "method", method, ("ghost", "vmap"))
   reduce = _checks.check_choice(WHO, "reduce", reduce, ("sum", "mean"))
+  has_aux = _checks.check_bool(WHO, "has_aux", has_aux)
+  normalize = _checks.check_bool(WHO, "normalize", normalize)
   if isinstance(batch_argnums, (numbers.Integral, np.integer)):
     batch_argnums = (int(batch_argnums),)
   batch_argnums = tuple(batch_argnums)  # pyright: ignore[reportArgumentType]
