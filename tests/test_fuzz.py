@@ -256,8 +256,11 @@ def test_static_clippers_match_the_oracle(data):
   strict=True,
   raises=AssertionError,
   reason=(
-    "issue 10 item 1: magnitudes above 2**126 and clip factors that flush "
-    "to zero, fix pending in branch numerics"
+    "found by this suite once the numerics branch landed (issue 10 item 1 "
+    "fixed): clip_unitwise(0.0) with params {'a': [2e19, 0, 0], 'b': "
+    "zeros((0, 3))} and zero gradients reports clipped_norm NaN and "
+    "clip_fraction 0.75 (the empty leaf's units, on the exact path of the "
+    "params' norms); no fix yet"
   ),
 )
 @_examples(12, xfailing=True)
@@ -278,6 +281,14 @@ def test_static_clippers_match_the_oracle(data):
     {"a": np.array([1.4e37, 1e37], F32)},
     None,
     1e-3,
+  )
+)
+@hypothesis.example(
+  case=(
+    fz.Config("clip_unitwise", (("clipping", 1.0), ("eps", 1e-3))),
+    {"a": np.zeros(3, F32), "b": np.zeros((0, 3), F32)},
+    {"a": np.array([2e19, 0, 0], F32), "b": np.zeros((0, 3), F32)},
+    1.0,
   )
 )
 def test_static_clippers_at_the_edges_of_the_range(case):
@@ -383,15 +394,7 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
   )
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=AssertionError,
-  reason=(
-    "issue 10 item 5: NaN policy of the static clippers, fix pending in "
-    "branch numerics"
-  ),
-)
-@_examples(12, xfailing=True)
+@_examples(12)
 @hypothesis.given(case=_static_case(nonfinite=True, magnitudes="ordinary"))
 # Issue 10 item 5's report: a NaN leaf switched clipping off for the others.
 @hypothesis.example(
@@ -844,15 +847,7 @@ def test_sharded_leaves_match_the_oracle(case):
   _sharded_property(*case)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=AssertionError,
-  reason=(
-    "issue 10 item 1 (sharded): a leaf above 2**126 split over devices, fix "
-    "pending in branch numerics"
-  ),
-)
-@_examples(6, xfailing=True)
+@_examples(6)
 @hypothesis.given(case=_sharded_case(magnitudes="extreme"))
 # Issue 10 item 1's report: [1e38, 1e38, 1, 1] over 2 devices passed
 # through unclipped with norm 0.
@@ -992,16 +987,7 @@ def _derivative_example(config, scale, ratio, seed=0):
   return config, tree(scale), tree(1.0), tree(scale), None, ratio
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=AssertionError,
-  reason=(
-    "issue 10 items 1-2: the first derivative of a clipped norm whose "
-    "squares overflow float32 (|g| ~ 1e19) is off by 10% (NaN elsewhere), "
-    "fix pending in branch numerics"
-  ),
-)
-@_examples(8, xfailing=True)
+@_examples(8)
 @hypothesis.given(case=_derivative_case())
 # Found by this suite (release profile): clip_global of a gradient of 1e19.
 @hypothesis.example(
@@ -1017,15 +1003,7 @@ def test_first_derivative_through_update(case):
   _derivative_property(*case, order=1)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=(AssertionError, TypeError),
-  reason=(
-    "issue 10 item 2: second-order derivatives through update raise "
-    "TypeError (ad_util.Zero), fix pending in branch numerics"
-  ),
-)
-@_examples(8, xfailing=True)
+@_examples(8)
 @hypothesis.given(case=_derivative_case())
 def test_second_derivative_through_update(case):
   """Hessian-vector products (jax.jvp of jax.grad) through every static
