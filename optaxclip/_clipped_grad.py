@@ -144,7 +144,8 @@ def clipped_grad(
   ``jax.vmap``, in microbatches of ``microbatch_size`` examples to bound
   memory. ``method="ghost"`` computes the norms without per-example gradients
   (see ``optaxclip._ghost``: Flax ``Dense``, ``DenseGeneral``, ``Embed``,
-  ``Conv``, ``Einsum``, ``LayerNorm``, ``RMSNorm``, also under ``nn.scan``),
+  ``Conv``, ``Einsum``, ``LayerNorm``, ``RMSNorm``, also under ``nn.scan``;
+  ``nnx.Linear`` and ``nnx.Embed``),
   then takes one more backward pass of the loss re-weighted by each example's
   clip factor. A parameter it cannot handle takes the exact path, for that
   parameter only; ``fn.plan(params, *args)`` says which (its ``fallback``

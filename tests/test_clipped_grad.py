@@ -8,6 +8,7 @@ import pathlib
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -83,7 +84,29 @@ def _misc_case():
   return loss, params, (tokens, image)
 
 
+def _nnx_case():
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(10, 6, rngs=rngs)
+      self.norm = nnx.LayerNorm(6, rngs=rngs)  # not ghosted: exact path
+      self.out = nnx.Linear(6, 1, rngs=rngs)
+
+    def __call__(self, tokens):
+      return self.out(jnp.tanh(self.norm(self.embed(tokens))))[..., 0].sum(1)
+
+  graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+  tokens = np.random.default_rng(2).integers(0, 10, size=(6, 4))
+
+  def loss(p, tokens):
+    return nnx.merge(graphdef, p)(tokens) ** 2
+
+  return loss, params, (tokens,)
+
+
 CASES = {
+  "nnx": _nnx_case,
   "mlp": _mlp_case,
   "transformer": _transformer_case,
   "misc": _misc_case,
@@ -156,6 +179,13 @@ def test_ghost_plan_names_what_falls_back():
   loss, params, batch = _transformer_case()
   plan = optaxclip.clipped_grad(loss, 1.0).plan(params, *batch)
   assert plan.fallback == []  # embeddings, attention, MLP, LayerNorm, scan
+  loss, params, batch = _nnx_case()
+  plan = optaxclip.clipped_grad(loss, 1.0).plan(params, *batch)
+  assert sorted(plan.fallback) == [
+    "['norm']['bias'].value",
+    "['norm']['scale'].value",
+  ]
+  assert len(plan.ghosted) == 3  # nnx.Embed and nnx.Linear
 
 
 @pytest.mark.parametrize("method", ["ghost", "vmap"])
