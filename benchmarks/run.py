@@ -415,13 +415,15 @@ def main(argv: Optional[list[str]] = None) -> int:
   out = args.out
   out.parent.mkdir(parents=True, exist_ok=True)
   spawn = multiprocessing.get_context("spawn")
-  step_heading = False
+  heading = None
   for key in SECTIONS:
     if key not in args.only:
       continue
-    if key in ("a", "b", "c") and not step_heading:
-      lines += ["## Step time over adam's own step", ""]
-      step_heading = True
+    wanted = ("## Step time over adam's own step" if key in ("a", "b", "c")
+              else "## Compile time")
+    if heading != wanted:
+      lines += [wanted, ""]
+      heading = wanted
     if args.quick:  # small: one process is enough, and starts faster
       lines += run_section(key, sizes)
     else:

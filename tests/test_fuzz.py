@@ -263,7 +263,7 @@ def test_static_clippers_match_the_oracle(data):
     "params' norms); no fix yet"
   ),
 )
-@_examples(12, xfailing=True)
+@_examples(8, xfailing=True)
 @hypothesis.given(case=_static_case(magnitudes="extreme"))
 # Issue 10 item 1's reports, pinned: a leaf above 2**126 (its norm flushed to
 # 0, the leaf unclipped) and a clip factor below float32's smallest normal.
@@ -394,7 +394,7 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
   )
 
 
-@_examples(12)
+@_examples(8)
 @hypothesis.given(case=_static_case(nonfinite=True, magnitudes="ordinary"))
 # Issue 10 item 5's report: a NaN leaf switched clipping off for the others.
 @hypothesis.example(
@@ -655,7 +655,7 @@ def test_adaptive_and_guard_nonfinite_steps(case):
   _run_history(case)
 
 
-@_examples(5)
+@_examples(4)
 @hypothesis.given(
   case=_history_case(
     levels=(1.0,) + F64_LEVELS, lasting=F64_LEVELS, dtypes=("float64",)
@@ -783,8 +783,9 @@ def test_per_example_sensitivity_bound(config, tree):
   strict=True,
   raises=AssertionError,
   reason=(
-    "issue 10 items 1 and 5 (per-example): an example above 2**126 leaks "
-    "into the sum, fix pending in branch dp"
+    "issue 10 items 1 and 5 (per-example), branch dp: an example whose "
+    "elements are finite but whose norm overflows float32 (elements of "
+    "1.7e38) is counted in nonfinite and zeroed instead of clipped"
   ),
 )
 @_examples(6, xfailing=True)
@@ -987,7 +988,7 @@ def _derivative_example(config, scale, ratio, seed=0):
   return config, tree(scale), tree(1.0), tree(scale), None, ratio
 
 
-@_examples(8)
+@_examples(6)
 @hypothesis.given(case=_derivative_case())
 # Found by this suite (release profile): clip_global of a gradient of 1e19.
 @hypothesis.example(
@@ -1003,7 +1004,7 @@ def test_first_derivative_through_update(case):
   _derivative_property(*case, order=1)
 
 
-@_examples(8)
+@_examples(5)
 @hypothesis.given(case=_derivative_case())
 def test_second_derivative_through_update(case):
   """Hessian-vector products (jax.jvp of jax.grad) through every static
@@ -1029,7 +1030,7 @@ def _any_config(draw):
   )
 
 
-@_examples(4)
+@_examples(3)
 @hypothesis.given(
   config=_any_config(), dtype=fz.dtype_names(("float32", "bfloat16", "float64"))
 )
