@@ -71,10 +71,12 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SCRATCH = ROOT / "benchmarks" / "out" / "RESULTS.md"
 SECTIONS = ("a", "b", "c", "compile", "leaves")
 ADAPTIVE_TARGET = 1.12
-# Measured on 2 shared CPU cores (see the report's machine line); --help
-# quotes them.
-FULL_MINUTES = 12
-QUICK_SECONDS = 45
+# --help quotes them. Idle 2-core CPU: sections a to c and compile took 9
+# minutes in the last quiet run; leaves adds about 14 at today's per-leaf
+# compile times (17 s a clipper on 300 leaves, 105 s on 1000). Quick: 45-55 s
+# of CPU time measured.
+FULL_MINUTES = 25
+QUICK_SECONDS = 60
 
 
 @dataclasses.dataclass
@@ -347,9 +349,11 @@ def commit() -> str:
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       description=(__doc__ or "").split("\n\n")[0],
-      epilog=(f"A full run takes about {FULL_MINUTES} minutes on 2 CPU cores "
-              "and up to 19 GB of memory; --quick about "
-              f"{QUICK_SECONDS} s (most of it compiling)."))
+      epilog=(f"A full run takes about {FULL_MINUTES} minutes on 2 idle CPU "
+              "cores (more than half of it compiling the per-tensor clippers "
+              "of section leaves), and two to three times that on a loaded "
+              f"machine; --quick about {QUICK_SECONDS} s (most of it "
+              "compiling)."))
   parser.add_argument(
       "--quick", action="store_true",
       help=f"tiny sizes, about {QUICK_SECONDS} s: checks that it runs (the "
@@ -415,13 +419,15 @@ def main(argv: Optional[list[str]] = None) -> int:
   out = args.out
   out.parent.mkdir(parents=True, exist_ok=True)
   spawn = multiprocessing.get_context("spawn")
-  step_heading = False
+  heading = None
   for key in SECTIONS:
     if key not in args.only:
       continue
-    if key in ("a", "b", "c") and not step_heading:
-      lines += ["## Step time over adam's own step", ""]
-      step_heading = True
+    wanted = ("## Step time over adam's own step" if key in ("a", "b", "c")
+              else "## Compile time")
+    if heading != wanted:
+      lines += [wanted, ""]
+      heading = wanted
     if args.quick:  # small: one process is enough, and starts faster
       lines += run_section(key, sizes)
     else:

@@ -907,7 +907,13 @@ def clip_relative(
     gamma = state.gamma.astype(measured.dtype)
     warming = state.count < warmup_steps
     total = _norms.combine_norms([norms])
-    warm_limit = norms * _norms.clip_factor(total, warmup_max_norm)
+    # Each leaf's share of the global limit, norm_i / total * limit: the
+    # share (<= 1) from clip_scale, with no tiny factor to flush to zero
+    # (limit / total is subnormal for a total above ~1e38 in float32).
+    share = _norms.clip_scale(total, norms).as_float()
+    warm_limit = jnp.where(
+      total > warmup_max_norm, share * warmup_max_norm, jnp.inf
+    )
     relative = factor * gamma
     over = ~warming & (norms > relative) & measured.unit_finite
     restart = over & (state.consecutive_clips >= patience)
