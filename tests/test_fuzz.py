@@ -378,9 +378,9 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
       f"{msg}: finite leaves of global norm {norm:.6g} > {limit}"
     )
   else:
-    for x, g, lim in zip(fz.leaves(tree), got, oracle.limits):
+    measures = oracle.unit_measure(got)
+    for x, g, lim, m in zip(fz.leaves(tree), got, oracle.limits, measures):
       x = np.asarray(x)
-      m = oracle.unit_measure([g])[0]
       ok = ~np.isfinite(m) | (
         m
         <= lim * (1 + _rtol(x.dtype))
@@ -848,8 +848,30 @@ def test_sharded_leaves_match_the_oracle(case):
   _sharded_property(*case)
 
 
-@_examples(6)
+@pytest.mark.xfail(
+  strict=True,
+  raises=AssertionError,
+  reason=(
+    "found by this suite (release profile) after numerics landed: "
+    "clip_norm(ord=1, axis_name) with a traced limit of 0 over 2 devices "
+    "turns [3.4e38, 3.4e38, -1.4e-45, -1.4e-45, 0, 0, 0, 0] into NaN; no "
+    "fix yet"
+  ),
+)
+@_examples(6, xfailing=True)
 @hypothesis.given(case=_sharded_case(magnitudes="extreme"))
+@hypothesis.example(
+  case=(
+    fz.Config("clip_norm", (("axis", None), ("max_norm", 1.0), ("ord", 1))),
+    2,
+    {
+      "a": np.array(
+        [3.4028235e38, 3.4028235e38, -1.4e-45, -1.4e-45] + [0] * 4, F32
+      )
+    },
+    0.0,
+  )
+)
 # Issue 10 item 1's report: [1e38, 1e38, 1, 1] over 2 devices passed
 # through unclipped with norm 0.
 @hypothesis.example(
@@ -1119,3 +1141,21 @@ def test_sharded_adaptive_and_guard_match_one_device(case):
         np.testing.assert_allclose(a, b, rtol=4 * REL, atol=1e-30, err_msg=msg)
       else:
         np.testing.assert_array_equal(a, b, err_msg=msg)
+
+
+@pytest.mark.xfail(
+  strict=True,
+  raises=AssertionError,
+  reason=(
+    "found by this suite (release profile): the float32 Hessian-vector "
+    "product of clip_norm(ord=3) on a clipped gradient of about 1e8 is 8% "
+    "off (3.335e7 against 3.634e7; in float64 jax agrees with the finite "
+    "differences); no fix yet"
+  ),
+)
+def test_second_derivative_of_a_clipped_3_norm_in_float32():
+  """A falsifying example of test_second_derivative_through_update."""
+  config = fz.Config(
+    "clip_norm", (("axis", None), ("max_norm", 1.0), ("ord", 3))
+  )
+  _derivative_property(*_derivative_example(config, 1e8, 0.3), order=2)
