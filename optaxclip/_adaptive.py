@@ -219,12 +219,14 @@ class _Measured:
           f"updates have {len(self.leaves)}; call init with parameters of "
           "the same structure as the updates."
         )
-      per_leaf = _norms.unit_norms(
+      # Packed: the leaves' norms come as one vector from a few reductions,
+      # whatever the number of leaves (compile time on many tiny leaves).
+      layout, per_part = _norms.unit_norms_packed(
         self.leaves, axis_name=axis_name, sharded=flags
       )
       norm = (
-        jnp.stack([n.reshape(()).astype(self.dtype) for n in per_leaf])
-        if per_leaf
+        layout.leaf_vector(per_part, self.dtype)
+        if per_part
         else jnp.zeros((0,), self.dtype)
       )
     self.norm = norm.astype(self.dtype)
@@ -245,7 +247,11 @@ class _Measured:
     if self.scope == "global":
       out = [_norms.scale_leaf(x, factor) for x in self.leaves]
     else:
-      out = [_norms.scale_leaf(x, factor[i]) for i, x in enumerate(self.leaves)]
+      # take_each, not factor[i]: kernels shared by leaves of one shape.
+      out = [
+        _norms.scale_leaf(x, f)
+        for x, f in zip(self.leaves, _norms.take_each(factor))
+      ]
     scaled = (jax.lax.stop_gradient(factor) < 1) | ~self.unit_finite
     # Exactly min(norm, limit), without inf * 0; NaN for a non-finite unit,
     # whose output holds NaN.
