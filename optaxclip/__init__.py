@@ -12,6 +12,10 @@ from optaxclip._adaptive import ClipZscoreState
 from optaxclip._adaptive import clip_percentile
 from optaxclip._adaptive import clip_relative
 from optaxclip._adaptive import clip_zscore
+from optaxclip._clipped_grad import DpNoiseState
+from optaxclip._clipped_grad import Sensitivity
+from optaxclip._clipped_grad import clipped_grad
+from optaxclip._clipped_grad import dp_noise
 from optaxclip._guard import GuardState
 from optaxclip._guard import guard
 from optaxclip._per_example import ClipPerExampleState
@@ -34,28 +38,32 @@ from optaxclip._wrappers import clipped
 __version__ = "0.1.0"
 
 __all__ = (
-    "ClipBlockRMSState",
-    "ClipGlobalState",
-    "ClipNormState",
-    "ClipPerExampleState",
-    "ClipPercentileState",
-    "ClipRelativeState",
-    "ClipUnitwiseState",
-    "ClipValueState",
-    "ClipZscoreState",
-    "GuardState",
-    "clip_block_rms",
-    "clip_global",
-    "clip_norm",
-    "clip_per_example",
-    "clip_percentile",
-    "clip_relative",
-    "clip_unitwise",
-    "clip_value",
-    "clip_zscore",
-    "clipped",
-    "default_unit_axes",
-    "guard",
-    "stats",
-    "upgrade_state",
+  "ClipBlockRMSState",
+  "ClipGlobalState",
+  "ClipNormState",
+  "ClipPerExampleState",
+  "ClipPercentileState",
+  "ClipRelativeState",
+  "ClipUnitwiseState",
+  "ClipValueState",
+  "ClipZscoreState",
+  "DpNoiseState",
+  "GuardState",
+  "Sensitivity",
+  "clip_block_rms",
+  "clip_global",
+  "clip_norm",
+  "clip_per_example",
+  "clip_percentile",
+  "clip_relative",
+  "clip_unitwise",
+  "clip_value",
+  "clip_zscore",
+  "clipped",
+  "clipped_grad",
+  "default_unit_axes",
+  "dp_noise",
+  "guard",
+  "stats",
+  "upgrade_state",
 )

@@ -319,31 +319,31 @@ def check_float_leaves(tree: Any, what: str = "updates") -> None:
       dtype = np.asarray(leaf).dtype
     if not jnp.issubdtype(dtype, jnp.inexact):
       raise TypeError(
-          f"{what} leaf {path} has dtype {dtype}; gradient clipping needs "
-          "float or complex leaves (integer parameters have no gradient -- "
-          "mask them out with optax.masked)."
-      )
+          f"{what} leaf {path} must be float or complex (integer parameters "
+          "have no gradient: mask them out with optax.masked); got dtype "
+          f"{dtype}.")
 
 
 def check_same_structure(updates: Any, params: Any, who: str) -> None:
   """Raises ValueError naming the leaf where params and updates differ."""
   if params is None:
     raise ValueError(
-        f"{who} needs the parameters: call update(updates, state, params).")
+        f"{who}: params must be given (call update(updates, state, params));"
+        " got None.")
   u = dict(leaves_with_paths(updates))
   p = dict(leaves_with_paths(params))
   for path in u:
     if path not in p:
-      raise ValueError(f"{who}: params have no leaf at {path}, which the "
-                       "updates have.")
+      raise ValueError(f"{who}: params must have the updates' leaves; got no "
+                       f"leaf at {path}.")
     if np.shape(u[path]) != np.shape(p[path]):
       raise ValueError(
-          f"{who}: params leaf {path} has shape {np.shape(p[path])} but the "
-          f"update there has shape {np.shape(u[path])}.")
+          f"{who}: params leaf {path} must have the update's shape "
+          f"{np.shape(u[path])}; got {np.shape(p[path])}.")
   for path in p:
     if path not in u:
-      raise ValueError(f"{who}: updates have no leaf at {path}, which the "
-                       "params have.")
+      raise ValueError(f"{who}: params must have only the updates' leaves; "
+                       f"got one at {path}.")
 
 
 def axis_names(axis_name: Any) -> tuple[str, ...]:

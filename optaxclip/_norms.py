@@ -12,8 +12,38 @@ Three rules hold for every norm computed here:
   ``M`` the largest magnitude so far, as BLAS ``nrm2`` does (Blue, 1978;
   Anderson, "Algorithm 978: Safe scaling in the Level 1 BLAS", 2017).
   Ordinary steps pay for the fast path alone.
-* Derivatives are finite everywhere: at a zero gradient and exactly on a
-  clipping threshold (meta-learning differentiates through ``update``).
+* No division by a data-dependent scale: XLA compiles ``x / s`` as
+  ``x * (1 / s)``, and for ``s`` above 2**126 the reciprocal is subnormal and
+  flushed to zero. Values are rescaled by exact powers of two instead, and
+  norms and clip factors that may leave the dtype's range (the norm of
+  finite float32 values can exceed 3.4e38; ``1e-3 / 1.4e37`` is below
+  2**-126) are carried as :class:`Scaled`, ``value * 2**exponent``, until
+  they scale a leaf.
+* Derivatives of every order are finite everywhere: at a zero gradient and
+  exactly on a clipping threshold (meta-learning differentiates through
+  ``update``; Hessian-vector products through the optimizer need the second
+  order).
+
+Non-finite gradients (the policy of every clipper)
+--------------------------------------------------
+
+A NaN or an infinity in the gradient makes the clipped update non-finite,
+as in PyTorch's ``clip_grad_norm_`` and optax's ``clip_by_global_norm``, so
+that the failure is visible and :func:`optaxclip.guard` (or
+``optax.apply_if_finite``) can skip the step; a finite value is never passed
+through unclipped because a non-finite one hid the norm. Precisely: every
+value of a clipping unit whose norm is NaN or infinite comes out NaN (its
+factor from :func:`clip_scale` is NaN). The unit is the whole tree for a
+global clipper (``clip_global``, the ``scope="global"`` adaptive ones), a
+leaf or a slice for the per-unit ones, and a leaf for ``clip_value``
+(which, unlike ``optax.clip``, does not turn an infinity into
+``max_delta``). Units without a NaN or inf are clipped as usual. The
+statistics describe the update returned: ``norm`` is what was measured
+(inf, or NaN when a NaN was seen), ``clipped_norm`` is NaN, and the units
+made NaN count as clipped in ``clip_fraction``. Helpers for other
+transformations: :func:`clip_scale` (the factor, NaN for a non-finite
+norm), :func:`scale_leaf`, :func:`is_scaled_down` (for ``clip_fraction``),
+:func:`combine_norms` (NaN/inf-aware).
 
 ``axis_name`` support: inside ``shard_map`` or ``pmap``, the partial sums of
 leaves that are sharded over the named axis (or axes) are ``psum``-ed, and the
@@ -38,7 +68,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import functools
 import math
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -96,17 +126,124 @@ def _power(a: jax.Array, p: float) -> jax.Array:
 
 
 def safe_root(s: jax.Array, p: float) -> jax.Array:
-  """``s ** (1/p)`` for ``s >= 0`` whose derivative is 0, not inf, at 0."""
+  """``s ** (1/p)`` for ``s >= 0`` whose derivative is 0, not inf, at 0.
+
+  NaN stays NaN (a NaN norm must not read as 0).
+  """
   if p == 1:
     return s
   positive = s > 0
   s_safe = jnp.where(positive, s, 1)
   root = jnp.sqrt(s_safe) if p == 2 else s_safe ** (1.0 / p)
-  return jnp.where(positive, root, 0)
+  return jnp.where(positive, root, jnp.where(jnp.isnan(s), s, 0))
 
 
-def _safe_min(dtype: Any, p: float) -> float:
-  """Smallest ``max|x| ** p`` for which the direct sum is trusted."""
+
+# --------------------------------------------------------------------------
+# Exact power-of-two scaling
+# --------------------------------------------------------------------------
+#
+# XLA compiles ``x / s`` (s a scalar broadcast over x) as ``x * (1 / s)``, and
+# for s above 2**126 the reciprocal is subnormal, which CPUs (and GPUs) flush
+# to zero. A factor below 2**-126 (``1e-3 / 1.4e37``) is flushed the same way,
+# and a norm of finite values may exceed the dtype's largest value. So no
+# data-dependent scale is ever divided by here: values are scaled by exact
+# powers of two built from the exponent bits (multiplication by a normal
+# power of two is exact), and norms and factors that may leave the dtype's
+# range are carried as ``value * 2**exponent`` (:class:`Scaled`).
+
+
+def _bits(dtype) -> tuple[Any, int, int]:
+  """(unsigned-size int dtype, mantissa bits, exponent bias) of a float."""
+  info = jnp.finfo(dtype)
+  ints = {4: jnp.int32, 8: jnp.int64}
+  if np.dtype(dtype).itemsize not in ints:
+    raise TypeError(f"power-of-two scaling needs float32 or float64; "
+                    f"got {np.dtype(dtype)}")
+  return ints[np.dtype(dtype).itemsize], int(info.nmant), int(info.maxexp) - 1
+
+
+def exponent(v: jax.Array) -> jax.Array:
+  """The int32 ``E`` with ``v = m * 2**E``, ``0.5 <= |m| < 1``, for normal v.
+
+  Read from the exponent bits (no derivative): 0 and subnormals give the
+  smallest normal exponent, ``inf`` and NaN one above the largest.
+  """
+  v = jax.lax.stop_gradient(v)
+  int_dtype, nmant, bias = _bits(v.dtype)
+  bits = jax.lax.bitcast_convert_type(v, int_dtype)
+  field = jnp.right_shift(bits, nmant) & ((2 * bias + 1))
+  field = jnp.maximum(field, 1)  # subnormals: as the smallest normal
+  return (field - (bias - 1)).astype(jnp.int32)
+
+
+def pow2(k: jax.Array, dtype: Any) -> jax.Array:
+  """Exactly ``2.0**k`` in ``dtype`` for integer k in its normal range; 0
+  below it, the largest normal power above it."""
+  int_dtype, nmant, bias = _bits(dtype)
+  field = jnp.clip(jnp.asarray(k).astype(int_dtype) + bias, 0, 2 * bias)
+  return jax.lax.bitcast_convert_type(
+      jnp.left_shift(field, jnp.asarray(nmant, int_dtype)), dtype)
+
+
+def _exp_range(dtype) -> tuple[int, int]:
+  """The exponents k for which ``2**k`` and ``2**-k`` are both normal."""
+  info = jnp.finfo(dtype)
+  return int(info.minexp), -int(info.minexp)
+
+
+def ldexp(v: jax.Array, k: jax.Array, pieces: int = 3) -> jax.Array:
+  """``v * 2**k`` with integer k, exact unless the result is subnormal.
+
+  ``2**k`` may lie beyond the dtype's range (``k = -200`` in float32) while
+  the product does not; the power is applied in up to ``pieces`` normal
+  steps.
+  """
+  v = jnp.asarray(v)
+  real = jnp.finfo(v.dtype).dtype
+  lo, hi = _exp_range(real)
+  k = jnp.asarray(k, jnp.int32)
+  for _ in range(pieces):
+    step = jnp.clip(k, lo, hi)
+    v = v * pow2(step, real)
+    k = k - step
+  return v
+
+
+class Scaled(NamedTuple):
+  """The number ``value * 2**exponent``: a norm or factor that may lie
+  outside its dtype's range (a norm of finite float32 values above 3.4e38, a
+  clip factor below 2**-126). ``exponent`` is int32, of ``value``'s shape.
+  """
+  value: jax.Array
+  exponent: jax.Array
+
+  def as_float(self) -> jax.Array:
+    """The number in ``value``'s dtype (inf on overflow, 0 on underflow)."""
+    return ldexp(self.value, self.exponent)
+
+  def __mul__(self, other: "Scaled") -> "Scaled":  # type: ignore[override]
+    return Scaled(self.value * other.value, self.exponent + other.exponent)
+
+
+def as_scaled(x: Union[jax.Array, Scaled]) -> Scaled:
+  """A plain array as :class:`Scaled` (exponent 0); a Scaled unchanged."""
+  if isinstance(x, Scaled):
+    return x
+  x = jnp.asarray(x)
+  # zeros_like: the same varying axes as x inside shard_map (lax.cond).
+  return Scaled(x, jnp.zeros_like(x, dtype=jnp.int32))
+
+
+def _normalized(x: Scaled) -> tuple[jax.Array, jax.Array]:
+  """``(m, E)`` with ``x = m * 2**E`` and ``0.5 <= m < 1`` for ``x > 0``
+  (``m = 0`` for 0; ``inf`` and NaN values stay as they are)."""
+  e = exponent(x.value)
+  e = jnp.where(e > jnp.finfo(x.value.dtype).maxexp, 0, e)
+  return ldexp(x.value, -e, pieces=2), x.exponent + e
+
+def _safe_min(dtype: Any) -> float:
+  """Smallest power sum (of any order) for which the direct sum is trusted."""
   info = jnp.finfo(dtype)
   return float(info.tiny) / float(info.eps) ** 2
 
@@ -210,6 +347,8 @@ def _with_plain_derivative(fast, plain, n_args: int, n_static: int):
   ``plain`` is the same function written with differentiable ops; ``fast``
   uses a multi-output ``lax.reduce``, which JAX cannot differentiate. Of the
   ``n_args`` arguments, the last ``n_static`` are static (hashable).
+  Derivatives of any order work: the rule's primal output is computed by
+  the function itself, so differentiating the rule uses the rule again.
   """
   @functools.partial(jax.custom_jvp, nondiff_argnums=tuple(
       range(n_args - n_static, n_args)))
@@ -219,7 +358,7 @@ def _with_plain_derivative(fast, plain, n_args: int, n_static: int):
   @fn.defjvp
   def fn_jvp(*args):
     static, (primals, tangents) = args[:-2], args[-2:]
-    return fast(*primals, *static), jax.jvp(
+    return fn(*primals, *static), jax.jvp(
         lambda *xs: plain(*xs, *static), primals, tangents)[1]
 
   return fn
@@ -238,18 +377,25 @@ def _power_sum(x: jax.Array, p: float, axes, dtype) -> jax.Array:
   return jnp.sum(_power(a, p), axis=_reduce_axes(x, axes), keepdims=True)
 
 
+def _scale_exponent(m: jax.Array) -> jax.Array:
+  """``E`` such that ``m * 2**-E`` is in [0.5, 4) (smaller for tiny m) and
+  ``2**-E`` is a normal number: the scale for values whose largest magnitude
+  is ``m``. Non-finite ``m``: the largest such E."""
+  lo, hi = _exp_range(m.dtype)
+  return jnp.clip(exponent(m), lo, hi)
+
+
 def _scaled_sum_plain(x, p, axes, dtype):
   a = magnitude(x, dtype)
-  # M is only a scale: the norm M * q**(1/p) is the same for any M > 0, so
-  # its derivative is exact with M held constant (and the derivative of
-  # a / M through M would overflow M**2).
+  # M only picks an exact power-of-two scale: it has no derivative.
   m = jax.lax.stop_gradient(jnp.max(a, axis=axes, keepdims=True, initial=0))
-  safe = jnp.where(m > 0, m, 1)
-  return m, jnp.sum(_power(a / safe, p), axis=axes, keepdims=True)
+  scale = pow2(-_scale_exponent(m), dtype)
+  return jnp.sum(_power(a * scale, p), axis=axes, keepdims=True), m
 
 
 def _scaled_sum_fast(x, p, axes, dtype):
   def merge(u, v):
+    # Element-wise divisions (no broadcast scalar): XLA keeps them divisions.
     (m1, q1), (m2, q2) = u, v
     m = jnp.maximum(m1, m2)
     safe = jnp.where(m > 0, m, 1)
@@ -258,7 +404,10 @@ def _scaled_sum_fast(x, p, axes, dtype):
   a = magnitude(x, dtype)
   zero = jnp.zeros((), dtype)
   m, q = jax.lax.reduce((a, jnp.ones_like(a)), (zero, zero), merge, axes)
-  return jnp.expand_dims(m, axes), jnp.expand_dims(q, axes)
+  m, q = jnp.expand_dims(m, axes), jnp.expand_dims(q, axes)
+  # q = sum (|x| / M)**p; rescale it to the power-of-two scale of M.
+  mantissa = m * pow2(-_scale_exponent(m), dtype)
+  return q * _power(mantissa, p), m
 
 
 _scaled_sum_custom = _with_plain_derivative(
@@ -266,46 +415,48 @@ _scaled_sum_custom = _with_plain_derivative(
 
 
 def _scaled_sum(x: jax.Array, p: float, axes, dtype):
-  """``(M, sum (|x|/M)**p)`` over ``axes`` (keepdims), ``M = max |x|``.
+  """``(q, E)`` with ``q = sum (|x| * 2**-E)**p`` over ``axes`` (keepdims).
 
-  One pass, overflow- and underflow-free, with no scalar operand: each
-  partial result carries its own largest magnitude, and two partials are
-  merged by rescaling to the larger. An infinite or NaN element gives an
-  infinite or NaN ``M``. A leaf that may span devices takes two plain passes
-  instead: XLA's partitioner does not split a multi-output reduction, it
-  would all-gather the leaf.
+  ``2**E`` is the power of two of ``M = max |x|`` (int32 ``E``), so ``q`` is
+  neither overflowed nor underflowed, and the norm is ``q**(1/p) * 2**E``.
+  One pass, with no scalar operand: each partial result carries its own
+  largest magnitude, and two partials are merged by rescaling to the larger.
+  An infinite element gives ``q = inf``, a NaN ``q = NaN``. A leaf that may
+  span devices takes two plain passes instead: XLA's partitioner does not
+  split a multi-output reduction, it would all-gather the leaf.
   """
   axes = _reduce_axes(x, axes)
   dtype = np.dtype(dtype)
   if may_span_devices(x):
-    return _scaled_sum_plain(x, p, axes, dtype)
-  return _scaled_sum_custom(x, p, axes, dtype)
+    q, m = _scaled_sum_plain(x, p, axes, dtype)
+  else:
+    q, m = _scaled_sum_custom(x, p, axes, dtype)
+  q = jnp.where(m == jnp.inf, jnp.inf, q)  # inf / inf in the merge: NaN
+  return q, _scale_exponent(m)
 
 
 def _merge_scaled(parts, p: float):
-  """Merges ``(M_i, q_i)`` of disjoint parts (same shapes) into one."""
-  m = parts[0][0]
-  for mi, _ in parts[1:]:
-    m = jnp.maximum(m, mi)
-  safe = jnp.where(m > 0, m, 1)
-  return m, sum(qi * _power(mi / safe, p) for mi, qi in parts)
+  """Merges ``(q_i, E_i)`` of disjoint parts (same shapes) into one."""
+  e = functools.reduce(jnp.maximum, [ei for _, ei in parts])
+  # An infinite q has the largest E (it is never scaled by 0: no inf * 0).
+  return sum(qi * _power(pow2(ei - e, qi.dtype), p) for qi, ei in parts), e
 
 
-def _across_devices(m, q, p, sharded, axis_name: AxisName):
-  """``(M, q)`` of a leaf split over (some of) ``axis_name``, merged over the
+def _across_devices(q, e, p, sharded, axis_name: AxisName):
+  """``(q, E)`` of a leaf split over (some of) ``axis_name``, merged over the
   devices that hold its parts (``sharded``: see _split_axes).
   """
   names = _split_axes(sharded, axis_name)
   if not names:
-    return m, q
-  total_m = jax.lax.pmax(m, names)
-  safe = jnp.where(total_m > 0, total_m, 1)
-  return total_m, jax.lax.psum(q * _power(m / safe, p), names)
+    return q, e
+  total_e = jax.lax.pmax(e, names)
+  return jax.lax.psum(q * _power(pow2(e - total_e, q.dtype), p),
+                      names), total_e
 
 
-def _scaled_norm(m, q, p):
-  """``M * q**(1/p)``: infinite for an infinite ``M``, NaN for a NaN one."""
-  return jnp.where(jnp.isinf(m), m, m * safe_root(q, p))
+def _scaled_norm(q, e, p) -> Scaled:
+  """The norm ``q**(1/p) * 2**E``."""
+  return Scaled(safe_root(q, p), e)
 
 
 def _flat_parts(arrays) -> list[jax.Array]:
@@ -473,8 +624,9 @@ class UnitLayout:
     return out
 
   def leaf_vector(self, values, dtype) -> jax.Array:
-    """Per-part values of whole-leaf units as one vector in leaf order."""
-    flat = [jnp.ravel(v).astype(dtype) for v in values]
+    """Per-part values (arrays or :class:`Scaled`, as floats) of whole-leaf
+    units as one vector in leaf order."""
+    flat = [jnp.ravel(as_scaled(v).as_float()).astype(dtype) for v in values]
     order = []
     for kind, what, _ in self.parts:
       order.extend([what] if kind == "leaf" else [i for i, _, _ in what])
@@ -483,12 +635,19 @@ class UnitLayout:
       return vector
     return jnp.take(vector, np.argsort(np.asarray(order)), axis=0)
 
-  def unpack(self, values) -> list[jax.Array]:
-    """Per-part unit values as per-leaf ones (keepdims shapes)."""
+  def unpack(self, values):
+    """Per-part unit values (arrays or :class:`Scaled`) as per-leaf ones
+    (keepdims shapes)."""
     out = [None] * len(self.shapes)
     for (kind, what, _), v in zip(self.parts, values):
       if kind == "leaf":
         out[what] = v
+        continue
+      if isinstance(v, Scaled):
+        pairs = zip(take_each(v.value), take_each(v.exponent))
+        for (i, _, _), (value, e) in zip(what, pairs):
+          shape = self.unit_shape(i)
+          out[i] = Scaled(value.reshape(shape), e.reshape(shape))
         continue
       for (i, _, _), value in zip(what, take_each(v)):
         out[i] = value.reshape(self.unit_shape(i))
@@ -503,6 +662,23 @@ def unit_norms(
     axis_name: AxisName = None,
     sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> list[jax.Array]:
+  """The p-norm of each unit of each leaf, with reduced axes kept as size 1.
+
+  As :func:`unit_norms_scaled`, as plain arrays in the accumulation dtype
+  (``inf`` where a norm of finite values exceeds its range).
+  """
+  return [n.as_float() for n in unit_norms_scaled(
+      leaves, ord, axes, axis_name=axis_name, sharded=sharded)]
+
+
+def unit_norms_scaled(
+    leaves: Sequence[jax.Array],
+    ord: float = 2.0,  # pylint: disable=redefined-builtin
+    axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
+    *,
+    axis_name: AxisName = None,
+    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
+) -> list[Scaled]:
   """The p-norm of each unit of each leaf, with reduced axes kept as size 1.
 
   The fast path is one reduction pass over the leaves, small leaves stacked
@@ -522,8 +698,9 @@ def unit_norms(
       partial sums are summed over exactly those), or a bool: all or none.
 
   Returns:
-    One array per leaf, of the leaf's rank, holding each unit's norm in the
-    accumulation dtype.
+    One :class:`Scaled` per leaf, of the leaf's rank, holding each unit's
+    norm in the accumulation dtype (exact even where it exceeds the dtype's
+    range).
   """
   leaves = list(leaves)
   if not leaves:
@@ -541,8 +718,8 @@ def unit_norms_packed(
     axis_name: AxisName = None,
     sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
     keys: Optional[Sequence[Any]] = None,
-) -> tuple[UnitLayout, list[jax.Array]]:
-  """:func:`unit_norms` as ``(layout, norms per part)`` (see UnitLayout).
+) -> tuple[UnitLayout, list[Scaled]]:
+  """:func:`unit_norms_scaled` as ``(layout, norms per part)`` (see UnitLayout).
 
   ``keys``: per leaf, a hashable that leaves stacked together must share
   (beyond their unit size, dtype and ``sharded`` entry).
@@ -558,14 +735,14 @@ def unit_norms_packed(
 
 def part_norms(layout: UnitLayout, leaves: Sequence[jax.Array],
                ord: float = 2.0, *, axis_name: AxisName = None
-               ) -> list[jax.Array]:
+               ) -> list[Scaled]:
   """Unit norms of other leaves of the same shapes (e.g. the parameters),
   per part of ``layout`` (from :func:`unit_norms_packed`)."""
   return _part_norms(layout.pack(list(leaves)), ord, layout.part_axes,
                      [f for f, _ in layout.keys], axis_name)
 
 
-def _part_norms(parts, p, axes, flags, axis_name) -> list[jax.Array]:
+def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   """Unit norms of each part (keepdims); the body of unit_norms."""
   def maxima(parts_):
     return [
@@ -575,7 +752,7 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[jax.Array]:
   if not parts:
     return []
   if math.isinf(p):
-    return maxima(parts)
+    return [as_scaled(m) for m in maxima(parts)]
 
   sums = [_psum_sharded(_power_sum(x, p, ax, accumulation_dtype(x.dtype)), f,
                         axis_name)
@@ -584,20 +761,20 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[jax.Array]:
   # program does not grow with three checks per part). The bound of the
   # narrowest accumulation dtype serves all: a stricter bound only sends
   # more sums to the exact recompute.
-  safe_min = max(_safe_min(s.dtype, p) for s in sums)
+  safe_min = max(_safe_min(s.dtype) for s in sums)
   flat = _flat_parts(sums)
   good = [jnp.isfinite(v) & (v >= safe_min) for v in flat]
   zero = [v == 0 for v in flat]  # all zeros, or all squares underflowed
 
   def direct(parts_):
     del parts_
-    return [safe_root(s, p) for s in sums]
+    return [as_scaled(safe_root(s, p)) for s in sums]
 
   def exact(parts_):
     out = []
     for x, ax, f in zip(parts_, axes, flags):
-      m, q = _scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
-      out.append(_scaled_norm(*_across_devices(m, q, p, f, axis_name), p))
+      q, e = _scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
+      out.append(_scaled_norm(*_across_devices(q, e, p, f, axis_name), p))
     return out
 
   def fallback(parts_):
@@ -651,6 +828,22 @@ def global_norm(
 ) -> jax.Array:
   """The p-norm of all leaves taken together, as one vector.
 
+  As :func:`global_norm_scaled`, as a plain scalar in the accumulation dtype
+  (``inf`` where a norm of finite values exceeds its range).
+  """
+  return global_norm_scaled(leaves, ord, axis_name=axis_name,
+                            sharded=sharded).as_float()
+
+
+def global_norm_scaled(
+    leaves: Sequence[jax.Array],
+    ord: float = 2.0,  # pylint: disable=redefined-builtin
+    *,
+    axis_name: AxisName = None,
+    sharded: Optional[Sequence[bool]] = None,
+) -> Scaled:
+  """The p-norm of all leaves taken together, as one vector.
+
   The fast path is one reduction pass over the leaves (small ones
   concatenated); only when its sum is not finite, or too small to trust (or
   zero), is the norm recomputed exactly, from the same buffers.
@@ -663,14 +856,15 @@ def global_norm(
       partial sums are summed over exactly those), or a bool: all or none.
 
   Returns:
-    A scalar in the accumulation dtype (float32 unless a leaf is wider).
+    A scalar :class:`Scaled` in the accumulation dtype (float32 unless a
+    leaf is wider).
   """
   leaves = list(leaves)
   dtype = tree_accumulation_dtype(leaves)
   flags = _sharded_flags(leaves, sharded, axis_name)
   pieces = _pieces(leaves, flags)
   if not pieces:
-    return jnp.zeros((), dtype)
+    return as_scaled(jnp.zeros((), dtype))
   p = ord
   arrays = [a for a, _ in pieces]
   groups = {}
@@ -684,7 +878,7 @@ def global_norm(
         local = functools.reduce(jnp.maximum, [
             jnp.max(magnitude(arrays[i], dtype), initial=0) for i in idx])
         biggest = jnp.maximum(biggest, _pmax(local, f))
-    return biggest
+    return as_scaled(biggest)
 
   total = jnp.zeros((), dtype)
   for f, idx in groups.items():
@@ -694,21 +888,21 @@ def global_norm(
       total = total + _psum_sharded(local, f, axis_name)
   # A sum at or above this bound cannot hide lost (underflowed) terms that
   # matter; below it, or when it overflowed, recompute exactly.
-  trusted = jnp.isfinite(total) & (total >= _safe_min(dtype, p))
+  trusted = jnp.isfinite(total) & (total >= _safe_min(dtype))
 
   def direct(arrays_):
     del arrays_
-    return safe_root(total, p)
+    return as_scaled(safe_root(total, p))
 
   def exact(arrays_):
     parts = []
     for f, idx in groups.items():
       if idx:
-        m, q = _merge_scaled([
+        q, e = _merge_scaled([
             tuple(v.reshape(())
                   for v in _scaled_sum(arrays_[i], p, None, dtype))
             for i in idx], p)
-        parts.append(_across_devices(m, q, p, f, axis_name))
+        parts.append(_across_devices(q, e, p, f, axis_name))
     return _scaled_norm(*_merge_scaled(parts, p), p)
 
   return jax.lax.cond(trusted, direct, exact, arrays)
@@ -747,63 +941,184 @@ def largest_and_count_above(x: jax.Array, limit: Any):
   return _largest_and_count_custom(x, limit, dtype)
 
 
-def combine_norms(norms: Sequence[jax.Array], ord: float = 2.0,
+# Leaves above this size have clip_value's count estimated from a sample.
+EXACT_COUNT_SIZE = 1 << 16
+# The sample: every SAMPLE_STRIDE-th element (a prime, so that it does not
+# line up with the rows of a matrix of any usual width).
+SAMPLE_STRIDE = 257
+
+
+def largest_magnitude(x: jax.Array) -> jax.Array:
+  """``max |x|`` in the accumulation dtype (0 for an empty leaf; NaN if x
+  holds a NaN, else inf if it holds an inf).
+
+  For real leaves, from ``max(x)`` and ``min(x)``: plain reductions, which
+  XLA:CPU runs at memory speed, where ``max(abs(x))`` takes half as long
+  again (benchmarks/floors.py).
+  """
+  dtype = accumulation_dtype(x.dtype)
+  if x.size == 0:
+    return jnp.zeros((), dtype)
+  if jnp.iscomplexobj(x):
+    return jnp.max(magnitude(x, dtype))
+  return jnp.maximum(jnp.max(x), -jnp.min(x)).astype(dtype)
+
+
+def count_above(x: jax.Array, limit: Any) -> jax.Array:
+  """The number of elements with ``|x| > limit``, a float32 scalar.
+
+  Exact for leaves of at most ``EXACT_COUNT_SIZE`` elements and for leaves
+  that may span devices; for larger ones, estimated from every
+  ``SAMPLE_STRIDE``-th element (scaled to the leaf's size). An exact count
+  of a large leaf is a reduction of a comparison, which XLA:CPU neither
+  vectorises nor fuses: it cost ``clip_value`` 0.5x an Adam step.
+  """
+  dtype = accumulation_dtype(x.dtype)
+  limit = jnp.asarray(limit, dtype)
+  if x.size <= EXACT_COUNT_SIZE or may_span_devices(x):
+    return count(magnitude(x, dtype) > limit)  # no reshape: no all-gather
+  flat = jnp.ravel(x)
+  sample = flat[::SAMPLE_STRIDE]
+  return count(magnitude(sample, dtype) > limit) * (flat.size / sample.size)
+
+
+def _flat_scaled(norms: Sequence[Scaled]) -> list[Scaled]:
+  """The norms as 1-D parts: those on one device concatenated into one, the
+  others (that may be split across devices: no all-gather, no
+  ``ShardingTypeError``) raveled on their own."""
+  local = [n for n in norms if not may_span_devices(n.value)]
+  parts = [Scaled(jnp.ravel(n.value), jnp.ravel(n.exponent))
+           for n in norms if may_span_devices(n.value)]
+  if local:
+    parts.append(Scaled(_flat_concat([n.value for n in local]),
+                        _flat_concat([n.exponent for n in local])))
+  return parts
+
+
+def combine_norms(norms: Sequence[Union[jax.Array, Scaled]],
+                  ord: float = 2.0,  # pylint: disable=redefined-builtin
                   *, across: Optional[Sequence[tuple[str, ...]]] = None
                   ) -> jax.Array:
   """The p-norm of a set of unit norms: the norm of the whole they partition.
 
   Used for statistics: it costs a pass over the (small) norm arrays only.
-  ``across`` gives, per norm array, the mapped axes over which the devices
-  hold different units of it (inside ``shard_map``/``pmap``): those parts
-  are summed across them. By default every array is the same everywhere.
+  Norms may be plain arrays or :class:`Scaled`; the result is a plain
+  scalar (``inf`` if it exceeds the dtype's range or a unit norm is
+  infinite, NaN if one is NaN). ``across`` gives, per norm array, the
+  mapped axes over which the devices hold different units of it (inside
+  ``shard_map``/``pmap``): those parts are summed across them. By default
+  every array is the same everywhere.
   """
   if not norms:
     return jnp.zeros((), jnp.float32)
   across = [()] * len(norms) if across is None else list(across)
   groups = {}
   for n, names in zip(norms, across):
-    groups.setdefault(tuple(names), []).append(n)
-  parts = {}
-  for names, members in groups.items():
-    # Norms that may be split across devices are reduced on their own (no
-    # all-gather, no ShardingTypeError); the others are concatenated.
-    local = [jnp.ravel(n) for n in members if not may_span_devices(n)]
-    own = [n for n in members if may_span_devices(n)]
-    if local:
-      own.append(jnp.concatenate(local) if len(local) > 1 else local[0])
-    parts[names] = own
-  biggest = functools.reduce(jnp.maximum, [
-      _pmax(functools.reduce(jnp.maximum, [v.max(initial=0) for v in own]),
-            names)
-      for names, own in parts.items()])
+    groups.setdefault(tuple(names), []).append(as_scaled(n))
+  parts = {names: _flat_scaled(members) for names, members in groups.items()}
+
+  def over_devices(reduce_local, combine, collective):
+    return functools.reduce(combine, [
+        collective(functools.reduce(combine, [reduce_local(v) for v in own]),
+                   names) if names else
+        functools.reduce(combine, [reduce_local(v) for v in own])
+        for names, own in parts.items()])
+
   if math.isinf(ord):
-    return biggest
-  # An infinite unit norm makes the whole infinite (inf / inf would be NaN).
-  scale = jnp.where((biggest > 0) & jnp.isfinite(biggest), biggest, 1)
-  total = 0
-  for names, own in parts.items():
-    partial = sum(jnp.sum(_power(v / scale, ord)) for v in own)
-    total = total + (jax.lax.psum(partial, names) if names else partial)
-  return jnp.where(jnp.isinf(biggest), biggest,
-                   biggest * safe_root(jnp.asarray(total), ord))
+    return over_devices(lambda n: jnp.max(n.as_float(), initial=0),
+                        jnp.maximum, jax.lax.pmax)
+  # Each unit norm as m * 2**E (0.5 <= m < 1), all rescaled to the largest
+  # E: exact powers of two, no division. Non-finite norms are added at the
+  # end (inf or NaN), so that no inf * 0 appears.
+  floor = jnp.iinfo(jnp.int32).min // 2
+
+  def normalized(n):
+    ok = jnp.isfinite(n.value)
+    return _normalized(Scaled(jnp.where(ok, n.value, 0), n.exponent))
+
+  def top_exponent(n):
+    m, e = normalized(n)
+    return jnp.max(jnp.where(m > 0, e, floor), initial=floor)
+
+  top = over_devices(top_exponent, jnp.maximum, jax.lax.pmax)
+
+  def power_sum(n):
+    m, e = normalized(n)
+    return jnp.sum(_power(ldexp(m, e - top), ord))
+
+  total = over_devices(power_sum, jnp.add, jax.lax.psum)
+  bad = over_devices(
+      lambda n: jnp.sum(jnp.where(jnp.isfinite(n.value), 0, n.value)),
+      jnp.add, jax.lax.psum)
+  top = jnp.where(total > 0, top, 0)
+  return Scaled(safe_root(total, ord), top).as_float() + bad
 
 
-def clip_factor(norm: jax.Array, limit: Any) -> jax.Array:
-  """``min(1, limit / norm)`` with finite derivatives at 0 and on the limit.
+def clip_scale(norm: Union[jax.Array, Scaled],
+               limit: Union[Any, Scaled]) -> Scaled:
+  """``min(1, limit / norm)`` as a :class:`Scaled` factor, exact.
 
-  A NaN norm gives factor 1 (the NaN then shows in the update, as in PyTorch);
-  an infinite norm gives factor 0.
+  Both may lie outside the dtype's range (``1e-3 / 1.4e37`` is below 2**-126
+  in float32: a plain factor would be flushed to zero); the factor is
+  computed from their mantissas and exponents, with no division by a large
+  number. Finite derivatives at a zero norm and on the limit (the factor is
+  1 there, as in ``norm <= limit``).
+
+  Non-finite policy (see the module docstring): the factor is NaN when the
+  norm is NaN or infinite, or the limit is NaN, so that every value it
+  scales comes out NaN.
   """
-  limit = jnp.asarray(limit, norm.dtype)
-  above = norm > limit
-  return jnp.where(above, limit / jnp.where(above, norm, 1),
-                   1).astype(norm.dtype)
+  norm = as_scaled(norm)
+  dtype = norm.value.dtype
+  limit = as_scaled(limit)
+  limit = Scaled(limit.value.astype(dtype), limit.exponent)
+  n_m, n_e = _normalized(norm)
+  l_m, l_e = _normalized(limit)
+  finite_limit = limit.value < jnp.inf
+  above = (n_m > 0) & finite_limit & (
+      (limit.value == 0) | (n_e > l_e) | ((n_e == l_e) & (n_m > l_m)))
+  # Both operands masked: no inf (an infinite limit) or 0 in the branch
+  # not taken, whose derivative would be 0 * inf = NaN.
+  value = jnp.where(above, jnp.where(above, l_m, 1) / jnp.where(above, n_m, 1),
+                    1)
+  bad = ~jnp.isfinite(norm.value) | jnp.isnan(limit.value)
+  value = jnp.where(bad, jnp.nan, value).astype(dtype)
+  return Scaled(value, jnp.where(above, l_e - n_e, 0))
 
 
-def scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-  """``x * factor`` computed in the accumulation dtype, in ``x``'s dtype."""
+def is_scaled_down(factor: Scaled) -> jax.Array:
+  """Whether a factor from :func:`clip_scale` changes what it scales (NaN
+  factors included)."""
+  return (factor.value != 1) | (factor.exponent != 0)
+
+
+def clip_factor(norm: Union[jax.Array, Scaled], limit: Any) -> jax.Array:
+  """``min(1, limit / norm)`` as a plain array (see :func:`clip_scale`).
+
+  A factor below the dtype's smallest normal number is flushed to zero here;
+  scale by :func:`clip_scale`'s result to keep it exact. NaN for a NaN or
+  infinite norm (the non-finite policy).
+  """
+  return clip_scale(norm, limit).as_float()
+
+
+def scale_leaf(x: jax.Array, factor: Union[jax.Array, Scaled]) -> jax.Array:
+  """``x * factor`` computed in the accumulation dtype, returned in x's dtype.
+
+  A :class:`Scaled` factor is applied exactly whatever its exponent: its
+  value times the part of ``2**exponent`` that keeps it normal, then the
+  rest as further exact powers of two (each 1 for an ordinary factor).
+  """
   wide = promote_types(x.dtype, accumulation_dtype(x.dtype))
-  return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
+  if not isinstance(factor, Scaled):
+    return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
+  dtype = accumulation_dtype(x.dtype)
+  lo, hi = _exp_range(dtype)
+  # value is in [0.5, 2] (or 1, or NaN): value * 2**first stays normal.
+  first = jnp.clip(factor.exponent, lo + 1, hi - 1)
+  head = (factor.value.astype(dtype) * pow2(first, dtype)).astype(wide)
+  return ldexp(x.astype(wide) * head, factor.exponent - first,
+               pieces=2).astype(x.dtype)
 
 
 def count(mask: jax.Array) -> jax.Array:

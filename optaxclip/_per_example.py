@@ -193,6 +193,7 @@ def sum_clipped(
   norms: Sequence[jax.Array],
   limits: Sequence[Any],
   keep: jax.Array,
+  factors: Optional[Sequence[jax.Array]] = None,
 ) -> list[jax.Array]:
   """``sum_b keep_b * min(1, limit / norms[b]) * x[b]`` for each leaf.
 
@@ -203,6 +204,9 @@ def sum_clipped(
     limits: per leaf, the clip limit (a scalar).
     keep: ``(B,)`` bool, False for examples to leave out (their elements
       never reach the sum, whatever they hold).
+    factors: per leaf, the ``(B,)`` factors to apply instead of
+      ``min(1, limit / norm)`` (e.g. automatic clipping's
+      ``limit / (norm + gamma)``); each at most ``limit / norm``.
 
   Returns:
     One array per leaf, without the batch axis, in the accumulation dtype.
@@ -216,7 +220,8 @@ def sum_clipped(
   first scaled by an exact power of two (its norm's exponent), its weight
   becoming ``limit / mantissa``.
   """
-  factors = [_norms.clip_factor(n, limit) for n, limit in zip(norms, limits)]
+  if factors is None:
+    factors = [_norms.clip_factor(n, limit) for n, limit in zip(norms, limits)]
   tiny = _any_of([f < _SMALL_FACTOR for f in factors])
   ordinary = jnp.all(keep) & ~jnp.any(tiny)
 
@@ -565,7 +570,11 @@ def clip_per_example(
   _checks.check_number("noise_multiplier", noise_multiplier, who=who, low=0.0)
   make_key = _checks.check_seed(who, seed)
   _checks.check_number(
-    "target_quantile", target_quantile, who=who, low=0.0, high=1.0,
+    "target_quantile",
+    target_quantile,
+    who=who,
+    low=0.0,
+    high=1.0,
     allow_none=True,
   )
   _checks.check_number("quantile_lr", quantile_lr, who=who, low=0.0)

@@ -93,6 +93,10 @@ Running under JAX
   (updates, state)))`` for histories of adaptive clippers and guard.
   ``sharded_runner(config, n)``: the same with every leaf split along its
   first axis over ``n`` devices in ``shard_map`` (``axis_name="d"``).
+  ``sharded_step_runner(config, n)``: ``(tx, step)`` likewise for
+  histories of adaptive clippers and guard (state replicated).
+  ``with_axis_name(config)``: the config with ``axis_name="d"`` where its
+  clipper takes one.
   ``mesh(n)``: a 1-D mesh of the first ``n`` devices, axis ``"d"``.
 """
 
@@ -561,7 +565,7 @@ class Config:
       inner = (
         optax.identity()
         if inner_name == "identity"
-        else optaxclip.clip_global(inner_limit)
+        else optaxclip.clip_global(inner_limit, axis_name=kw.get("axis_name"))
       )
       return optaxclip.guard(inner, **kw)
     return getattr(optaxclip, self.name)(**kw)
@@ -957,19 +961,27 @@ def step_runner(config: Config):
   return tx, FastJit(tx.update)
 
 
+def with_axis_name(config: Config, axis_name="d") -> Config:
+  """``config`` with ``axis_name`` where its clipper takes one (clip_value,
+  element-wise, needs none).
+  """
+  kw = dict(config.kwargs)
+  base = config.name.split(".")[0]
+  factory = getattr(optaxclip, base, None)
+  if (
+    factory is not None and "axis_name" in inspect.signature(factory).parameters
+  ):
+    kw["axis_name"] = axis_name
+  return Config(config.name, tuple(sorted(kw.items())))
+
+
 @functools.cache
 def sharded_runner(config: Config, n: int):
   """:func:`static_runner` with every leaf split along its first axis over
   ``n`` devices inside ``shard_map`` (the clipper built with
   ``axis_name="d"``); the statistics come back from device 0.
   """
-  kw = dict(config.kwargs)
-  factory = getattr(optaxclip, config.name, None)
-  if (
-    factory is not None and "axis_name" in inspect.signature(factory).parameters
-  ):
-    kw["axis_name"] = "d"  # clip_value is element-wise: it needs none
-  with_axis = Config(config.name, tuple(sorted(kw.items())))
+  with_axis = with_axis_name(config)
   spec = jax.sharding.PartitionSpec
 
   def local(g, limit):
@@ -987,6 +999,29 @@ def sharded_runner(config: Config, n: int):
     )(g, limit)
 
   return FastJit(mapped)
+
+
+@functools.cache
+def sharded_step_runner(config: Config, n: int):
+  """:func:`step_runner` with every leaf split along its first axis over
+  ``n`` devices inside ``shard_map`` (``axis_name="d"``), the state
+  replicated (read back from device 0). Returns ``(tx, step)``: ``tx.init``
+  takes the whole params.
+  """
+  tx = with_axis_name(config).make()
+  spec = jax.sharding.PartitionSpec
+
+  def mapped(g, state):
+    specs = jax.tree.map(lambda _: spec("d"), g)
+    return jax.shard_map(
+      tx.update,
+      mesh=mesh(n),
+      in_specs=(specs, spec()),
+      out_specs=(specs, spec()),
+      check_vma=False,
+    )(g, state)
+
+  return tx, FastJit(mapped)
 
 
 def mesh(n: int) -> jax.sharding.Mesh:

@@ -90,3 +90,45 @@ def test_dp_sgd_example_explains_bad_flags():
     assert len(entry.split()) > 2, flag  # a help string, then its default
     assert "\n  --" not in entry, flag
   assert result.stdout.count("(default:") >= 9
+
+
+def test_dp_transformer_example_runs_tiny():
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+    filter(None, (str(ROOT), env.get("PYTHONPATH")))
+  )
+  result = subprocess.run(
+    [
+      sys.executable,
+      str(ROOT / "examples" / "dp_transformer.py"),
+      "--size",
+      "tiny",
+      "--steps",
+      "6",
+      "--batch-size",
+      "16",
+      "--log-every",
+      "3",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert "exact fallback for 0\n" in out, out
+  memory = re.search(r"ghost ([\d.]+) MiB, vmap ([\d.]+) MiB", out)
+  assert memory and float(memory[1]) > 0 and float(memory[2]) > 0, out
+  steps = re.findall(
+    r"step +(\d+) +test loss ([\d.]+) +clip norm ([\d.]+) +clipped ([\d.]+)",
+    out,
+  )
+  assert [int(s[0]) for s in steps] == [3, 6], out
+  first = float(re.search(r"step +0 +test loss ([\d.]+)", out)[1])
+  for _, loss, clip_norm, clipped in steps:
+    assert 0 < float(loss) < 2 * first
+    assert float(clip_norm) > 0 and 0 <= float(clipped) <= 1
+  assert "No privacy accounting" in out

@@ -54,6 +54,8 @@ import pytest
 import fuzz_strategies as fz
 
 REL = 1e-5
+# clip_value counts clipped elements exactly in leaves up to this size.
+ESTIMATED_COUNT = 1 << 16
 F32 = np.float32
 
 
@@ -191,6 +193,15 @@ def _check_static(config, tree, params, limit, out, state, stats=True):
     hi += int(np.sum((m >= lim * (1 - REL)) & ~((m == 0) & (lim == 0))))
     units += m.size
   frac = float(state.clip_fraction)
+  if config.static_name == "clip_value" and any(
+    np.size(x) > ESTIMATED_COUNT for x in leaves
+  ):
+    # Documented: estimated from a sample of the elements in large leaves;
+    # none clipped still reads 0, all clipped 1.
+    assert 0 <= frac <= 1, f"{msg}: clip_fraction {frac}"
+    assert frac == 0 or hi > 0, f"{msg}: clip_fraction {frac}, none clipped"
+    assert frac == 1 or lo < units, f"{msg}: clip_fraction {frac}, all clipped"
+    return
   assert lo / max(units, 1) - 1e-6 <= frac <= hi / max(units, 1) + 1e-6, (
     f"{msg}: clip_fraction {frac}, oracle between {lo}/{units} and {hi}/{units}"
   )
@@ -349,11 +360,15 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
   if config.static_name == "clip_global":
     finite_out = [g for g in got if np.all(np.isfinite(g))]
     norm = fz.measure_tree(finite_out, config.kw.get("ord"))
-    assert norm <= limit * (1 + 4 * REL) + 1e-30, (
+    tol = max(_rtol(np.asarray(x).dtype) for x in fz.leaves(tree))
+    flush = max(fz.flush_atol(np.asarray(x).dtype) for x in fz.leaves(tree))
+    size = sum(np.size(x) for x in fz.leaves(tree))
+    assert norm <= limit * (1 + tol) + flush * math.sqrt(size), (
       f"{msg}: finite leaves of global norm {norm:.6g} > {limit}"
     )
   else:
-    for x, g, lim in zip(leaves, got, oracle.limits):
+    for x, g, lim in zip(fz.leaves(tree), got, oracle.limits):
+      x = np.asarray(x)
       m = oracle.unit_measure([g])[0]
       ok = ~np.isfinite(m) | (
         m
@@ -967,8 +982,33 @@ def _derivative_property(config, g, w, v, params, ratio, order):
   )
 
 
-@_examples(8)
+def _derivative_example(config, scale, ratio, seed=0):
+  rng = np.random.default_rng(seed)
+  tree = lambda s: jax.tree.map(
+    lambda shape: (s * rng.normal(size=shape)).astype(F32),
+    DERIV_LAYOUT,
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
+  return config, tree(scale), tree(1.0), tree(scale), None, ratio
+
+
+@pytest.mark.xfail(
+  strict=True,
+  raises=AssertionError,
+  reason=(
+    "issue 10 items 1-2: the first derivative of a clipped norm whose "
+    "squares overflow float32 (|g| ~ 1e19) is off by 10% (NaN elsewhere), "
+    "fix pending in branch numerics"
+  ),
+)
+@_examples(8, xfailing=True)
 @hypothesis.given(case=_derivative_case())
+# Found by this suite (release profile): clip_global of a gradient of 1e19.
+@hypothesis.example(
+  case=_derivative_example(
+    fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))), 1e19, 0.3
+  )
+)
 def test_first_derivative_through_update(case):
   """jax.grad through every static clipper's update equals finite
   differences of the float64 oracle, clipped or not, at magnitudes from
@@ -1049,3 +1089,54 @@ def test_second_step_neither_retraces_nor_transfers(config, dtype):
       for g in gs:
         _, state = tx.update(g, state, p)
         jax.block_until_ready(state)
+
+
+@st.composite
+def _sharded_history_case(draw):
+  config = draw(
+    st.one_of(fz.adaptive_configs(scopes=("global",)), fz.guard_configs())
+  )
+  n = draw(st.sampled_from((1, 2, 8)))
+  tree = draw(
+    fz.trees(
+      dtypes=("float32",),
+      shapes=((8,), (16, 2)),
+      min_leaves=1,
+      max_leaves=2,
+      magnitudes="ordinary",
+    )
+  )
+  levels = draw(
+    st.lists(st.sampled_from((0.0, 1e-3, 1.0, 1e3)), min_size=3, max_size=8)
+  )
+  return config, n, tree, levels
+
+
+@_examples(5)
+@hypothesis.given(case=_sharded_history_case())
+def test_sharded_adaptive_and_guard_match_one_device(case):
+  """Adaptive clippers and guard with axis_name over 1, 2 or 8 devices (every
+  leaf split): step by step the updates and the whole state of one device.
+  """
+  config, n, tree, levels = case
+  tx1, step1 = fz.step_runner(config)
+  txn, stepn = fz.sharded_step_runner(config, n)
+  g0 = fz.to_jax(tree)
+  s1, sn = tx1.init(g0), txn.init(g0)
+  base = float(fz.measure_tree(fz.leaves(tree))) or 1.0
+  for i, level in enumerate(levels):
+    g = jax.tree.map(lambda x, lv=level: (x / base * lv).astype(x.dtype), tree)
+    g = fz.to_jax(g)
+    o1, s1 = step1(g, s1, None)
+    on, sn = stepn(g, sn)
+    msg = f"{config!r} on {n} devices, step {i} (levels {levels})"
+    for a, b in zip(_host(on), _host(o1)):
+      np.testing.assert_allclose(
+        a, b, rtol=4 * REL, atol=1e-6 * level + 1e-30, err_msg=msg
+      )
+    for a, b in zip(jax.tree.leaves(sn), jax.tree.leaves(s1)):
+      a, b = np.asarray(a), np.asarray(b)
+      if jnp.issubdtype(a.dtype, jnp.floating):
+        np.testing.assert_allclose(a, b, rtol=4 * REL, atol=1e-30, err_msg=msg)
+      else:
+        np.testing.assert_array_equal(a, b, err_msg=msg)

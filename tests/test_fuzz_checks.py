@@ -200,7 +200,7 @@ def test_seeds_map_to_distinct_keys_or_are_rejected(seed):
 
 # A plain clipper compiles once per value (its limit is a constant of the
 # program): a few values keep this cheap.
-@hypothesis.settings(max_examples=6)
+@hypothesis.settings(max_examples=3)
 @hypothesis.given(st.sampled_from([0.05, 2.0, 7.5]),
                   st.sampled_from(["clip_global", "clip_norm"]))
 def test_injected_hyperparameter_updates_like_a_plain_one(limit, name):

@@ -2,16 +2,19 @@
 dtypes, overflow, meta-gradients, trees, hyperparameter checks, jit.
 """
 
+import functools
 import math
 
 from absl.testing import parameterized
 import chex
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+from fast_compile import run_fast
 import np_refs
 import optaxclip
 
@@ -806,3 +809,268 @@ class JitTest(parameterized.TestCase):
       for value in logs[name].values():
         self.assertEqual(value.dtype, jnp.float32)
         self.assertTrue(np.isfinite(float(value)))
+
+
+# --- Every finite magnitude, every dtype (issue 10, item 1) -------------------
+#
+# XLA compiles x / s as x * (1 / s); above 2**126 the reciprocal is subnormal
+# and flushed to zero. Before the fix these cases returned zeros (or passed
+# the gradient unclipped) and recorded a norm or clipped norm of 0.
+
+
+def _clip_np(leaves, limit, norm):
+  """The exact clip in float64: leaves * min(1, limit / norm)."""
+  factor = 1.0 if norm <= limit else limit / norm
+  return [np_refs.f64(x) * factor for x in leaves]
+
+
+class ExtremeMagnitudeTest(parameterized.TestCase):
+
+  def test_issue_reproductions(self):
+    g1 = {"a": jnp.array([1e38, -1e38], jnp.float32)}
+    g2 = {"a": jnp.full((100,), 1.4e36, jnp.float32)}  # global norm 1.4e37
+    g3 = {"a": jnp.full((7,), 3e38, jnp.float32)}  # norm 7.9e38 > float32 max
+    (o1, s1), (o2, s2), (o3, s3), (o4, s4) = jax.jit(lambda a, b, c: (
+        optaxclip.clip_norm(1.0).update(a, None),
+        optaxclip.clip_global(1e-3).update(b, None),
+        optaxclip.clip_global(1.0).update(c, None),
+        optaxclip.clip_global(1e-37).update(c, None)))(g1, g2, g3)
+    _close(o1["a"], [2 ** -0.5, -(2 ** -0.5)])
+    _close(s1.norm, math.sqrt(2) * 1e38)
+    _close(s1.clipped_norm, 1.0)
+    _close(o2["a"], np.full(100, 1e-4), atol=0)
+    _close(s2.clipped_norm, 1e-3)
+    _close(o3["a"], np.full(7, 7 ** -0.5))
+    self.assertEqual(float(s3.norm), math.inf)  # beyond float32: honest inf
+    _close(s3.clipped_norm, 1.0)
+    # A factor of about 2**-250: two powers of two beyond float32's range.
+    _close(o4["a"], np.full(7, 1e-37 * 7 ** -0.5), atol=0)
+    _close(s4.clipped_norm, 1e-37, atol=0)
+
+  @parameterized.parameters("float16", "bfloat16", "float32")
+  def test_largest_finite_values_of_each_dtype(self, dtype):
+    big = float(jnp.finfo(dtype).max)
+    g = {"a": jnp.asarray([big, -big, big], dtype),
+         "b": jnp.asarray([[big / 4, 1.0]], dtype)}
+    w = jax.tree.map(jnp.ones_like, g)
+    leaves = _leaves(g)
+    cases = {
+        "clip_global": (optaxclip.clip_global(1e-3), None),
+        "clip_norm": (optaxclip.clip_norm(2.0), None),
+        "clip_block_rms": (optaxclip.clip_block_rms(0.5), None),
+        "clip_unitwise": (optaxclip.clip_unitwise(0.1, axis=-1), w),
+    }
+    results = jax.jit(lambda g, w: {
+        k: tx.update(g, tx.init(g), w if p is not None else None)
+        for k, (tx, p) in cases.items()})(g, w)
+    norm = np_refs.tree_norm(leaves)
+    rtol = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}[dtype]
+    expected = {
+        "clip_global": _clip_np(leaves, 1e-3, norm),
+        "clip_norm": [np_refs.tf_clip_by_norm(x, 2.0) for x in leaves],
+        "clip_block_rms": [np_refs.block_rms(x, 0.5) for x in leaves],
+        "clip_unitwise": [np_refs.tf_clip_by_norm(x, 0.1 * np.sqrt(
+            np.sum(np.ones_like(x) ** 2, axis=-1, keepdims=True)), axes=-1)
+                          for x in leaves],
+    }
+    for name, (out, state) in results.items():
+      for a, e in zip(jax.tree.leaves(out), expected[name]):
+        self.assertEqual(a.dtype, jnp.dtype(dtype))
+        _close(a, e, rtol=rtol, atol=1e-7)
+      _close(state.clipped_norm, np_refs.tree_norm(expected[name]), rtol=rtol)
+      want_norm = norm if norm < np.finfo(np.float32).max else np.inf
+      _close(state.norm, want_norm, rtol=rtol)
+
+  def test_float64_under_x64(self):
+    with jax.enable_x64(True):
+      g = {"a": jnp.asarray([1e308, -1e308, 1e308]),  # norm beyond float64
+           "b": jnp.asarray([1e-300])}
+      (o1, s1), (o2, s2), (o3, s3) = jax.jit(lambda g: (
+          optaxclip.clip_global(1e-300).update(g, None),  # factor ~2**-2000
+          optaxclip.clip_norm(2.0).update(g, None),
+          optaxclip.clip_value(1e300).update(g, None)))(g)
+      self.assertEqual(o1["a"].dtype, jnp.float64)
+      self.assertEqual(s1.norm.dtype, jnp.float32)  # stats are float32
+      _close(o1["a"], np.array([1, -1, 1]) * 1e-300 / math.sqrt(3),
+             rtol=1e-12, atol=0)
+      self.assertEqual(float(o1["b"][0]), 0.0)  # 1e-300 * 2**-2000 underflows
+      _close(o2["a"], np.array([1, -1, 1]) * 2 / math.sqrt(3), rtol=1e-12)
+      _close(o2["b"], [1e-300], rtol=1e-12, atol=0)
+      _close(o3["a"], [1e300, -1e300, 1e300], rtol=1e-12)
+      self.assertEqual(float(s3.clip_fraction), 0.75)
+
+  @parameterized.parameters(1.0, 3.0, math.inf)
+  def test_other_orders_of_huge_leaves(self, p):
+    g = {"a": jnp.asarray([3e38, -1e38, 2e38], jnp.float32)}
+    out, state = jax.jit(lambda g: optaxclip.clip_global(1e-2, ord=p).update(
+        g, None))(g)
+    norm = np_refs.pnorm(_leaves(g)[0], p)
+    _close(out["a"], _clip_np(_leaves(g), 1e-2, norm)[0])
+    _close(state.clipped_norm, 1e-2)
+
+  def test_sharded_leaves_inside_shard_map_and_under_jit(self):
+    mesh = jax.make_mesh((2,), ("d",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec("d")
+    x = jax.device_put(jnp.asarray([1e38, 1e38, 1.0, 1.0], jnp.float32),
+                       jax.sharding.NamedSharding(mesh, spec))
+    want = _clip_np([np.asarray(x)], 1.0, np_refs.tree_norm([np.asarray(x)]))
+    for tx in (optaxclip.clip_global(1.0, axis_name="d"),
+               optaxclip.clip_norm(1.0, axis_name="d")):
+      f = jax.shard_map(lambda x, tx=tx: tx.update({"a": x}, None)[0]["a"],
+                        mesh=mesh, in_specs=spec, out_specs=spec)
+      _close(jax.jit(f)(x), want[0])
+    # Under jit, a leaf that may span devices takes the two-pass exact path.
+    out, state = jax.jit(lambda x: optaxclip.clip_global(1.0).update(
+        {"a": x}, None))(x)
+    _close(out["a"], want[0])
+    _close(state.norm, math.sqrt(2) * 1e38)
+
+
+# --- Non-finite gradients: one policy (issue 10, item 5) ----------------------
+
+
+class NonFinitePolicyTest(parameterized.TestCase):
+
+  @parameterized.parameters(float("nan"), float("inf"))
+  def test_no_finite_value_passes_unclipped(self, bad):
+    g = {"a": jnp.asarray([bad, 1.0], jnp.float32),
+         "b": jnp.asarray([1e6, -1e6], jnp.float32),
+         "c": jnp.asarray([[0.1, 0.2], [3.0, 4.0]], jnp.float32)}
+    w = jax.tree.map(jnp.ones_like, g)
+    cases = {
+        "clip_global": optaxclip.clip_global(1.0),
+        "clip_norm": optaxclip.clip_norm(1.0),
+        "clip_norm_axis": optaxclip.clip_norm(1.0, axis=-1),
+        "clip_value": optaxclip.clip_value(1.0),
+        "clip_block_rms": optaxclip.clip_block_rms(1.0),
+        "clip_unitwise": optaxclip.clip_unitwise(0.5, axis=-1),
+    }
+    results = _np(jax.jit(lambda g, w: {
+        k: tx.update(g, tx.init(g), w) for k, tx in cases.items()})(g, w))
+    leaves = _leaves(g)
+    for name, (out, state) in results.items():
+      # The unit holding the non-finite value comes out all NaN ...
+      if name == "clip_global":
+        for x in jax.tree.leaves(out):
+          self.assertTrue(np.all(np.isnan(x)), name)
+        self.assertEqual(float(state.clip_fraction), 1.0)
+      else:
+        self.assertTrue(np.all(np.isnan(out["a"])), name)
+        # ... and the other units are clipped exactly as without it.
+        clean = {k: v for k, v in g.items() if k != "a"}
+        want, _ = cases[name].update(clean, None,
+                                     {k: w[k] for k in clean})
+        for k in clean:
+          _close(out[k], np.asarray(want[k]), atol=1e-6)
+      self.assertTrue(np.isnan(float(state.clipped_norm)), name)
+      if math.isnan(bad):
+        self.assertTrue(np.isnan(float(state.norm)), name)
+      else:
+        self.assertEqual(float(state.norm), math.inf, name)
+    del leaves
+
+  def test_clip_value_counts_the_leaf_made_nan(self):
+    g = {"a": jnp.asarray([jnp.inf, 0.5, 0.1], jnp.float32),
+         "b": jnp.asarray([2.0, 0.5], jnp.float32)}
+    out, state = jax.jit(optaxclip.clip_value(1.0).update)(g, None)
+    self.assertTrue(np.all(np.isnan(np.asarray(out["a"]))))
+    _close(out["b"], [1.0, 0.5])
+    _close(state.clip_fraction, 4 / 5)  # three NaN'd, one clipped
+    self.assertEqual(float(state.norm), math.inf)
+
+
+# --- Derivatives of order 0-2 (issue 10, item 2) ------------------------------
+
+
+def _second_order_cases():
+  """(name, ours, a reference written with differentiable ops, params)."""
+  params = {"a": jnp.asarray([0.5, -2.0, 1.5]),
+            "b": jnp.asarray([[1.0, 0.3], [-0.2, 2.0]])}
+
+  def per_leaf(c):
+    def update(g, state, params=None):
+      del params
+      def clip(x):
+        n = jnp.sqrt(jnp.sum(x * x))
+        return x * jnp.where(n > c, c / n, 1.0)
+      return jax.tree.map(clip, g), state
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+  return params, [
+      ("clip_global", optaxclip.clip_global(1.0),
+       optax.clip_by_global_norm(1.0), None),
+      ("clip_value", optaxclip.clip_value(0.7), optax.clip(0.7), None),
+      ("clip_norm", optaxclip.clip_norm(1.0), per_leaf(1.0), None),
+      ("clip_block_rms", optaxclip.clip_block_rms(0.4),
+       optax.clip_by_block_rms(0.4), None),
+      ("clip_unitwise", optaxclip.clip_unitwise(0.3),
+       optax.adaptive_grad_clip(0.3), params),
+  ]
+
+
+class SecondOrderTest(parameterized.TestCase):
+  """Hessians through ``update`` match optax's clippers where both are smooth.
+
+  Before the fix every case raised ``TypeError ... ad_util.Zero ... reshape``
+  (the custom-JVP rules returned a primal that had no JVP of its own).
+  """
+
+  def test_hessians_match_optax_away_from_the_threshold(self):
+    params, cases = _second_order_cases()
+    weights = {"a": jnp.asarray([0.3, -1.0, 2.0]),
+               "b": jnp.asarray([[1.0, -0.5], [0.25, 2.0]])}
+    flat_w, unravel = jax.flatten_util.ravel_pytree(weights)
+
+    def loss(tx, flat):
+      out, _ = tx.update(unravel(flat), tx.init(params), params)
+      return jnp.sum(flat_w * jnp.sin(3 * jax.flatten_util.ravel_pytree(
+          out)[0]))
+
+    def hessians(flat):
+      return [(jax.hessian(functools.partial(loss, o))(flat),
+               jax.hessian(functools.partial(loss, t))(flat))
+              for _, o, t, _ in cases]
+
+    # All below the limits, all above them: one program for both points.
+    points = jnp.stack([s * (flat_w + 0.1) for s in (0.05, 3.0)])
+    results = run_fast(jax.vmap(hessians), points)
+    for (name, _, _, _), (h_ours, h_theirs) in zip(cases, results):
+      # optax's AGC guards its divisor with 1e-6.
+      tol = 1e-3 if name == "clip_unitwise" else 1e-4
+      np.testing.assert_allclose(h_ours, h_theirs, rtol=tol, atol=tol,
+                                 err_msg=name)
+
+  def test_every_second_order_form_is_finite_at_zero_and_on_the_limit(self):
+    params, cases = _second_order_cases()
+    cases.append(("clip_zscore", optaxclip.clip_zscore(warmup_steps=1),
+                  None, None))
+    # Gradients exactly on each clipper's limit (or 1 where it has none).
+    on_limit = {"clip_global": 1.0 / math.sqrt(7), "clip_value": 0.7,
+                "clip_norm": 1.0 / math.sqrt(3), "clip_block_rms": 0.4,
+                "clip_unitwise": 1.0, "clip_zscore": 1.0}
+
+    def forms(v, tx):
+      def f(v):
+        g = {"a": v[:3], "b": v[3:].reshape(2, 2)}
+        out, _ = tx.update(g, tx.init(params), params)
+        return sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(out))
+      hess = jax.hessian(f)(v)
+      # reverse-over-reverse: the same rules as the hessian's reverse pass
+      # (forward over reverse); once is enough for the compile time.
+      jac2 = (jax.jacrev(jax.jacrev(f))(v) if tx is cases[0][1] else hess)
+      return hess, jac2, jax.jvp(jax.grad(f), (v,), (jnp.ones(7),))[1]
+
+    def run(scales):
+      return [jax.vmap(lambda s, tx=tx: forms(s * jnp.ones(7), tx))(
+          jnp.stack([0.0, scales[i]])) for i, (_, tx, _, _) in
+              enumerate(cases)]
+
+    scales = jnp.asarray([on_limit[name] for name, _, _, _ in cases])
+    for (name, _, _, _), (hess, jac2, hvp) in zip(cases, run_fast(run, scales)):
+      for form in (hess, jac2, hvp):
+        self.assertTrue(np.all(np.isfinite(form)), name)
+      np.testing.assert_allclose(hess, jac2, rtol=1e-5, atol=1e-6,
+                                 err_msg=name)
+      np.testing.assert_allclose(hvp, hess.sum(-1), rtol=1e-4, atol=1e-5,
+                                 err_msg=name)

@@ -240,9 +240,11 @@ class StatsByTypeTest(parameterized.TestCase):
         optaxclip.clip_global(1.0), optaxclip.clip_block_rms(1.0),
         optaxclip.clip_unitwise(1.0), optaxclip.clip_zscore(),
         optaxclip.clip_percentile(), optaxclip.clip_relative()))
-    _, state = tx.update(g, tx.init(g), g)
+    # The dtypes after an update (traced: they are known without running).
+    _, state = jax.eval_shape(tx.update, g, tx.init(g), g)
     pe = optaxclip.clip_per_example(1.0)
-    _, pe_state = pe.update({"w": jnp.ones((2, 2))}, pe.init(g))
+    _, pe_state = jax.eval_shape(pe.update, {"w": jnp.ones((2, 2))},
+                                 pe.init(g))
     logs = {**optaxclip.stats(state), **optaxclip.stats(pe_state)}
     # guard 6, five static clippers 3, the adaptive ones 4 (+ restarts for
     # clip_zscore and clip_relative), clip_per_example 5.

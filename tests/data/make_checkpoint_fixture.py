@@ -73,14 +73,25 @@ def gradients(step):
   return as_f32(g), as_f32(batch)
 
 
+def make_step():
+  """One step of both optimizers: ``(p, state, pe_state, g, batch)`` to
+  ``(p, state, pe_state)``.
+  """
+  chained, per_example = optimizers()
+
+  def step(p, state, pe_state, g, batch):
+    updates, state = chained.update(g, state, p)
+    _, pe_state = per_example.update(batch, pe_state)
+    return optax.apply_updates(p, updates), state, pe_state
+
+  return step
+
+
 def run(steps, p, state, pe_state, first_step=0):
   """``steps`` steps of both optimizers from ``first_step``."""
-  chained, per_example = optimizers()
+  step = jax.jit(make_step())
   for t in range(first_step, first_step + steps):
-    g, batch = gradients(t)
-    updates, state = chained.update(g, state, p)
-    p = optax.apply_updates(p, updates)
-    _, pe_state = per_example.update(batch, pe_state)
+    p, state, pe_state = step(p, state, pe_state, *gradients(t))
   return p, state, pe_state
 
 

@@ -1,0 +1,661 @@
+"""Clipped per-example gradients straight from the loss (DP-SGD at scale)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import math
+import numbers
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optaxclip import _checks
+from optaxclip import _ghost
+from optaxclip import _norms
+from optaxclip import _per_example
+from optaxclip import _stats
+
+WHO = "clipped_grad"
+
+
+class Sensitivity(NamedTuple):
+  """The L2 sensitivity of what a :func:`clipped_grad` function returns.
+
+  Attributes:
+    add_remove: adding or removing one example moves the result by at most
+      this much (``C``, or ``sqrt(sum C_k^2)`` with per-layer clip norms).
+    replace_one: replacing one example by another: ``2 *`` that.
+    divided_by_batch_size: True for ``reduce="mean"``: the result is the sum
+      divided by ``B`` (the padded batch size), and so are both figures
+      above once divided by ``B``. Calibrate noise for the sum (``noise
+      multiplier * add_remove``) and divide the noised sum, never the other
+      way round.
+  """
+
+  add_remove: Optional[float]  # None when l2_clip is traced
+  replace_one: Optional[float]
+  divided_by_batch_size: bool
+
+
+def _groups(l2_clip: Any, params: Any):
+  """``l2_clip`` as a pytree prefix of ``params``: per group its clip norm,
+  and per leaf of ``params`` its group index.
+  """
+  if _is_scalar(l2_clip):
+    return [l2_clip], [0] * len(jax.tree.leaves(params))
+  clips, prefix = jax.tree.flatten(l2_clip)
+  try:
+    subtrees = prefix.flatten_up_to(params)
+  except (ValueError, TypeError) as err:
+    raise ValueError(
+      f"{WHO}: l2_clip must be a number or a pytree prefix of the "
+      f"parameters (one clip norm per layer); got {l2_clip!r}: {err}"
+    ) from err
+  group_of_leaf = []
+  for i, sub in enumerate(subtrees):
+    group_of_leaf += [i] * len(jax.tree.leaves(sub))
+  return clips, group_of_leaf
+
+
+def _is_scalar(value) -> bool:
+  return isinstance(value, (numbers.Number, np.generic)) or (
+    hasattr(value, "shape") and np.ndim(value) == 0
+  )
+
+
+def _check_clip(value) -> None:
+  for c in jax.tree.leaves(value):
+    _checks.check_number("l2_clip", c, who=WHO, low=0.0, allow_inf=True)
+
+
+def _batch_arg_size(args, batch_argnums) -> int:
+  sizes = set()
+  for i in batch_argnums:
+    for path, leaf in _checks.leaves_with_paths(args[i]):
+      shape = np.shape(leaf)
+      if not shape:
+        raise ValueError(
+          f"{WHO}: argument {i + 1} of loss_fn is a batch (batch_argnums) "
+          f"but its leaf {path} is a scalar; every leaf needs a leading "
+          "batch axis."
+        )
+      sizes.add(shape[0])
+  if len(sizes) != 1:
+    raise ValueError(
+      f"{WHO}: the batch arguments' leading axes differ: {sorted(sizes)}."
+    )
+  size = sizes.pop()
+  if size == 0:
+    raise ValueError(f"{WHO}: the batch is empty.")
+  return size
+
+
+def _take(args, batch_argnums, fn):
+  return tuple(
+    jax.tree.map(fn, a) if i in batch_argnums else a for i, a in enumerate(args)
+  )
+
+
+def _chunks(batch: int) -> int:
+  """The largest divisor of ``batch`` up to 8: chunks of a recompute."""
+  return max(k for k in range(1, 9) if batch % k == 0)
+
+
+def _factors(norms, clips, normalize, gamma):
+  """Per group, the ``(B,)`` factors: ``min(1, C / n)`` or ``C / (n + g)``."""
+  out = []
+  for n, c in zip(norms, clips):
+    c = jnp.asarray(c, n.dtype)
+    if normalize:
+      out.append(c / (n + jnp.asarray(gamma, n.dtype)))
+    else:
+      out.append(_norms.clip_factor(n, c))
+  return out
+
+
+def clipped_grad(
+  loss_fn: Callable,
+  l2_clip: Any,
+  *,
+  batch_argnums: Union[int, tuple[int, ...]] = 1,
+  method: str = "ghost",
+  microbatch_size: Optional[int] = None,
+  reduce: str = "sum",
+  has_aux: bool = False,
+  normalize: bool = False,
+  gamma: float = 0.01,
+) -> Callable:
+  """The sum of per-example gradients, each clipped, straight from the loss.
+
+  ``loss_fn(params, *args)`` returns the per-example losses, shape ``(B,)``
+  (or ``(losses, aux)`` with ``has_aux``), for a batch: the arguments at
+  ``batch_argnums`` are pytrees whose leaves have a leading batch axis
+  ``B``. The returned function takes the same arguments and returns
+  ``(grads, norms)`` (``(grads, norms, aux)`` with ``has_aux``): ``grads``
+  is ``sum_b min(1, C / |g_b|) g_b`` over the examples (divided by ``B`` for
+  ``reduce="mean"``), ``g_b`` the gradient of example ``b``'s loss with
+  respect to ``params``, and ``norms`` the ``(B,)`` per-example norms
+  ``|g_b|`` before clipping.
+
+  ``method="vmap"`` is the exact reference: per-example gradients under
+  ``jax.vmap``, in microbatches of ``microbatch_size`` examples to bound
+  memory. ``method="ghost"`` computes the norms without per-example gradients
+  (see ``optaxclip._ghost``: Flax ``Dense``, ``DenseGeneral``, ``Embed``,
+  ``Conv``, ``Einsum``, ``LayerNorm``, ``RMSNorm``, also under ``nn.scan``),
+  then takes one more backward pass of the loss re-weighted by each example's
+  clip factor. A parameter it cannot handle takes the exact path, for that
+  parameter only; ``fn.plan(params, *args)`` says which (its ``fallback``
+  and ``ghosted`` lists of parameter paths). The ghost method assumes the
+  leading axis of every layer's input is the batch axis and that examples do
+  not interact (no batch norm).
+
+  The returned function also takes keyword arguments
+  ``is_padding_example`` (``(B,)`` bool: padding for a fixed batch shape
+  under Poisson sampling; those examples contribute nothing and their norm
+  is reported as 0) and ``l2_clip`` (this call's clip norm, e.g. an adapted
+  one from :func:`dp_noise`'s state). An example whose gradient is not finite
+  is left out (its ``norms`` entry is Inf or NaN): none of its coordinates
+  reaches ``grads``.
+
+  Its ``sensitivity`` attribute is a :class:`Sensitivity`: the L2
+  sensitivity of ``grads`` for add/remove and replace-one adjacency.
+
+  **No privacy accounting is done here**: pair this with an accountant such
+  as Google's ``dp_accounting``.
+
+  Args:
+    loss_fn: ``(params, *args) -> (B,)`` per-example losses.
+    l2_clip: the clip norm ``C`` (>= 0, ``inf`` for none), or a pytree
+      prefix of ``params`` holding one clip norm per group (per-layer
+      clipping: each group of each example is clipped to its own norm).
+    batch_argnums: the positions, in ``loss_fn``'s arguments, of the batch
+      arguments (1: the first after ``params``).
+    method: ``"ghost"`` or ``"vmap"``.
+    microbatch_size: examples per chunk of the exact per-example
+      computation (``vmap``, and the ghost method's fallback); must divide
+      ``B``. ``None``: the whole batch at once.
+    reduce: ``"sum"`` or ``"mean"`` (divided by ``B``, padding included: a
+      data-independent divisor).
+    has_aux: whether ``loss_fn`` returns ``(losses, aux)``; ``aux`` is
+      returned from one forward pass on the whole batch.
+    normalize: automatic clipping (Bu et al. 2022): every example is scaled
+      by ``C / (|g_b| + gamma)`` instead of ``min(1, C / |g_b|)``.
+    gamma: the stabiliser of ``normalize`` (> 0).
+
+  Returns:
+    A function with ``loss_fn``'s arguments (plus the keywords above)
+    returning ``(grads, norms)`` or ``(grads, norms, aux)``.
+
+  References:
+    Abadi et al. 2016 (DP-SGD); Li et al. 2021 and Bu et al. 2023 (ghost
+    clipping, mixed per layer); Bu et al., `Automatic Clipping
+    <https://arxiv.org/abs/2206.07136>`_, 2022; jax_privacy's
+    ``clipped_grad`` (microbatching, padding, per-layer clip norms,
+    sensitivity) was read for the interface.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optaxclip
+    >>> def loss_fn(w, x):  # per-example squared error of a linear model
+    ...   return (x @ w - 1.0) ** 2
+    >>> x = jnp.array([[1.0, 0.0], [0.0, 3.0]])
+    >>> grad_fn = optaxclip.clipped_grad(loss_fn, 1.0, method="vmap")
+    >>> grads, norms = grad_fn(jnp.zeros(2), x)
+    >>> norms  # |d/dw (x.w - 1)^2| = 2 |x| at w = 0
+    Array([2., 6.], dtype=float32)
+    >>> grads  # each example's gradient clipped to norm 1, then summed
+    Array([-1., -1.], dtype=float32)
+    >>> grad_fn.sensitivity.add_remove
+    1.0
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"{WHO}: loss_fn must be callable; got {loss_fn!r}.")
+  _check_clip(l2_clip)
+  method = _checks.check_choice(WHO, "method", method, ("ghost", "vmap"))
+  reduce = _checks.check_choice(WHO, "reduce", reduce, ("sum", "mean"))
+  if isinstance(batch_argnums, (numbers.Integral, np.integer)):
+    batch_argnums = (int(batch_argnums),)
+  batch_argnums = tuple(batch_argnums)  # pyright: ignore[reportArgumentType]
+  if not batch_argnums or any(
+    isinstance(i, bool)
+    or not isinstance(i, (numbers.Integral, np.integer))
+    or i < 1
+    for i in batch_argnums
+  ):
+    raise ValueError(
+      f"{WHO}: batch_argnums must be ints >= 1 (0 is the "
+      f"parameters); got {batch_argnums!r}."
+    )
+  if microbatch_size is not None:
+    _checks.check_number(
+      "microbatch_size", microbatch_size, who=WHO, low=1, integer=True
+    )
+  _checks.check_number("gamma", gamma, who=WHO, low=0.0, low_open=True)
+  clip_leaves = jax.tree.leaves(l2_clip)
+  concrete = all(_checks.is_concrete_number(c) for c in clip_leaves)
+  total = (
+    math.sqrt(sum(float(c) ** 2 for c in clip_leaves)) if concrete else None
+  )
+  sensitivity = Sensitivity(
+    add_remove=total,
+    replace_one=None if total is None else 2 * total,
+    divided_by_batch_size=reduce == "mean",
+  )
+
+  def split(out):
+    return out if has_aux else (out, None)
+
+  def grad_fn(params, *args, is_padding_example=None, l2_clip=l2_clip):
+    args = (params, *args)
+    if max(batch_argnums) >= len(args):
+      raise ValueError(
+        f"{WHO}: batch_argnums {batch_argnums} but loss_fn "
+        f"got {len(args)} arguments."
+      )
+    batch = _batch_arg_size(args, batch_argnums)
+    if microbatch_size is not None and batch % microbatch_size:
+      raise ValueError(
+        f"{WHO}: microbatch_size must divide the batch size "
+        f"{batch}; got {microbatch_size}."
+      )
+    clips, group_of_leaf = _groups(l2_clip, params)
+    if is_padding_example is None:
+      real = jnp.ones(batch, bool)
+    else:
+      real = ~jnp.asarray(is_padding_example, bool).reshape(batch)
+    if method == "vmap":
+      group_norms, grads, aux = _vmap_path(
+        args, real, clips, group_of_leaf, batch
+      )
+      norms = jax.vmap(_norms.combine_norms)(group_norms)
+    else:
+      group_norms, grads_fn = _ghost_norms(
+        loss_fn, args, batch_argnums, group_of_leaf, len(clips), split, batch
+      )
+      all_finite = jnp.all(
+        jnp.isfinite(jax.vmap(_norms.combine_norms)(group_norms))
+      )
+      group_norms = [jnp.where(real, n, 0) for n in group_norms]
+      norms = jax.vmap(_norms.combine_norms)(group_norms)
+      keep = real & jnp.isfinite(norms)
+      factors = [
+        jnp.where(keep, f, 0)
+        for f in _factors(group_norms, clips, normalize, gamma)
+      ]
+      grads, aux = grads_fn(factors, keep, all_finite)
+    if reduce == "mean":
+      grads = jax.tree.map(lambda g: g / batch, grads)
+    return (grads, norms, aux) if has_aux else (grads, norms)
+
+  def _vmap_path(args, real, clips, group_of_leaf, batch):
+    """Exact: per-example gradients of each microbatch, clipped and summed
+    as they come (one pass: an example's factor needs its own norm only).
+    """
+    params = args[0]
+    argnums = batch_argnums
+    size = microbatch_size or batch
+    chunks = batch // size
+    n_groups = len(clips)
+    in_axes = (tuple(0 if i in argnums else None for i in range(len(args))),)
+
+    def per_example(example_args):
+      def one(p):
+        ex = _take((p, *example_args[1:]), argnums, lambda x: x[None])
+        return split(loss_fn(*ex))[0].reshape(())
+
+      return jax.grad(one)(params)
+
+    c_args = _take(
+      args, argnums, lambda x: x.reshape(chunks, size, *x.shape[1:])
+    )
+    c_real = real.reshape(chunks, size)
+
+    def body(acc, i):
+      grads = jax.vmap(per_example, in_axes=in_axes)(
+        _take(c_args, argnums, lambda x: x[i])
+      )
+      leaves = jax.tree.leaves(grads)
+      axes = [tuple(range(1, x.ndim)) for x in leaves]
+      leaf_norms = [
+        n.reshape(size) for n in _norms.unit_norms(leaves, 2.0, axes)
+      ]
+      group_norms = []
+      for g in range(n_groups):
+        members = [n for n, k in zip(leaf_norms, group_of_leaf) if k == g]
+        group_norms.append(
+          jax.vmap(_norms.combine_norms)(members)
+          if members
+          else jnp.zeros(size, jnp.float32)
+        )
+      r = c_real[i]
+      group_norms = [jnp.where(r, n, 0) for n in group_norms]
+      keep = r & jnp.isfinite(jax.vmap(_norms.combine_norms)(group_norms))
+      factors = _factors(group_norms, clips, normalize, gamma)
+      sums = _per_example.sum_clipped(
+        leaves,
+        [group_norms[k] for k in group_of_leaf],
+        [jnp.asarray(clips[k], jnp.float32) for k in group_of_leaf],
+        keep,
+        factors=[factors[k] for k in group_of_leaf],
+      )
+      return [a + s for a, s in zip(acc, sums)], jnp.stack(group_norms)
+
+    leaves, treedef = jax.tree.flatten(params)
+    init = [
+      jnp.zeros(
+        x.shape, jnp.promote_types(_norms.accumulation_dtype(x.dtype), x.dtype)
+      )
+      for x in leaves
+    ]
+    acc, chunk_norms = jax.lax.scan(body, init, jnp.arange(chunks))
+    grads = jax.tree.unflatten(
+      treedef, [a.astype(x.dtype) for a, x in zip(acc, leaves)]
+    )
+    group_norms = list(jnp.moveaxis(chunk_norms, 1, 0).reshape(n_groups, batch))
+    aux = split(loss_fn(*args))[1] if has_aux else None
+    return group_norms, grads, aux
+
+  def _ghost_norms(
+    loss_fn_, args, argnums, group_of_leaf, n_groups, split_, batch
+  ):
+    params = args[0]
+
+    def apply_loss(p):
+      losses, aux = split_(loss_fn_(p, *args[1:]))
+      return losses.reshape(batch), aux
+
+    plan, fallback = _ghost.discover(
+      lambda p: apply_loss(p)[0], params, batch, group_of_leaf
+    )
+    losses, aux, vjp = _ghost.forward(apply_loss, params, plan, batch, n_groups)
+    sq = vjp(jnp.ones_like(losses))[1]
+    if any(fallback):
+      sq = sq + _fallback_sq(
+        loss_fn_,
+        args,
+        argnums,
+        fallback,
+        group_of_leaf,
+        n_groups,
+        batch,
+        split_,
+      )
+    group_norms = [
+      jnp.sqrt(jnp.where(jnp.isnan(s), jnp.nan, jnp.maximum(s, 0))) for s in sq
+    ]
+    treedef = jax.tree.structure(params)
+
+    def by_group(grads_of_group):
+      """The parameters' gradients, each leaf from its group's weights."""
+      out = {}
+      for g in range(n_groups):
+        if g in group_of_leaf:
+          out[g] = jax.tree.leaves(grads_of_group(g))
+      return jax.tree.unflatten(
+        treedef, [out[k][i] for i, k in enumerate(group_of_leaf)]
+      )
+
+    def grads_fn(factors, keep, all_finite):
+      def shared(_):
+        # The second backward pass of the same forward, re-weighted.
+        return by_group(lambda g: vjp(factors[g].astype(losses.dtype))[0])
+
+      def recompute(_):
+        # An example with a non-finite gradient: a NaN activation times its
+        # zero weight would still be NaN in the shared backward. Such
+        # examples are replaced by a kept one (weight 0) and the weighted
+        # gradient recomputed, in chunks (a bounded extra memory).
+        first = jnp.argmax(keep)
+        safe = _take(
+          args,
+          argnums,
+          lambda x: jnp.where(
+            keep.reshape((batch,) + (1,) * (jnp.ndim(x) - 1)),
+            x,
+            jnp.asarray(x)[first],
+          ),
+        )
+        chunks = _chunks(batch)
+        size = batch // chunks
+        c_args = _take(
+          safe, argnums, lambda x: x.reshape(chunks, size, *x.shape[1:])
+        )
+        weights = jnp.stack(factors).reshape(n_groups, chunks, size)
+
+        def body(acc, i):
+          chunk_args = _take(c_args, argnums, lambda x: x[i])
+
+          def weighted(p, w):
+            chunk_losses = split_(loss_fn_(p, *chunk_args[1:]))[0]
+            return jnp.sum(w * chunk_losses.reshape(size))
+
+          grads = by_group(lambda g: jax.grad(weighted)(params, weights[g, i]))
+          return jax.tree.map(jnp.add, acc, grads), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return jax.lax.scan(body, zeros, jnp.arange(chunks))[0]
+
+      grads = jax.lax.cond(all_finite, shared, recompute, None)
+      any_kept = jnp.any(keep)
+      grads = jax.tree.map(lambda g: jnp.where(any_kept, g, 0), grads)
+      return grads, aux
+
+    return group_norms, grads_fn
+
+  def _fallback_sq(
+    loss_fn_, args, argnums, fallback, group_of_leaf, n_groups, batch, split_
+  ):
+    """Per group, the squared per-example norms of the fallback leaves, from
+    their exact per-example gradients (the other leaves held constant).
+    """
+    params = args[0]
+    leaves, treedef = jax.tree.flatten(params)
+    fb_idx = [i for i, f in enumerate(fallback) if f]
+    size = microbatch_size or batch
+    chunks = batch // size
+
+    def per_example(fb_leaves, example_args):
+      def one(fb):
+        full = list(leaves)
+        for i, x in zip(fb_idx, fb):
+          full[i] = x
+        p = jax.tree.unflatten(treedef, full)
+        ex = _take((p, *example_args[1:]), argnums, lambda x: x[None])
+        return split_(loss_fn_(*ex))[0].reshape(())
+
+      return jax.grad(one)(fb_leaves)
+
+    fb_leaves = [leaves[i] for i in fb_idx]
+    c_args = _take(
+      args, argnums, lambda x: x.reshape(chunks, size, *x.shape[1:])
+    )
+    in_axes = (
+      None,
+      tuple(0 if i in argnums else None for i in range(len(args))),
+    )
+
+    def chunk(i):
+      grads = jax.vmap(per_example, in_axes=in_axes)(
+        fb_leaves, _take(c_args, argnums, lambda x: x[i])
+      )
+      rows = [jnp.zeros(size, jnp.float32) for _ in range(n_groups)]
+      for j, g in zip(fb_idx, grads):
+        g32 = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+        rows[group_of_leaf[j]] = rows[group_of_leaf[j]] + jnp.sum(
+          jnp.abs(g32) ** 2, axis=tuple(range(1, g.ndim))
+        )
+      return jnp.stack(rows)
+
+    out = jax.lax.map(chunk, jnp.arange(chunks))  # (chunks, groups, size)
+    return jnp.moveaxis(out, 1, 0).reshape(n_groups, batch)
+
+  def plan(params, *args):
+    """The ghost plan for these arguments: which parameter paths are
+    ghosted and which take the exact per-example path.
+    """
+    args_ = (params, *args)
+    batch = _batch_arg_size(args_, batch_argnums)
+    _, group_of_leaf = _groups(l2_clip, params)
+    return _ghost.discover(
+      lambda p: split(loss_fn(p, *args))[0].reshape(batch),
+      params,
+      batch,
+      group_of_leaf,
+    )[0]
+
+  # Attributes of the returned function (it stays a plain function, which
+  # jax.jit and functools.partial take as it is).
+  setattr(grad_fn, "sensitivity", sensitivity)  # noqa: B010
+  setattr(grad_fn, "plan", plan)  # noqa: B010
+  return grad_fn
+
+
+# ---------------------------------------------------------------- dp_noise
+
+
+@_stats.register("dp_noise", _per_example.STAT_FIELDS)
+class DpNoiseState(NamedTuple):
+  """State of :func:`dp_noise`.
+
+  Attributes:
+    norm: the mean per-example norm before clipping (examples in the sum).
+    clipped_norm: the mean per-example norm after clipping.
+    clip_fraction: the share of (non-padding) examples scaled down, zeroed
+      non-finite ones included.
+    clip_norm: the clip norm for the next step (pass it to the
+      :func:`clipped_grad` function as ``l2_clip=``).
+    key: the random key of the noise.
+    nonfinite: the number of examples left out for a non-finite gradient.
+  """
+
+  norm: jax.Array  # float32 scalar
+  clipped_norm: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar
+  clip_norm: jax.Array  # float32 scalar
+  key: jax.Array  # a PRNG key
+  nonfinite: jax.Array  # int32 scalar
+
+
+def dp_noise(
+  l2_clip: float,
+  *,
+  noise_multiplier: float = 0.0,
+  seed: int = 0,
+  target_quantile: Optional[float] = None,
+  quantile_lr: float = 0.2,
+  reduce: str = "mean",
+) -> optax.GradientTransformationExtraArgs:
+  """Noise and an adaptive clip norm for the sums :func:`clipped_grad` returns.
+
+  The second half of :func:`clip_per_example`, with the same implementation
+  (``_per_example.noise_and_adapt``): its input is the clipped **sum**
+  (``clipped_grad(..., reduce="sum")``) and, as an extra argument, the
+  per-example norms: ``tx.update(grads, state, params,
+  example_norms=norms)`` (optionally ``is_padding_example=``). It adds
+  Gaussian noise of standard deviation ``noise_multiplier * C`` to the sum,
+  divides by ``B`` for ``reduce="mean"``, and with ``target_quantile`` moves
+  ``C`` by Andrew et al. 2021's geometric rule (noised count, noise split as
+  :func:`clip_per_example` documents). The next step's ``C`` is
+  ``state.clip_norm``: pass it to the clipped-gradient function as
+  ``l2_clip=`` (a scalar clip norm only). No privacy accounting is done.
+
+  Args:
+    l2_clip: the clip norm ``C`` (its starting value when adaptive).
+    noise_multiplier: noise standard deviation in units of ``C`` (>= 0).
+    seed: seeds the key kept in the state.
+    target_quantile: the share of examples to leave unclipped, or ``None``.
+    quantile_lr: the geometric learning rate of ``C``.
+    reduce: ``"mean"`` (divide the noised sum by ``B``) or ``"sum"``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`DpNoiseState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optaxclip
+    >>> tx = optaxclip.dp_noise(1.0, reduce="sum")
+    >>> sums, norms = {"w": jnp.array([1.0, 2.0])}, jnp.array([0.5, 3.0])
+    >>> out, state = tx.update(sums, tx.init(sums), example_norms=norms)
+    >>> float(state.clip_fraction), float(state.clipped_norm)
+    (0.5, 0.75)
+  """
+  _checks.check_number(
+    "l2_clip", l2_clip, who="dp_noise", low=0.0, allow_inf=True
+  )
+  _checks.check_number(
+    "noise_multiplier", noise_multiplier, who="dp_noise", low=0.0
+  )
+  if target_quantile is not None:
+    _checks.check_number(
+      "target_quantile", target_quantile, who="dp_noise", low=0.0, high=1.0
+    )
+  _checks.check_number("quantile_lr", quantile_lr, who="dp_noise", low=0.0)
+  reduce = _checks.check_choice("dp_noise", "reduce", reduce, ("mean", "sum"))
+  make_key = _checks.check_seed("dp_noise", seed)
+  _checks.check_finite_with_noise("dp_noise", l2_clip, noise_multiplier)
+  no_noise = (
+    _checks.is_concrete_number(noise_multiplier) and noise_multiplier == 0
+  )
+  adaptive = target_quantile is not None
+
+  def init_fn(params):
+    del params
+    return DpNoiseState(
+      *_stats.zeros(3),
+      clip_norm=_stats.as_stat(l2_clip),
+      key=make_key(),
+      nonfinite=jnp.zeros((), jnp.int32),
+    )
+
+  def update_fn(
+    updates,
+    state,
+    params=None,
+    *,
+    example_norms=None,
+    is_padding_example=None,
+    **extra,
+  ):
+    del params, extra
+    if example_norms is None:
+      raise ValueError(
+        "dp_noise: update needs example_norms=, the (B,) "
+        "per-example norms clipped_grad returns."
+      )
+    example_norms = jnp.asarray(example_norms)
+    batch = example_norms.shape[0]
+    _per_example.check_batch_for_count_noise(
+      "dp_noise", batch, noise_multiplier, adaptive, no_noise
+    )
+    clip = (
+      state.clip_norm
+      if adaptive
+      else jnp.asarray(l2_clip, jnp.float32).reshape(())
+    )
+    real = (
+      None
+      if is_padding_example is None
+      else ~jnp.asarray(is_padding_example, bool)
+    )
+    counts = _per_example.counts_from_norms(example_norms, clip, real)
+    leaves, treedef = jax.tree.flatten(updates)
+    noised = _per_example.noise_and_adapt(
+      [jnp.asarray(x) for x in leaves],
+      counts,
+      clip,
+      state.key,
+      batch=batch,
+      noise_multiplier=noise_multiplier,
+      no_noise=no_noise,
+      target_quantile=target_quantile,
+      quantile_lr=quantile_lr,
+      reduce=reduce,
+    )
+    out = [s.astype(jnp.asarray(x).dtype) for s, x in zip(noised.out, leaves)]
+    return jax.tree.unflatten(treedef, out), _per_example.state_from_counts(
+      DpNoiseState, counts, batch, noised
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,399 @@
+"""Ghost norms: per-example gradient norms of Flax layers without per-example
+gradients.
+
+How it works (one backward pass, no per-example gradient of the model): each
+supported layer call is intercepted with ``flax.linen.intercept_methods`` and
+its output ``y`` is passed through an identity "tap" with a custom VJP. The
+tap's backward sees the layer's input ``a`` and the output gradient ``g`` of
+every example, and writes the squared norm of that example's gradient of the
+layer's parameters into the cotangent of a ``(groups, B)`` "probe" array the
+whole loss closes over. The gradient of the summed loss with respect to the
+probe is then the per-example squared norm, summed over layers (and over the
+layers of an ``nn.scan``, whose body closes over the same probe). The
+layer's real computation is untouched: the tap only reads.
+
+Per layer kind:
+
+* ``Dense`` and ``DenseGeneral`` (contracting trailing axes, no
+  ``batch_dims``): the kernel's per-example gradient is ``A^T G`` with ``A``
+  of shape ``(T, d_in)`` and ``G`` of shape ``(T, d_out)`` (``T`` the
+  positions: sequence, patches). Its squared norm is either
+  ``sum_{t,t'} (a_t . a_t') (g_t . g_t')`` (the Gram form of Li et al. 2021
+  and Opacus' ghost clipping, cost ``T^2 (d_in + d_out)``) or that of the
+  ``(d_in, d_out)`` matrix itself (cost ``T d_in d_out``): the cheaper is
+  picked per layer. The bias: ``|sum_t g_t|^2``.
+* ``Embed``: ``sum_{t,t'} [tok_t = tok_t'] (g_t . g_t')`` from the token
+  ids, no one-hot and no ``(V, d)`` per-example matrix.
+* ``Conv``, ``Einsum``, ``LayerNorm``, ``RMSNorm`` (and ``DenseGeneral``
+  with ``batch_dims``): the exact per-example gradient of that layer's own
+  parameters, one example at a time under ``vmap`` (memory ``B`` times the
+  layer's parameters, never the model's).
+
+A parameter that no supported call covers exactly once per trace (a custom
+``self.param``, a module called twice such as a tied embedding's ``attend``,
+a layer whose input has no leading batch axis of size ``B``) is left to the
+exact per-example computation, for that parameter only.
+
+References:
+  Goodfellow, `Efficient Per-Example Gradient Computations
+  <https://arxiv.org/abs/1510.01799>`_, 2015;
+  Li et al., `Large Language Models Can Be Strong Differentially Private
+  Learners <https://arxiv.org/abs/2110.05679>`_, 2021 (ghost clipping for
+  sequences);
+  Bu et al., `Differentially Private Optimization on Large Model at Small
+  Cost <https://arxiv.org/abs/2210.00038>`_, 2023 (mixed ghost / direct
+  choice per layer);
+  Opacus' ``grad_sample_mode="ghost"`` and PAX' ``ghostnorm`` layers, read
+  for the idea.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:  # Flax is optional: without it every parameter takes the exact path.
+  import flax.linen as nn
+except ImportError:  # pragma: no cover
+  nn = None
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _kinds() -> dict:
+  if nn is None:  # pragma: no cover
+    return {}
+  kinds = {
+    nn.Dense: "dense",
+    nn.DenseGeneral: "dense_general",
+    nn.Embed: "embed",
+    nn.Conv: "direct",
+    nn.LayerNorm: "direct",
+    nn.RMSNorm: "direct",
+  }
+  einsum = getattr(nn, "Einsum", None)
+  if einsum is not None:
+    kinds[einsum] = "direct"
+  return kinds
+
+
+def _kind_of(module) -> Optional[str]:
+  for cls, kind in _kinds().items():
+    if type(module) is cls:  # a subclass may change the computation.
+      return kind
+  return None
+
+
+@dataclasses.dataclass
+class Plan:
+  """Which parameters the ghost pass covers, and how.
+
+  Attributes:
+    covered: module path -> {param name: group index}, for the layer calls
+      the taps handle.
+    kinds: module path -> layer kind ("dense", "embed", ...).
+    fallback: the parameter paths (``keystr``) left to the exact path.
+    ghosted: the parameter paths the taps cover.
+  """
+
+  covered: dict
+  kinds: dict
+  fallback: list
+  ghosted: list
+
+
+def _leaf_names(path) -> tuple:
+  out = []
+  for entry in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        out.append(getattr(entry, attr))
+        break
+  return tuple(out)
+
+
+def discover(
+  apply_loss: Callable, params: Any, batch_size: int, group_of_leaf: list
+) -> tuple[Plan, list]:
+  """Traces the loss once (``eval_shape``) and plans the ghost pass.
+
+  Args:
+    apply_loss: ``params -> per-example losses`` (the batch bound).
+    params: the parameters (arrays or shapes).
+    batch_size: ``B``.
+    group_of_leaf: per leaf of ``params`` (flattened), its clip group.
+
+  Returns:
+    The :class:`Plan` and, per leaf, whether it falls back (True).
+  """
+  with_paths = jax.tree_util.tree_flatten_with_path(params)[0]
+  names = [_leaf_names(p) for p, _ in with_paths]
+  calls: dict = {}  # id(module) -> [module, path, kind, count, ok]
+  if nn is not None:
+
+    def record(next_fun, args, kwargs, context):
+      module = context.module
+      kind = _kind_of(module)
+      method = context.method_name
+      if (
+        kind is not None
+        and module.path is not None
+        and (method == "__call__" or not method.startswith(("_", "setup")))
+      ):
+        entry = calls.setdefault(
+          id(module), [module, tuple(module.path), kind, 0, True]
+        )
+        entry[3] += 1
+        x = args[0] if args else None
+        ok = x is not None and (
+          context.method_name == "__call__"
+          and len(args) == 1
+          and not kwargs
+          and hasattr(x, "shape")
+          and x.ndim >= 1
+          and x.shape[0] == batch_size
+        )
+        if kind == "direct" or kind == "dense_general":
+          ok = ok and _direct_ok(module)
+        if kind == "dense_general" and ok:
+          ok = _dense_general_axes(module, x) is not None
+        entry[4] = entry[4] and ok
+      return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+      jax.eval_shape(apply_loss, params)
+
+  by_path: dict = {}
+  for module, path, kind, count, ok in calls.values():
+    good = ok and count == 1
+    old = by_path.get(path)
+    by_path[path] = (
+      kind,
+      good and (old is None or old[1]),
+      tuple(module.variables.get("params", {}).keys()),
+    )
+  covered, kinds, fallback_flags = {}, {}, []
+  for leaf_names, group in zip(names, group_of_leaf):
+    hit = None
+    for path, (kind, good, pnames) in by_path.items():
+      n = len(path)
+      if (
+        good
+        and len(leaf_names) > n
+        and leaf_names[-1] in pnames
+        and tuple(leaf_names[-n - 1 : -1]) == path
+      ):
+        hit = (path, kind)
+        break
+    if hit is None:
+      fallback_flags.append(True)
+      continue
+    path, kind = hit
+    covered.setdefault(path, {})[leaf_names[-1]] = group
+    kinds[path] = kind
+    fallback_flags.append(False)
+  # A module whose parameters are not all matched (one is in no leaf we know,
+  # or split oddly) is not tapped: its matched leaves fall back too.
+  for path in list(covered):
+    pnames = by_path[path][2]
+    if set(covered[path]) != set(pnames):
+      del covered[path]
+  keystrs = [jax.tree_util.keystr(p) for p, _ in with_paths]
+  final_flags = []
+  for leaf_names, flag in zip(names, fallback_flags):
+    if not flag:
+      path = None
+      for p in covered:
+        n = len(p)
+        if tuple(leaf_names[-n - 1 : -1]) == p:
+          path = p
+          break
+      flag = path is None
+    final_flags.append(flag)
+  plan = Plan(
+    covered=covered,
+    kinds=kinds,
+    fallback=[k for k, f in zip(keystrs, final_flags) if f],
+    ghosted=[k for k, f in zip(keystrs, final_flags) if not f],
+  )
+  return plan, final_flags
+
+
+def _direct_ok(module) -> bool:
+  # A layer applied one example at a time must not mix examples or need an
+  # RNG (dropout lives elsewhere); these flax layers qualify as they are.
+  return not getattr(module, "batch_dims", ())
+
+
+def _dense_general_axes(module, x) -> Optional[int]:
+  """The number of trailing input axes a DenseGeneral contracts, or None
+  when they are not trailing (then the direct form is used).
+  """
+  axis = module.axis
+  axes = (axis,) if isinstance(axis, int) else tuple(axis)
+  ndim = x.ndim
+  norm = sorted(a % ndim for a in axes)
+  if norm != list(range(ndim - len(norm), ndim)) or 0 in norm:
+    return None
+  return len(norm)
+
+
+def _gram_or_direct_sq(a: jax.Array, g: jax.Array) -> jax.Array:
+  """``|A_b^T G_b|_F^2`` per example, ``a`` (B, T, d_in), ``g`` (B, T, d_out),
+  by the cheaper of the Gram and the direct form.
+  """
+  _, t, d_in = a.shape
+  d_out = g.shape[-1]
+  a = a.astype(jnp.promote_types(a.dtype, jnp.float32))
+  g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+  if t * (d_in + d_out) < d_in * d_out:
+    aa = jnp.einsum("btd,bsd->bts", a, a, precision=_HIGHEST)
+    gg = jnp.einsum("btd,bsd->bts", g, g, precision=_HIGHEST)
+    return jnp.sum(aa * gg, axis=(1, 2))
+  per_example = jnp.einsum("btd,bte->bde", a, g, precision=_HIGHEST)
+  return jnp.sum(per_example * per_example, axis=(1, 2))
+
+
+def _sum_sq(x: jax.Array) -> jax.Array:
+  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  return jnp.sum(x * x, axis=tuple(range(1, x.ndim)))
+
+
+def _layer_sq_norms(kind, module_fn, theta, x, y, g) -> dict:
+  """Per parameter name, the ``(B,)`` squared norms of its per-example
+  gradient, from the layer input ``x``, parameters ``theta`` (a dict) and
+  output gradient ``g``.
+  """
+  batch = x.shape[0]
+  if kind == "dense" or kind == "dense_general":
+    n_in = 1 if kind == "dense" else module_fn.n_in
+    d_in = math.prod(x.shape[x.ndim - n_in :])
+    a = x.reshape(batch, -1, d_in)
+    features = theta["kernel"].shape[n_in:]
+    d_out = math.prod(features)
+    gm = g.reshape(batch, -1, d_out)
+    out = {"kernel": _gram_or_direct_sq(a, gm)}
+    if "bias" in theta:
+      out["bias"] = _sum_sq(jnp.sum(gm.astype(jnp.float32), axis=1))
+    return out
+  if kind == "embed":
+    tokens = x.reshape(batch, -1)
+    d = theta["embedding"].shape[-1]
+    gm = g.reshape(batch, -1, d).astype(jnp.float32)
+    same = tokens[:, :, None] == tokens[:, None, :]
+    gg = jnp.einsum("btd,bsd->bts", gm, gm, precision=_HIGHEST)
+    return {"embedding": jnp.sum(jnp.where(same, gg, 0), axis=(1, 2))}
+  # direct: the layer's own per-example parameter gradients.
+
+  def one(x_b, g_b):
+    _, vjp = jax.vjp(lambda th: module_fn(th, x_b[None]), theta)
+    return vjp(g_b[None].astype(y.dtype))[0]
+
+  grads = jax.vmap(one)(x, g)
+  return {k: _sum_sq(v) for k, v in grads.items()}
+
+
+def _zero_cotangent(x):
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _make_tap(kind, module_fn, groups: dict, n_groups: int):
+  """An identity on ``y`` whose backward writes per-example squared norms
+  into the probe's cotangent (row ``groups[name]`` for each parameter).
+  """
+
+  @jax.custom_vjp
+  def tap(y, x, theta, probe):
+    del x, theta, probe
+    return y
+
+  def fwd(y, x, theta, probe):
+    return y, (x, theta, jnp.zeros((), y.dtype), probe.shape)
+
+  def bwd(res, g):
+    x, theta, y0, shape = res
+    sq = _layer_sq_norms(
+      kind, module_fn, theta, x, jax.ShapeDtypeStruct(g.shape, y0.dtype), g
+    )
+    rows = [jnp.zeros(shape[1:], jnp.float32) for _ in range(n_groups)]
+    for name, value in sq.items():
+      rows[groups[name]] = rows[groups[name]] + value.astype(jnp.float32)
+    return (
+      g,
+      _zero_cotangent(x),
+      jax.tree.map(jnp.zeros_like, theta),
+      jnp.stack(rows),
+    )
+
+  tap.defvjp(fwd, bwd)
+  return tap
+
+
+class _ModuleFn:
+  """``theta, x -> y`` of one bound module, as a pure function."""
+
+  def __init__(self, module, n_in=1):
+    self.unbound = module.clone(parent=None)
+    self.n_in = n_in
+
+  def __call__(self, theta, x):
+    return self.unbound.apply({"params": theta}, x)
+
+
+def interceptor(plan: Plan, probe: jax.Array, n_groups: int):
+  """The method interceptor that taps every covered layer call."""
+
+  def intercept(next_fun, args, kwargs, context):
+    module = context.module
+    path = None if module.path is None else tuple(module.path)
+    if (
+      context.method_name != "__call__"
+      or path not in plan.covered
+      or _kind_of(module) is None
+    ):
+      return next_fun(*args, **kwargs)
+    y = next_fun(*args, **kwargs)
+    kind = plan.kinds[path]
+    x = args[0]
+    theta = dict(module.variables["params"])
+    n_in = 1
+    if kind == "dense_general":
+      n_in = _dense_general_axes(module, x)
+    fn = _ModuleFn(module, n_in or 1)
+    tap = _make_tap(kind, fn, plan.covered[path], n_groups)
+    return tap(y, x, theta, probe)
+
+  return intercept
+
+
+def forward(
+  apply_loss: Callable, params: Any, plan: Plan, batch_size: int, n_groups: int
+):
+  """One forward pass with the taps in place.
+
+  Returns:
+    ``(losses, aux, vjp)``: ``vjp(cotangent)`` with a ``(B,)`` cotangent
+    returns ``(param_grads, probe_cotangent)``. With a cotangent of ones, the
+    probe's is the ``(n_groups, B)`` per-example squared norms of the covered
+    parameters; with per-example weights, the parameters' is the weighted sum
+    of the per-example gradients. Both backward passes share the forward's
+    activations (under ``jit``, each drops what it does not use).
+  """
+  probe = jnp.zeros((n_groups, batch_size), jnp.float32)
+
+  def run(params_, probe_):
+    if nn is None or not plan.covered:
+      return apply_loss(params_)
+    with nn.intercept_methods(interceptor(plan, probe_, n_groups)):
+      return apply_loss(params_)
+
+  losses, vjp, aux = jax.vjp(run, params, probe, has_aux=True)
+  return losses, aux, vjp

@@ -1,0 +1,174 @@
+"""Fuzz properties of the static clippers' numerics (issue 10, items 1, 2, 5).
+
+Every finite magnitude (subnormals to the dtype's largest value), every real
+dtype (float16, bfloat16, float32, float64 under x64), NaN/Inf sprinkled, and
+derivatives of order 0 to 2, against the float64 NumPy oracle of
+``fuzz_strategies``. To keep compiles few, one tree shape is used and every
+clipper runs in one jitted program per dtype, its limit traced.
+"""
+
+import functools
+import math
+
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fuzz_strategies as fz
+
+SHAPES = {"a": (3,), "b": (2, 3)}
+# (config, uses params): each limit is drawn and passed traced.
+CONFIGS = (
+    fz.Config("clip_value", (("max_delta", 1.0),)),
+    fz.Config("clip_norm", (("max_norm", 1.0), ("ord", None))),
+    fz.Config("clip_norm", (("max_norm", 1.0), ("ord", 1))),
+    fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))),
+    fz.Config("clip_global", (("max_norm", 1.0), ("ord", "inf"))),
+    fz.Config("clip_block_rms", (("threshold", 1.0),)),
+    fz.Config("clip_unitwise", (("clipping", 1.0), ("eps", 1e-3))),
+)
+
+
+@functools.cache
+def _runner(dtype: str):
+  """One program per dtype: every config on the same tree."""
+  del dtype  # part of the cache key: a dtype retraces anyway
+
+  def run(g, w, limits):
+    out = []
+    for config, limit in zip(CONFIGS, limits):
+      tx = config.make(limit)
+      out.append(tx.update(g, tx.init(w), w))
+    return out
+  return jax.jit(run)
+
+
+@st.composite
+def _cases(draw, dtypes, nonfinite=False):
+  dtype = draw(st.sampled_from(dtypes))
+  g = {k: draw(fz.arrays(dtype, s, nonfinite=nonfinite))
+       for k, s in SHAPES.items()}
+  # Parameters of clip_unitwise: finite, any magnitude.
+  w = {k: draw(fz.arrays(dtype, s)) for k, s in SHAPES.items()}
+  limits = [draw(fz.limits(zero=True, inf=True)) for _ in CONFIGS]
+  return dtype, g, w, limits
+
+
+def _run(dtype, g, w, limits):
+  with fz.x64([dtype]):
+    return jax.tree.map(np.asarray, _runner(dtype)(
+        fz.to_jax(g), fz.to_jax(w), jnp.asarray(limits, jnp.float32)))
+
+
+def _flushed(x, dtype):
+  """What XLA:CPU computes with: values below the smallest normal are 0."""
+  x = np.asarray(x, np.float64)
+  tiny = fz.flush_atol("float64" if dtype == "float64" else "float32")
+  return np.where(np.abs(x) < tiny, 0.0, x)
+
+
+# No shrinking: a counterexample of these draws is read as it is, and
+# shrinking one takes minutes of recompiles.
+NO_SHRINK = hypothesis.settings(phases=(
+    hypothesis.Phase.explicit, hypothesis.Phase.reuse,
+    hypothesis.Phase.generate))
+
+
+@NO_SHRINK
+@hypothesis.given(_cases(fz.REAL))
+def test_finite_input_clips_exactly_along_its_direction(case):
+  dtype, g, w, limits = case
+  results = _run(dtype, g, w, limits)
+  keys = list(SHAPES)
+  # The oracle sees what the arithmetic sees: float32 (or wider) values
+  # with subnormals flushed (float16 subnormals are normal in float32).
+  leaves = [_flushed(g[k], dtype) for k in keys]
+  params = [_flushed(w[k], dtype) for k in keys]
+  rtol = max(1e-5, 2 * fz.round_tol(dtype))
+  for config, limit, (out, state) in zip(CONFIGS, limits, results):
+    oracle = fz.oracle_static(config, leaves, limit, params)
+    if not (all(np.all(~np.isnan(lim)) for lim in oracle.limits) and
+            all(np.all(np.isfinite(m)) for m in oracle.measures)):
+      # The float64 oracle overflows (a norm above 1.8e308, 0 * inf of a
+      # zero clipping and overflowing params) where the clipper does not.
+      continue
+    got = [np.asarray(out[k], np.float64) for k in keys]
+    for x, want, k in zip(got, oracle.out, keys):
+      assert not np.any(np.isnan(x)), (config, k)
+      # The clipped values, hence the direction and every unit's measure.
+      atol = 4 * fz.flush_atol(dtype) + rtol * float(np.max(
+          np.abs(want), initial=0.0)) * (config.name != "clip_value")
+      np.testing.assert_allclose(x, want, rtol=rtol, atol=atol,
+                                 err_msg=f"{config!r} {k} limit={limit}")
+    for measure, lim in zip(oracle.unit_measure(got), oracle.limits):
+      assert np.all(measure <= lim * (1 + rtol) + 4 * fz.flush_atol(dtype)), (
+          config, limit)
+    stats = oracle.stats
+    for name in ("norm", "clipped_norm"):
+      want = stats[name]
+      want = math.inf if want > float(np.finfo(np.float32).max) else want
+      np.testing.assert_allclose(float(getattr(state, name)), want,
+                                 rtol=1e-5, atol=1e-37,
+                                 err_msg=f"{config!r} {name}")
+    np.testing.assert_allclose(float(state.clip_fraction),
+                               stats["clip_fraction"], atol=1e-6,
+                               err_msg=f"{config!r} clip_fraction")
+
+
+@NO_SHRINK
+@hypothesis.given(_cases(("float32", "bfloat16"), nonfinite=True))
+def test_nonfinite_units_come_out_nan_and_the_rest_as_without_them(case):
+  dtype, g, w, limits = case
+  hypothesis.assume(fz.has_nonfinite(g))
+  results = _run(dtype, g, w, limits)
+  keys = list(SHAPES)
+  leaves = [_flushed(g[k], dtype) for k in keys]
+  params = [_flushed(w[k], dtype) for k in keys]
+  for config, limit, (out, state) in zip(CONFIGS, limits, results):
+    oracle = fz.oracle_static(config, leaves, limit, params)
+    assert np.isnan(float(state.clipped_norm)), config
+    for x, want, measure, k, leaf in zip(
+        [np.asarray(out[k], np.float64) for k in keys], oracle.out,
+        oracle.measures, keys, leaves):
+      if config.name == "clip_value":
+        bad = np.full(x.shape, not np.all(np.isfinite(leaf)))
+      else:
+        bad = np.broadcast_to(~np.isfinite(measure), x.shape)
+      assert np.all(np.isnan(x[bad])), (config, k)
+      rtol = max(1e-5, 2 * fz.round_tol(dtype))
+      np.testing.assert_allclose(
+          x[~bad], want[~bad], rtol=rtol,
+          atol=4 * fz.flush_atol(dtype) + rtol * float(np.max(
+              np.abs(want[~bad]), initial=0.0)),
+          err_msg=f"{config!r} {k}")
+
+
+@functools.cache
+def _derivative_runner():
+  def loss(v, limits):
+    g = {"a": v[:3], "b": v[3:].reshape(2, 3)}
+    total = 0.0
+    for config, limit in zip(CONFIGS, limits):
+      tx = config.make(limit)
+      out, _ = tx.update(g, tx.init(g), g)
+      total = total + sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(out))
+    return total
+
+  def run(v, limits, direction):
+    grad = jax.grad(loss)(v, limits)
+    hvp = jax.jvp(lambda u: jax.grad(loss)(u, limits), (v,), (direction,))[1]
+    return loss(v, limits), grad, hvp
+  return jax.jit(run)
+
+
+@hypothesis.settings(NO_SHRINK, max_examples=15)
+@hypothesis.given(_cases(("float32",)))
+def test_derivatives_of_order_0_to_2_have_no_nan_on_finite_input(case):
+  _, g, _, limits = case
+  v = np.concatenate([np.ravel(g[k]) for k in SHAPES]).astype(np.float32)
+  value, grad, hvp = _derivative_runner()(
+      jnp.asarray(v), jnp.asarray(limits, jnp.float32), jnp.ones(9))
+  for name, x in (("value", value), ("grad", grad), ("hvp", hvp)):
+    assert not np.any(np.isnan(np.asarray(x))), name
