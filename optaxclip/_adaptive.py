@@ -250,7 +250,7 @@ class _Measured:
       # take_each, not factor[i]: kernels shared by leaves of one shape.
       out = [
         _norms.scale_leaf(x, f)
-        for x, f in zip(self.leaves, _norms.take_each(factor))
+        for x, f in zip(self.leaves, _norms.take_each(jnp.ravel(factor)))
       ]
     scaled = (jax.lax.stop_gradient(factor) < 1) | ~self.unit_finite
     # Exactly min(norm, limit), without inf * 0; NaN for a non-finite unit,

@@ -486,53 +486,59 @@ def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
 # --------------------------------------------------------------------------
 
 def take_each(v: jax.Array) -> list[jax.Array]:
-  """``[v[0], v[1], ...]`` for a vector ``v``, as separate scalars.
+  """``[v[0], v[1], ...]`` for an array ``v``, as separate arrays.
 
   Not as ``v[i]``: XLA fuses a static slice into its consumer with the
   offset as a constant, so that scaling many leaves of one shape by their
   own entries of ``v`` compiles one kernel per leaf (XLA:CPU compiles each
   distinct kernel with LLVM: seconds for hundreds of leaves). Here ``v`` is
-  laid out as a ``B x B`` matrix (``B = ceil(sqrt(len(v)))``) and entry
-  ``(r, c)`` is selected by two masked sums with constant one-hot masks,
-  which XLA keeps as operands: kernels are shared by all leaves of a shape.
-  Selection, not multiplication: a NaN or inf entry stays in its own slot.
+  laid out as a ``B x B`` grid of its rows (``B = ceil(sqrt(len(v)))``) and
+  row ``(r, c)`` is selected by two masked sums with constant one-hot
+  masks, which XLA keeps as operands: kernels are shared by all leaves of a
+  shape. Selection, not multiplication: a NaN or inf entry stays in its own
+  row.
   """
-  v = jnp.ravel(v)
   n = v.shape[0]
   if n <= 1:
-    return [v.reshape(())] if n else []
+    return [v[0]] if n else []
   b = math.isqrt(n - 1) + 1
-  square = jnp.pad(v, (0, b * b - n)).reshape(b, b)
+  rest = v.shape[1:]
+  grid = jnp.pad(v, [(0, b * b - n)] + [(0, 0)] * len(rest)).reshape(
+      (b, b) + rest)
   eye = np.eye(b, dtype=bool)
   zero = jnp.zeros((), v.dtype)
+  ones = (1,) * len(rest)
   rows, out = {}, []
   for i in range(n):
     r, c = divmod(i, b)
     if r not in rows:
-      rows[r] = jnp.sum(jnp.where(eye[r][:, None], square, zero), axis=0)
-    out.append(jnp.sum(jnp.where(eye[c], rows[r], zero)))
+      mask = eye[r].reshape((b, 1) + ones)
+      rows[r] = jnp.sum(jnp.where(mask, grid, zero), axis=0)
+    out.append(jnp.sum(jnp.where(eye[c].reshape((b,) + ones), rows[r], zero),
+                       axis=0))
   return out
 
 
 class UnitLayout:
   """Where the units of many leaves lie: small leaves packed by unit size.
 
-  A leaf whose units span ``axes`` is, with its kept axes moved first, a
-  ``(units, unit_size)`` matrix. Small leaves (see ``_concatenable``; real,
-  non-empty) with the same unit size, accumulation dtype and grouping key
-  (e.g. the mapped axes their sums are summed over) are stacked into one
-  such matrix, in chunks of at most ``CHUNK_SIZE`` elements, and reduced
+  A leaf that is one unit (its norm spans the whole leaf) is a row of its
+  elements. Small such leaves (see ``_concatenable``; real, non-empty) with
+  the same size, accumulation dtype and grouping key (e.g. the mapped axes
+  their sums are summed over) are stacked into one ``(leaves, size)``
+  matrix, in chunks of at most ``CHUNK_SIZE`` elements, and reduced
   along its rows at once: the compiled program then grows with the number
   of distinct unit sizes, not of leaves (a model without ``scan`` has
   thousands of tiny leaves and pays its compile time at every restart).
-  Other leaves are parts of their own, reduced as they are.
+  Other leaves (large, complex, or of several units) are parts of their
+  own, reduced as they are: their step time does not change.
 
-  A *part* is either such a matrix (its unit values are a vector of its
-  rows) or one leaf (its unit values keep the leaf's rank, reduced axes of
-  size 1). Values per unit computed on the parts are handed back per leaf
-  by :meth:`unpack`: a static slice of a small vector, reshaped, which
-  scales the leaf as a fusible element-wise operand (the leaves themselves
-  are never sliced back out of a concatenation).
+  A *part* is either such a matrix (its unit values are a column, one row
+  per leaf) or one leaf (its unit values keep the leaf's rank, reduced axes
+  of size 1). Values computed on the parts are handed back per leaf by
+  :meth:`unpack` and :meth:`scale` with :func:`take_each`, so that each
+  leaf is scaled by its own scalar as a fusible element-wise operand (the
+  leaves themselves are never sliced back out of a concatenation).
   """
 
   def __init__(self, leaves, axes, keys):
@@ -613,7 +619,8 @@ class UnitLayout:
 
   def pack_static(self, numbers) -> list[np.ndarray]:
     """Per-leaf numbers (one for all of a leaf's units) as per-part arrays
-    of the parts' unit values' shapes."""
+    of the parts' unit values' shapes.
+    """
     out = []
     for kind, what, _ in self.parts:
       if kind == "leaf":
@@ -625,7 +632,8 @@ class UnitLayout:
 
   def leaf_vector(self, values, dtype) -> jax.Array:
     """Per-part values (arrays or :class:`Scaled`, as floats) of whole-leaf
-    units as one vector in leaf order."""
+    units as one vector in leaf order.
+  """
     flat = [jnp.ravel(as_scaled(v).as_float()).astype(dtype) for v in values]
     order = []
     for kind, what, _ in self.parts:
@@ -637,20 +645,43 @@ class UnitLayout:
 
   def unpack(self, values):
     """Per-part unit values (arrays or :class:`Scaled`) as per-leaf ones
-    (keepdims shapes)."""
+    (keepdims shapes).
+"""
     out = [None] * len(self.shapes)
     for (kind, what, _), v in zip(self.parts, values):
       if kind == "leaf":
         out[what] = v
         continue
       if isinstance(v, Scaled):
-        pairs = zip(take_each(v.value), take_each(v.exponent))
+        pairs = zip(take_each(jnp.ravel(v.value)),
+                    take_each(jnp.ravel(v.exponent)))
         for (i, _, _), (value, e) in zip(what, pairs):
           shape = self.unit_shape(i)
           out[i] = Scaled(value.reshape(shape), e.reshape(shape))
         continue
-      for (i, _, _), value in zip(what, take_each(v)):
+      for (i, _, _), value in zip(what, take_each(jnp.ravel(v))):
         out[i] = value.reshape(self.unit_shape(i))
+    return out
+
+  def scale(self, leaves, factors) -> list[jax.Array]:
+    """Each leaf times its units' factors (per part, :class:`Scaled` or
+    plain), as :func:`scale_leaf` computes it.
+
+    For stacked parts, the multipliers that scale_leaf applies one after the
+    other are computed on the part's factor vector, and each leaf takes its
+    row of them at once (one selection per leaf, see take_each).
+    """
+    out = [None] * len(self.shapes)
+    for (kind, what, _), f in zip(self.parts, factors):
+      if kind == "leaf":
+        out[what] = scale_leaf(leaves[what], f)
+        continue
+      dtype = leaves[what[0][0]].dtype
+      columns = _multipliers(f, dtype)
+      rows = take_each(jnp.stack([jnp.ravel(m) for m in columns], axis=1))
+      for (i, _, _), row in zip(what, rows):
+        out[i] = _apply_multipliers(
+            leaves[i], [row[k] for k in range(len(columns))])
     return out
 
 
@@ -737,7 +768,8 @@ def part_norms(layout: UnitLayout, leaves: Sequence[jax.Array],
                ord: float = 2.0, *, axis_name: AxisName = None
                ) -> list[Scaled]:
   """Unit norms of other leaves of the same shapes (e.g. the parameters),
-  per part of ``layout`` (from :func:`unit_norms_packed`)."""
+  per part of ``layout`` (from :func:`unit_norms_packed`).
+"""
   return _part_norms(layout.pack(list(leaves)), ord, layout.part_axes,
                      [f for f, _ in layout.keys], axis_name)
 
@@ -1109,16 +1141,39 @@ def scale_leaf(x: jax.Array, factor: Union[jax.Array, Scaled]) -> jax.Array:
   value times the part of ``2**exponent`` that keeps it normal, then the
   rest as further exact powers of two (each 1 for an ordinary factor).
   """
-  wide = promote_types(x.dtype, accumulation_dtype(x.dtype))
+  return _apply_multipliers(x, _multipliers(factor, x.dtype))
+
+
+def _multipliers(factor: Union[jax.Array, Scaled], dtype) -> list[jax.Array]:
+  """The numbers that a value of ``dtype`` is multiplied by, one after the
+  other, in the wide dtype, to scale it by ``factor`` (see scale_leaf).
+  """
+  wide = promote_types(dtype, accumulation_dtype(dtype))
   if not isinstance(factor, Scaled):
-    return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
-  dtype = accumulation_dtype(x.dtype)
-  lo, hi = _exp_range(dtype)
+    return [factor.astype(wide)]
+  acc = accumulation_dtype(dtype)
+  lo, hi = _exp_range(acc)
   # value is in [0.5, 2] (or 1, or NaN): value * 2**first stays normal.
   first = jnp.clip(factor.exponent, lo + 1, hi - 1)
-  head = (factor.value.astype(dtype) * pow2(first, dtype)).astype(wide)
-  return ldexp(x.astype(wide) * head, factor.exponent - first,
-               pieces=2).astype(x.dtype)
+  head = (factor.value.astype(acc) * pow2(first, acc)).astype(wide)
+  # The rest, 2**(exponent - first), in two normal powers (as ldexp).
+  real = jnp.finfo(wide).dtype
+  lo, hi = _exp_range(real)
+  k = jnp.asarray(factor.exponent - first, jnp.int32)
+  steps = []
+  for _ in range(2):
+    step = jnp.clip(k, lo, hi)
+    steps.append(pow2(step, real))
+    k = k - step
+  return [head, *steps]
+
+
+def _apply_multipliers(x: jax.Array, multipliers) -> jax.Array:
+  wide = promote_types(x.dtype, accumulation_dtype(x.dtype))
+  y = x.astype(wide)
+  for m in multipliers:
+    y = y * m
+  return y.astype(x.dtype)
 
 
 def count(mask: jax.Array) -> jax.Array:

@@ -230,8 +230,7 @@ def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redef
   """
   across = [key[1] for key in layout.keys]
   factors = [_norms.clip_scale(n, lim) for n, lim in zip(norms, limits)]
-  out = [_norms.scale_leaf(x, f)
-         for x, f in zip(leaves, layout.unpack(factors))]
+  out = layout.scale(leaves, factors)
   clipped_norms = [n * f for n, f in zip(norms, factors)]
   scaled = sum((_norms._psum_sharded(  # noqa: SLF001
       _norms.count(_norms.is_scaled_down(f)), names, names)
