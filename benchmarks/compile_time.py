@@ -23,16 +23,17 @@ from collections.abc import Callable
 import pathlib
 import statistics
 import sys
-import time
 
-# This checkout's optaxclip, not an installed one.
+# This checkout's optaxclip and harness, not installed ones.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+import harness
 import optaxclip
 
 # The target of issue 15: every clipper within this factor of adam.
@@ -74,16 +75,10 @@ def make_tree(
 
 def compile_seconds(make_clipper, params, grads) -> float:
   """Seconds to trace, lower and compile one step of chain(clipper, adam)."""
-  tx = optax.chain(make_clipper(), optax.adam(1e-3))
-
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  state = tx.init(params)
-  start = time.perf_counter()
-  jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
-  return time.perf_counter() - start
+  lower, compile_, _ = harness.compile_seconds(
+    harness.chained(make_clipper), params, grads
+  )
+  return lower + compile_
 
 
 def measure(

@@ -19,6 +19,9 @@ markdown report:
 * compile time (section ``compile``): ``chain(clip_global, adam)`` on 1000
   leaves of 100 float32 elements against ``adam`` alone (and optax's
   ``clip_by_global_norm``);
+* compile time of every per-tensor clipper (section ``leaves``):
+  ``chain(clipper, adam)`` on 300 and 1000 small leaves of mixed shapes,
+  against adam's (``benchmarks/compile_time.py``);
 * when PyTorch is importable: ``torch.nn.utils.clip_grad_norm_(foreach=True)``
   before ``torch.optim.Adam(foreach=True)`` over torch's Adam step alone.
 
@@ -59,18 +62,21 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import compile_time
 import harness
 import optaxclip
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SCRATCH = ROOT / "benchmarks" / "out" / "RESULTS.md"
-SECTIONS = ("a", "b", "c", "compile")
+SECTIONS = ("a", "b", "c", "compile", "leaves")
 ADAPTIVE_TARGET = 1.12
-# Measured on 2 shared CPU cores (see the report's machine line); --help
-# quotes them.
-FULL_MINUTES = 12
-QUICK_SECONDS = 45
+# --help quotes them. Idle 2-core CPU: sections a to c and compile took 9
+# minutes in the last quiet run; leaves adds about 14 at today's per-leaf
+# compile times (17 s a clipper on 300 leaves, 105 s on 1000). Quick: 45-55 s
+# of CPU time measured.
+FULL_MINUTES = 25
+QUICK_SECONDS = 60
 
 
 @dataclasses.dataclass
@@ -91,12 +97,13 @@ class Sizes:
   compiler_options: Optional[dict[str, Any]] = None
   compile_repeats: int = 2
   optax_compile: bool = True
+  leaf_counts: tuple[int, ...] = (300, 1000)  # section "leaves"
 
   @classmethod
   def quick(cls) -> Sizes:
     return cls(many_leaves=4, many_size=1024, blocks=0, width=32, vocab=64,
                context=16, compile_leaves=20, compile_size=100, rounds=3,
-               budget_s=2.0, compile_repeats=1,
+               budget_s=2.0, compile_repeats=1, leaf_counts=(10,),
                compiler_options={"xla_backend_optimization_level": 0,
                                  "xla_llvm_disable_expensive_passes": True})
 
@@ -253,7 +260,7 @@ def run_compile(sizes: Sizes) -> list[str]:
   for rep in range(sizes.compile_repeats):
     for name, make_tx in variants.items():
       if rep and name.startswith("chain(optax"):
-        continue  # once is enough for the reference (about 100 s on 2 cores)
+        continue  # once is enough for the reference
       measured[name].append(harness.compile_seconds(make_tx, params, grads))
       harness.log(f"  compile {name} #{rep + 1}: lower "
                   f"{measured[name][-1][0]:.1f} s, compile "
@@ -281,10 +288,20 @@ def run_compile(sizes: Sizes) -> list[str]:
   return lines
 
 
+def run_leaves(sizes: Sizes) -> list[str]:
+  """Compile time of every per-tensor clipper on many small leaves."""
+  results = {n: compile_time.measure(compile_time.CLIPPERS, n, log=harness.log)
+             for n in sizes.leaf_counts}
+  return ["### Compile time of each clipper on many small leaves", "",
+          *compile_time.table(results, "mixed"), ""]
+
+
 def run_section(key: str, sizes: Sizes) -> list[str]:
-  """The table lines of one section: a tree (a, b, c) or compile."""
+  """The table lines of one section: a tree (a, b, c), compile or leaves."""
   if key == "compile":
     return run_compile(sizes)
+  if key == "leaves":
+    return run_leaves(sizes)
   if key == "a":
     title = f"(a) {sizes.many_leaves} x {sizes.many_size} float32"
     return run_tree(title, harness.many_leaves(sizes.many_leaves,
@@ -332,9 +349,11 @@ def commit() -> str:
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       description=(__doc__ or "").split("\n\n")[0],
-      epilog=(f"A full run takes about {FULL_MINUTES} minutes on 2 CPU cores "
-              "and up to 19 GB of memory; --quick about "
-              f"{QUICK_SECONDS} s (most of it compiling)."))
+      epilog=(f"A full run takes about {FULL_MINUTES} minutes on 2 idle CPU "
+              "cores (more than half of it compiling the per-tensor clippers "
+              "of section leaves), and two to three times that on a loaded "
+              f"machine; --quick about {QUICK_SECONDS} s (most of it "
+              "compiling)."))
   parser.add_argument(
       "--quick", action="store_true",
       help=f"tiny sizes, about {QUICK_SECONDS} s: checks that it runs (the "
@@ -343,8 +362,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
       "--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
       metavar="SECTION",
       help="the sections to run, of: a (64 leaves of 400k float32), b "
-      "(transformer, float32), c (transformer, bfloat16), compile (1000 "
-      "leaves); default: all")
+      "(transformer, float32), c (transformer, bfloat16), compile "
+      "(clip_global on 1000 leaves), leaves (every clipper's compile time on "
+      "300 and 1000 leaves); default: all")
+  parser.add_argument(
+      "--leaf-counts", type=int, nargs="+", default=None, metavar="N",
+      help="the tree sizes of section leaves (default: 300 1000; --quick: "
+      "10)")
   parser.add_argument(
       "--out", type=pathlib.Path, default=None,
       help="where to write the markdown report (default: "
@@ -359,13 +383,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
       help="a line for the report's heading (how the machine was used)")
   parser.add_argument(
       "--no-optax-compile", action="store_true",
-      help="skip optax.clip_by_global_norm's compile time (about 100 s on 2 "
-      "cores)")
+      help="skip optax.clip_by_global_norm's compile time in the compile "
+      "section (23 s on 2 idle cores)")
   args = parser.parse_args(argv)
   if args.rounds is not None and args.rounds < 1:
     parser.error(f"--rounds must be at least 1; got {args.rounds}")
+  if args.leaf_counts is not None and min(args.leaf_counts) < 1:
+    parser.error(f"--leaf-counts must be at least 1; got {args.leaf_counts}")
   if args.out is None:
-    full = not args.quick and set(args.only) == set(SECTIONS)
+    full = (not args.quick and set(args.only) == set(SECTIONS)
+            and args.leaf_counts is None)
     args.out = RESULTS if full else SCRATCH
   return args
 
@@ -377,6 +404,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     sizes.rounds = args.rounds
   if args.no_optax_compile:
     sizes.optax_compile = False
+  if args.leaf_counts:
+    sizes.leaf_counts = tuple(args.leaf_counts)
 
   command = " ".join(["python benchmarks/run.py", *(argv or sys.argv[1:])])
   lines = [
@@ -390,13 +419,15 @@ def main(argv: Optional[list[str]] = None) -> int:
   out = args.out
   out.parent.mkdir(parents=True, exist_ok=True)
   spawn = multiprocessing.get_context("spawn")
-  step_heading = False
+  heading = None
   for key in SECTIONS:
     if key not in args.only:
       continue
-    if key != "compile" and not step_heading:
-      lines += ["## Step time over adam's own step", ""]
-      step_heading = True
+    wanted = ("## Step time over adam's own step" if key in ("a", "b", "c")
+              else "## Compile time")
+    if heading != wanted:
+      lines += [wanted, ""]
+      heading = wanted
     if args.quick:  # small: one process is enough, and starts faster
       lines += run_section(key, sizes)
     else:

@@ -210,8 +210,11 @@ class _Measured:
     self.dtype = _norms.promote_types(
       state_dtype, _norms.tree_accumulation_dtype(self.leaves)
     )
+    acc = _norms.tree_accumulation_dtype(self.leaves)
     if scope == "global":
-      norm = _norms.global_norm(self.leaves, axis_name=axis_name, sharded=flags)
+      scaled = _norms.global_norm_scaled(
+        self.leaves, axis_name=axis_name, sharded=flags
+      )
     else:
       if unit_shape is not None and unit_shape != (len(self.leaves),):
         raise ValueError(
@@ -224,35 +227,38 @@ class _Measured:
       layout, per_part = _norms.unit_norms_packed(
         self.leaves, axis_name=axis_name, sharded=flags
       )
-      norm = (
-        layout.leaf_vector(per_part, self.dtype)
+      scaled = _norms.Scaled(
+        layout.leaf_vector([n.value for n in per_part], acc)
         if per_part
-        else jnp.zeros((0,), self.dtype)
+        else jnp.zeros((0,), acc),
+        layout.leaf_vector([n.exponent for n in per_part], jnp.int32)
+        if per_part
+        else jnp.zeros((0,), jnp.int32),
       )
-    self.norm = norm.astype(self.dtype)
+    # The norm exactly (value * 2**exponent, even beyond the dtype's range)
+    # for the scaling; as a plain float for the statistics and decisions.
+    self.scaled = scaled
     # Statistics are not differentiated through (as in every reference,
     # where they are Python floats): only the scaling carries gradients.
-    self.stat_norm = jax.lax.stop_gradient(self.norm)
-    self.unit_finite = jnp.isfinite(self.stat_norm)
-    self.finite = jnp.all(self.unit_finite)
+    self.stat_norm = jax.lax.stop_gradient(scaled.as_float()).astype(self.dtype)
+    # NaN/Inf in the input (a norm of finite values beyond the dtype's
+    # range is finite here, and inf as a statistic: it is not recorded).
+    self.unit_finite = jnp.isfinite(jax.lax.stop_gradient(scaled.value))
+    self.finite = jnp.all(jnp.isfinite(self.stat_norm))
 
   def clip(self, limit: jax.Array):
     """Scales each clipping unit to ``limit``; returns updates and stats."""
     limit = jax.lax.stop_gradient(jnp.asarray(limit, self.dtype))
     g = self.stat_norm
-    factor = _norms.clip_factor(self.norm, limit)
-    # The non-finite policy (see the module's docstring): a unit with a
-    # NaN or infinite norm comes out all NaN.
-    factor = jnp.where(self.unit_finite, factor, jnp.nan)
+    # Exact, and NaN for a unit with a NaN or infinite norm: the non-finite
+    # policy (see the module's docstring), from _norms.clip_scale.
+    factor = _norms.clip_scale(self.scaled, limit)
     if self.scope == "global":
       out = [_norms.scale_leaf(x, factor) for x in self.leaves]
     else:
-      # take_each, not factor[i]: kernels shared by leaves of one shape.
-      out = [
-        _norms.scale_leaf(x, f)
-        for x, f in zip(self.leaves, _norms.take_each(jnp.ravel(factor)))
-      ]
-    scaled = (jax.lax.stop_gradient(factor) < 1) | ~self.unit_finite
+      # scale_each, not factor[i]: kernels shared by leaves of one shape.
+      out = _norms.scale_each(self.leaves, factor)
+    scaled = _norms.is_scaled_down(jax.lax.stop_gradient(factor))
     # Exactly min(norm, limit), without inf * 0; NaN for a non-finite unit,
     # whose output holds NaN.
     clipped = jnp.where(self.unit_finite, jnp.where(scaled, limit, g), jnp.nan)
@@ -901,7 +907,13 @@ def clip_relative(
     gamma = state.gamma.astype(measured.dtype)
     warming = state.count < warmup_steps
     total = _norms.combine_norms([norms])
-    warm_limit = norms * _norms.clip_factor(total, warmup_max_norm)
+    # Each leaf's share of the global limit, norm_i / total * limit: the
+    # share (<= 1) from clip_scale, with no tiny factor to flush to zero
+    # (limit / total is subnormal for a total above ~1e38 in float32).
+    share = _norms.clip_scale(total, norms).as_float()
+    warm_limit = jnp.where(
+      total > warmup_max_norm, share * warmup_max_norm, jnp.inf
+    )
     relative = factor * gamma
     over = ~warming & (norms > relative) & measured.unit_finite
     restart = over & (state.consecutive_clips >= patience)

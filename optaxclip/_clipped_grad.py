@@ -144,7 +144,8 @@ def clipped_grad(
   ``jax.vmap``, in microbatches of ``microbatch_size`` examples to bound
   memory. ``method="ghost"`` computes the norms without per-example gradients
   (see ``optaxclip._ghost``: Flax ``Dense``, ``DenseGeneral``, ``Embed``,
-  ``Conv``, ``Einsum``, ``LayerNorm``, ``RMSNorm``, also under ``nn.scan``),
+  ``Conv``, ``Einsum``, ``LayerNorm``, ``RMSNorm``, also under ``nn.scan``;
+  ``nnx.Linear`` and ``nnx.Embed``),
   then takes one more backward pass of the loss re-weighted by each example's
   clip factor. A parameter it cannot handle takes the exact path, for that
   parameter only; ``fn.plan(params, *args)`` says which (its ``fallback``
@@ -215,6 +216,8 @@ def clipped_grad(
   _check_clip(l2_clip)
   method = _checks.check_choice(WHO, "method", method, ("ghost", "vmap"))
   reduce = _checks.check_choice(WHO, "reduce", reduce, ("sum", "mean"))
+  has_aux = _checks.check_bool(WHO, "has_aux", has_aux)
+  normalize = _checks.check_bool(WHO, "normalize", normalize)
   if isinstance(batch_argnums, (numbers.Integral, np.integer)):
     batch_argnums = (int(batch_argnums),)
   batch_argnums = tuple(batch_argnums)  # pyright: ignore[reportArgumentType]
@@ -400,38 +403,65 @@ def clipped_grad(
     def grads_fn(factors, keep, all_finite):
       def shared(_):
         # The second backward pass of the same forward, re-weighted.
-        return by_group(lambda g: vjp(factors[g].astype(losses.dtype))[0])
+        return by_group(
+          lambda g: vjp(_ghost.like(factors[g].astype(losses.dtype), losses))[0]
+        )
 
       def recompute(_):
         # An example with a non-finite gradient: a NaN activation times its
         # zero weight would still be NaN in the shared backward. Such
         # examples are replaced by a kept one (weight 0) and the weighted
         # gradient recomputed, in chunks (a bounded extra memory).
-        first = jnp.argmax(keep)
-        safe = _take(
-          args,
-          argnums,
-          lambda x: jnp.where(
-            keep.reshape((batch,) + (1,) * (jnp.ndim(x) - 1)),
-            x,
-            jnp.asarray(x)[first],
-          ),
+        # The kept example is picked by a masked sum over the batch (an
+        # all-reduce of one example where the batch is split, no gather).
+        first = jnp.arange(batch) == jnp.argmax(keep)
+
+        def replace(x):
+          x = jnp.asarray(x)
+          shape = (batch,) + (1,) * (x.ndim - 1)
+          pick = jnp.where(
+            _ghost.batch_like(first, x).reshape(shape), x, jnp.zeros_like(x)
+          )
+          kept = (
+            jnp.any(pick, axis=0)
+            if x.dtype == bool
+            else jnp.sum(pick, axis=0, dtype=x.dtype)
+          )
+          return jnp.where(
+            _ghost.batch_like(keep, x).reshape(shape), x, kept[None]
+          )
+
+        safe = _take(args, argnums, replace)
+        # Chunk c holds the examples b with b % chunks == c: the split axis
+        # stays whole, and a chunk is indexed along an unsplit one.
+        spans = any(
+          _norms.may_span_devices(jnp.asarray(leaf))
+          for i in argnums
+          for leaf in jax.tree.leaves(args[i])
         )
-        chunks = _chunks(batch)
+        # A batch split over devices is recomputed whole (chunking it would
+        # reshape the split axis).
+        chunks = 1 if spans else _chunks(batch)
         size = batch // chunks
         c_args = _take(
-          safe, argnums, lambda x: x.reshape(chunks, size, *x.shape[1:])
+          safe, argnums, lambda x: x.reshape(size, chunks, *x.shape[1:])
         )
-        weights = jnp.stack(factors).reshape(n_groups, chunks, size)
+        weights = jnp.stack(factors).reshape(n_groups, size, chunks)
 
         def body(acc, i):
-          chunk_args = _take(c_args, argnums, lambda x: x[i])
+          chunk_args = _take(
+            c_args,
+            argnums,
+            lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False),
+          )
+          w_i = jax.lax.dynamic_index_in_dim(weights, i, 2, keepdims=False)
 
           def weighted(p, w):
             chunk_losses = split_(loss_fn_(p, *chunk_args[1:]))[0]
-            return jnp.sum(w * chunk_losses.reshape(size))
+            chunk_losses = chunk_losses.reshape(size)
+            return jnp.sum(_ghost.like(w, chunk_losses) * chunk_losses)
 
-          grads = by_group(lambda g: jax.grad(weighted)(params, weights[g, i]))
+          grads = by_group(lambda g: jax.grad(weighted)(params, w_i[g]))
           return jax.tree.map(jnp.add, acc, grads), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)

@@ -29,6 +29,12 @@ Per layer kind:
   parameters, one example at a time under ``vmap`` (memory ``B`` times the
   layer's parameters, never the model's).
 
+``flax.nnx``: ``nnx.Linear`` and ``nnx.Embed`` calls are routed through the
+same taps for the time of the trace (nnx has no method interceptors; the
+parameters are matched by identity with the leaves the loss receives, so
+``nnx.merge(graphdef, params)`` inside the loss is what it expects). Other
+nnx layers take the exact path.
+
 A parameter that no supported call covers exactly once per trace (a custom
 ``self.param``, a module called twice such as a tied embedding's ``attend``,
 a layer whose input has no leading batch axis of size ``B``) is left to the
@@ -50,6 +56,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable
+import contextlib
 import dataclasses
 import math
 from typing import Any, Optional
@@ -100,12 +107,16 @@ class Plan:
     kinds: module path -> layer kind ("dense", "embed", ...).
     fallback: the parameter paths (``keystr``) left to the exact path.
     ghosted: the parameter paths the taps cover.
+    nnx_groups: for ``flax.nnx`` layers (``nnx.Linear``, ``nnx.Embed``),
+      the covered leaf indices and their groups (matched by identity: the
+      leaf is the array the layer reads).
   """
 
   covered: dict
   kinds: dict
   fallback: list
   ghosted: list
+  nnx_groups: dict = dataclasses.field(default_factory=dict)
 
 
 def _leaf_names(path) -> tuple:
@@ -167,7 +178,9 @@ def discover(
       return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
-      jax.eval_shape(apply_loss, params)
+      nnx_calls = _nnx_discover(apply_loss, params, batch_size)
+  else:  # pragma: no cover
+    nnx_calls = {}
 
   by_path: dict = {}
   for module, path, kind, count, ok in calls.values():
@@ -216,13 +229,101 @@ def discover(
           break
       flag = path is None
     final_flags.append(flag)
+  nnx_groups = {i: group_of_leaf[i] for i in nnx_calls}
+  final_flags = [f and i not in nnx_groups for i, f in enumerate(final_flags)]
   plan = Plan(
+    nnx_groups=nnx_groups,
     covered=covered,
     kinds=kinds,
     fallback=[k for k, f in zip(keystrs, final_flags) if f],
     ghosted=[k for k, f in zip(keystrs, final_flags) if not f],
   )
   return plan, final_flags
+
+
+def _nnx_classes() -> dict:
+  try:
+    from flax import nnx
+  except ImportError:  # pragma: no cover
+    return {}
+  return {nnx.Linear: "dense", nnx.Embed: "embed"}
+
+
+def _value(variable):
+  get = getattr(variable, "get_value", None)
+  return get() if callable(get) else getattr(variable, "value", variable)
+
+
+def _nnx_params(module, kind) -> dict:
+  names = ("kernel", "bias") if kind == "dense" else ("embedding",)
+  return {
+    n: _value(getattr(module, n))
+    for n in names
+    if getattr(module, n, None) is not None
+  }
+
+
+@contextlib.contextmanager
+def _nnx_patched(handler):
+  """Routes every ``nnx.Linear`` / ``nnx.Embed`` call (and ``attend``)
+  through ``handler(module, kind, method, args, kwargs, y)`` for the time
+  of one trace: nnx modules have no method interceptors.
+  """
+  saved = []
+  try:
+    for cls, kind in _nnx_classes().items():
+      for method in ("__call__", "attend"):
+        original = cls.__dict__.get(method)
+        if original is None:
+          continue
+        saved.append((cls, method, original))
+
+        def wrapper(self, *args, _f=original, _k=kind, _m=method, **kwargs):
+          return handler(self, _k, _m, args, kwargs, _f(self, *args, **kwargs))
+
+        setattr(cls, method, wrapper)
+    yield
+  finally:
+    for cls, method, original in saved:
+      setattr(cls, method, original)
+
+
+def _nnx_discover(apply_loss, params, batch_size) -> dict:
+  """Traces ``apply_loss`` with the nnx layers recorded; returns the leaf
+  indices that exactly one supported call reads, once, with a batch input
+  (leaf index -> True).
+  """
+  uses: dict = {}  # leaf index -> number of calls reading it
+  bad: set = set()
+
+  def traced(p):
+    leaf_index = {id(v): i for i, v in enumerate(jax.tree.leaves(p))}
+
+    def record(module, kind, method, args, kwargs, y):
+      x = args[0] if args else None
+      ok = (
+        x is not None
+        and method == "__call__"
+        and len(args) == 1
+        and not kwargs
+        and hasattr(x, "shape")
+        and x.ndim >= 1
+        and x.shape[0] == batch_size
+      )
+      for v in _nnx_params(module, kind).values():
+        i = leaf_index.get(id(v))
+        if i is None:
+          continue
+        uses[i] = uses.get(i, 0) + 1
+        if not ok:
+          bad.add(i)
+      return y
+
+    with _nnx_patched(record):
+      return apply_loss(p)
+
+  jax.eval_shape(traced, params)
+  return {i: True for i, n in uses.items() if n == 1 and i not in bad}
 
 
 def _direct_ok(module) -> bool:
@@ -299,6 +400,38 @@ def _layer_sq_norms(kind, module_fn, theta, x, y, g) -> dict:
   return {k: _sum_sq(v) for k, v in grads.items()}
 
 
+def like(value: jax.Array, probe: jax.Array) -> jax.Array:
+  """``value`` with ``probe``'s sharding where an Explicit mesh types it
+  (a ``(B,)``-sized array: matching moves next to nothing).
+  """
+  typeof = getattr(jax, "typeof", None)
+  want = getattr(typeof(probe), "sharding", None) if typeof else None
+  have = getattr(typeof(value), "sharding", None) if typeof else None
+  mesh = getattr(want, "mesh", None)
+  if (
+    want is None
+    or mesh is None
+    or mesh.empty
+    or have is None
+    or have.spec == want.spec
+  ):
+    return value
+  return jax.sharding.reshard(value, want.spec)
+
+
+def batch_like(mask: jax.Array, x: jax.Array) -> jax.Array:
+  """A ``(B,)`` array split like ``x``'s leading (batch) axis, where an
+  Explicit mesh types ``x``.
+  """
+  typeof = getattr(jax, "typeof", None)
+  sharding = getattr(typeof(x), "sharding", None) if typeof else None
+  mesh = getattr(sharding, "mesh", None)
+  spec = tuple(getattr(sharding, "spec", None) or ())
+  if mesh is None or mesh.empty or not spec or spec[0] is None:
+    return mask
+  return jax.sharding.reshard(mask, jax.sharding.PartitionSpec(spec[0]))
+
+
 def _zero_cotangent(x):
   if jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros_like(x)
@@ -316,10 +449,11 @@ def _make_tap(kind, module_fn, groups: dict, n_groups: int):
     return y
 
   def fwd(y, x, theta, probe):
-    return y, (x, theta, jnp.zeros((), y.dtype), probe.shape)
+    return y, (x, theta, jnp.zeros((), y.dtype), probe)
 
   def bwd(res, g):
-    x, theta, y0, shape = res
+    x, theta, y0, probe = res
+    shape = probe.shape
     sq = _layer_sq_norms(
       kind, module_fn, theta, x, jax.ShapeDtypeStruct(g.shape, y0.dtype), g
     )
@@ -330,7 +464,7 @@ def _make_tap(kind, module_fn, groups: dict, n_groups: int):
       g,
       _zero_cotangent(x),
       jax.tree.map(jnp.zeros_like, theta),
-      jnp.stack(rows),
+      like(jnp.stack(rows), probe),
     )
 
   tap.defvjp(fwd, bwd)
@@ -390,9 +524,26 @@ def forward(
   probe = jnp.zeros((n_groups, batch_size), jnp.float32)
 
   def run(params_, probe_):
-    if nn is None or not plan.covered:
+    if nn is None or not (plan.covered or plan.nnx_groups):
       return apply_loss(params_)
-    with nn.intercept_methods(interceptor(plan, probe_, n_groups)):
+    leaf_index = {id(v): i for i, v in enumerate(jax.tree.leaves(params_))}
+
+    def nnx_tap(module, kind, method, args, kwargs, y):
+      del kwargs
+      if method != "__call__":
+        return y
+      theta = _nnx_params(module, kind)
+      idx = {n: leaf_index.get(id(v)) for n, v in theta.items()}
+      if not idx or any(i not in plan.nnx_groups for i in idx.values()):
+        return y
+      groups = {n: plan.nnx_groups[i] for n, i in idx.items()}
+      tap = _make_tap(kind, None, groups, n_groups)
+      return tap(y, args[0], theta, probe_)
+
+    with (
+      nn.intercept_methods(interceptor(plan, probe_, n_groups)),
+      _nnx_patched(nnx_tap),
+    ):
       return apply_loss(params_)
 
   losses, vjp, aux = jax.vjp(run, params, probe, has_aux=True)

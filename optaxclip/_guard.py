@@ -241,10 +241,15 @@ def guard(
     dtype = _norms.promote_types(
       state.mean.dtype, _norms.tree_accumulation_dtype(leaves)
     )
-    norm = jax.lax.stop_gradient(
-      _norms.global_norm(leaves, axis_name=axis_name, sharded=flags)
-    ).astype(dtype)
+    scaled = jax.lax.stop_gradient(
+      _norms.global_norm_scaled(leaves, axis_name=axis_name, sharded=flags)
+    )
+    norm = scaled.as_float().astype(dtype)
     mean, var = state.mean.astype(dtype), state.var.astype(dtype)
+    # NaN/Inf in the gradient. A norm of finite values beyond the dtype's
+    # range is not one (inf as a number: above any bound, kept out of the
+    # statistics).
+    nonfinite = ~jnp.isfinite(scaled.value)
     finite = jnp.isfinite(norm)
     warming = state.count < warmup_steps
 
@@ -263,7 +268,7 @@ def guard(
     # An infinite norm is above any finite bound, whatever skip_nonfinite.
     skip = (norm > cap) | spike | (jnp.isinf(norm) & (bound < jnp.inf))
     if skip_nonfinite:
-      skip = skip | ~finite
+      skip = skip | nonfinite
 
     old_inner = state.inner_state
     # inner's outputs may differ from the updates in dtype: ask for them.
@@ -310,7 +315,7 @@ def guard(
         skip, optax.safe_increment(state.skipped), state.skipped
       ),
       nonfinite=jnp.where(
-        finite, state.nonfinite, optax.safe_increment(state.nonfinite)
+        nonfinite, optax.safe_increment(state.nonfinite), state.nonfinite
       ),
       consecutive_skips=jnp.where(
         skip, optax.safe_increment(state.consecutive_skips), 0

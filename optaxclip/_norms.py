@@ -172,14 +172,15 @@ def exponent(v: jax.Array) -> jax.Array:
   v = jax.lax.stop_gradient(v)
   int_dtype, nmant, bias = _bits(v.dtype)
   bits = jax.lax.bitcast_convert_type(v, int_dtype)
-  field = jnp.right_shift(bits, nmant) & ((2 * bias + 1))
+  field = jnp.right_shift(bits, nmant) & (2 * bias + 1)
   field = jnp.maximum(field, 1)  # subnormals: as the smallest normal
   return (field - (bias - 1)).astype(jnp.int32)
 
 
 def pow2(k: jax.Array, dtype: Any) -> jax.Array:
   """Exactly ``2.0**k`` in ``dtype`` for integer k in its normal range; 0
-  below it, the largest normal power above it."""
+  below it, the largest normal power above it.
+  """
   int_dtype, nmant, bias = _bits(dtype)
   field = jnp.clip(jnp.asarray(k).astype(int_dtype) + bias, 0, 2 * bias)
   return jax.lax.bitcast_convert_type(
@@ -205,7 +206,7 @@ def ldexp(v: jax.Array, k: jax.Array, pieces: int = 3) -> jax.Array:
   k = jnp.asarray(k, jnp.int32)
   for _ in range(pieces):
     step = jnp.clip(k, lo, hi)
-    v = v * pow2(step, real)
+    v = v * pow2(step, real).astype(v.dtype)  # complex v: explicit
     k = k - step
   return v
 
@@ -222,7 +223,7 @@ class Scaled(NamedTuple):
     """The number in ``value``'s dtype (inf on overflow, 0 on underflow)."""
     return ldexp(self.value, self.exponent)
 
-  def __mul__(self, other: "Scaled") -> "Scaled":  # type: ignore[override]
+  def __mul__(self, other: Scaled) -> Scaled:  # type: ignore[override]
     return Scaled(self.value * other.value, self.exponent + other.exponent)
 
 
@@ -237,7 +238,8 @@ def as_scaled(x: Union[jax.Array, Scaled]) -> Scaled:
 
 def _normalized(x: Scaled) -> tuple[jax.Array, jax.Array]:
   """``(m, E)`` with ``x = m * 2**E`` and ``0.5 <= m < 1`` for ``x > 0``
-  (``m = 0`` for 0; ``inf`` and NaN values stay as they are)."""
+  (``m = 0`` for 0; ``inf`` and NaN values stay as they are).
+  """
   e = exponent(x.value)
   e = jnp.where(e > jnp.finfo(x.value.dtype).maxexp, 0, e)
   return ldexp(x.value, -e, pieces=2), x.exponent + e
@@ -380,7 +382,8 @@ def _power_sum(x: jax.Array, p: float, axes, dtype) -> jax.Array:
 def _scale_exponent(m: jax.Array) -> jax.Array:
   """``E`` such that ``m * 2**-E`` is in [0.5, 4) (smaller for tiny m) and
   ``2**-E`` is a normal number: the scale for values whose largest magnitude
-  is ``m``. Non-finite ``m``: the largest such E."""
+  is ``m``. Non-finite ``m``: the largest such E.
+  """
   lo, hi = _exp_range(m.dtype)
   return jnp.clip(exponent(m), lo, hi)
 
@@ -665,24 +668,47 @@ class UnitLayout:
 
   def scale(self, leaves, factors) -> list[jax.Array]:
     """Each leaf times its units' factors (per part, :class:`Scaled` or
-    plain), as :func:`scale_leaf` computes it.
-
-    For stacked parts, the multipliers that scale_leaf applies one after the
-    other are computed on the part's factor vector, and each leaf takes its
-    row of them at once (one selection per leaf, see take_each).
+    plain), as :func:`scale_leaf` computes it (see :func:`scale_each`).
     """
     out = [None] * len(self.shapes)
     for (kind, what, _), f in zip(self.parts, factors):
       if kind == "leaf":
         out[what] = scale_leaf(leaves[what], f)
         continue
-      dtype = leaves[what[0][0]].dtype
-      columns = _multipliers(f, dtype)
-      rows = take_each(jnp.stack([jnp.ravel(m) for m in columns], axis=1))
-      for (i, _, _), row in zip(what, rows):
-        out[i] = _apply_multipliers(
-            leaves[i], [row[k] for k in range(len(columns))])
+      members = [i for i, _, _ in what]
+      flat = (Scaled(jnp.ravel(f.value), jnp.ravel(f.exponent))
+              if isinstance(f, Scaled) else jnp.ravel(f))
+      for i, y in zip(members, scale_each([leaves[i] for i in members], flat)):
+        out[i] = y
     return out
+
+
+def scale_each(leaves: Sequence[jax.Array],
+               factors: Union[jax.Array, Scaled]) -> list[jax.Array]:
+  """``[scale_leaf(x_i, factors[i])]`` for a vector of factors, one a leaf.
+
+  The multipliers that scale_leaf applies one after the other are computed
+  on the factor vector (per leaf dtype), and each leaf takes its row of
+  them at once with :func:`take_each`: kernels shared by the leaves of one
+  shape, not one per leaf.
+  """
+  leaves = list(leaves)
+  by_dtype = {}
+  for i, x in enumerate(leaves):
+    by_dtype.setdefault(np.dtype(x.dtype), []).append(i)
+  out = [None] * len(leaves)
+  for dtype, members in by_dtype.items():
+    f = factors
+    if len(members) < len(leaves):
+      idx = np.asarray(members)
+      f = (Scaled(jnp.take(f.value, idx), jnp.take(f.exponent, idx))
+           if isinstance(f, Scaled) else jnp.take(f, idx))
+    columns = _multipliers(f, dtype)
+    rows = take_each(jnp.stack([jnp.ravel(m) for m in columns], axis=1))
+    for i, row in zip(members, rows):
+      out[i] = _apply_multipliers(leaves[i],
+                                  [row[k] for k in range(len(columns))])
+  return out
 
 
 def unit_norms(
@@ -872,7 +898,7 @@ def global_norm_scaled(
     ord: float = 2.0,  # pylint: disable=redefined-builtin
     *,
     axis_name: AxisName = None,
-    sharded: Optional[Sequence[bool]] = None,
+    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> Scaled:
   """The p-norm of all leaves taken together, as one vector.
 
@@ -1017,7 +1043,8 @@ def count_above(x: jax.Array, limit: Any) -> jax.Array:
 def _flat_scaled(norms: Sequence[Scaled]) -> list[Scaled]:
   """The norms as 1-D parts: those on one device concatenated into one, the
   others (that may be split across devices: no all-gather, no
-  ``ShardingTypeError``) raveled on their own."""
+  ``ShardingTypeError``) raveled on their own.
+  """
   local = [n for n in norms if not may_span_devices(n.value)]
   parts = [Scaled(jnp.ravel(n.value), jnp.ravel(n.exponent))
            for n in norms if may_span_devices(n.value)]
@@ -1120,7 +1147,8 @@ def clip_scale(norm: Union[jax.Array, Scaled],
 
 def is_scaled_down(factor: Scaled) -> jax.Array:
   """Whether a factor from :func:`clip_scale` changes what it scales (NaN
-  factors included)."""
+  factors included).
+  """
   return (factor.value != 1) | (factor.exponent != 0)
 
 

@@ -789,3 +789,12 @@ def test_percentile_state_from_release_0_1_continues_like_a_fresh_one():
     legacy_out, legacy = update(global_tree(g), legacy)
     chex.assert_trees_all_equal((out, state), (legacy_out, legacy))
   np.testing.assert_allclose(float(state.threshold), 2.0, rtol=RTOL)  # 1,3,4,.5
+
+
+def test_relative_warmup_clips_a_1e38_gradient_along_its_direction():
+  # The warm-up's global limit shared out per leaf: no factor below 2**-126.
+  tx = optaxclip.clip_relative(warmup_steps=3)
+  g = {"w": jnp.array([1e38, 1e38], jnp.float32)}
+  out, state = jax.jit(tx.update)(g, tx.init(g))
+  np.testing.assert_allclose(out["w"], [2**-0.5, 2**-0.5], rtol=1e-6)
+  np.testing.assert_allclose(float(state.clipped_norm), 1.0, rtol=1e-6)

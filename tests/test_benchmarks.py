@@ -55,7 +55,7 @@ def _tables(text):
       tables[title] = []
     elif line.startswith("|") and title and not line.startswith("|---"):
       cells = _cells(line)
-      if cells[0] not in ("variant", "step"):
+      if cells[0] not in ("variant", "step", "clipper"):
         tables[title].append(cells)
   return tables
 
@@ -96,6 +96,14 @@ def test_quick_run_writes_a_sane_report(tmp_path):
     assert float(cells[1]) > 0 and float(cells[2]) > 0
     _ratio(cells[3])
   assert _ratio(compile_rows[0][3]) == 1.0
+  leaves_rows = tables["Compile time of each clipper on many small leaves"]
+  names = [cells[0] for cells in leaves_rows]
+  assert names == list(_import("compile_time").CLIPPERS)
+  for cells in leaves_rows:
+    seconds, ratio = re.fullmatch(r"(\d+\.\d\d) \((\d+\.\d\d)x\)",
+                                  cells[1]).groups()
+    assert float(seconds) > 0 and float(ratio) > 0, cells
+    assert cells[2] in (("",) if cells[0] == "adam" else ("yes", "no"))
 
 
 def _import(name):
@@ -113,7 +121,8 @@ def test_only_a_full_run_writes_the_committed_report():
   committed = ROOT / "benchmarks" / "RESULTS.md"
   scratch = ROOT / "benchmarks" / "out" / "RESULTS.md"
   assert run.parse_args([]).out == committed
-  assert run.parse_args(["--only", "a", "b", "c", "compile"]).out == committed
+  assert run.parse_args(["--only", *run.SECTIONS]).out == committed
+  assert run.parse_args(["--leaf-counts", "300"]).out == scratch
   assert run.parse_args(["--quick"]).out == scratch
   assert run.parse_args(["--only", "a", "compile"]).out == scratch
   assert run.parse_args(["--quick", "--out", "x.md"]).out == pathlib.Path(
@@ -124,6 +133,7 @@ def test_only_a_full_run_writes_the_committed_report():
     (["--only", "x"], "invalid choice: 'x'"),
     (["--only"], "expected at least one argument"),
     (["--rounds", "0"], "--rounds must be at least 1; got 0"),
+    (["--leaf-counts", "0"], "--leaf-counts must be at least 1; got [0]"),
 ])
 def test_bad_arguments_are_errors(argv, message, capsys):
   run = _import("run")

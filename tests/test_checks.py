@@ -34,13 +34,20 @@ def test_deprecation_warning_points_at_the_caller_and_is_given_once():
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     tx = optaxclip.clip_per_example(1.0, scope="layer")
-    tx.update({"w": jnp.ones((2, 3))}, tx.init({"w": jnp.zeros(3)}))
+    # Traced (the shared update builds the transformation again): no
+    # second warning.
+    jax.eval_shape(tx.update, {"w": jnp.ones((2, 3))},
+                   tx.init({"w": jnp.zeros(3)}))
   assert len(caught) == 1, [str(w.message) for w in caught]
   assert caught[0].filename == __file__
 
 
 NAN, INF = float("nan"), float("inf")
 SGD = optax.sgd(0.1)
+
+
+def LOSS(params, x):
+  return jnp.sum(params * x)
 
 # (clipper, keyword arguments, the argument at fault, error type, what the
 # message says it must be). Positional first arguments are passed by name.
@@ -157,6 +164,38 @@ BAD = [
      "quantile_lr", ValueError, ">= 0"),
     ("clip_per_example", {"l2_clip": 1.0, "axis_name": ""}, "axis_name",
      ValueError, "empty name"),
+    ("dp_noise", {"l2_clip": -1.0}, "l2_clip", ValueError, ">= 0"),
+    ("dp_noise", {"l2_clip": 1.0, "noise_multiplier": NAN},
+     "noise_multiplier", ValueError, "real number"),
+    ("dp_noise", {"l2_clip": 1.0, "target_quantile": -0.5},
+     "target_quantile", ValueError, ">= 0"),
+    ("dp_noise", {"l2_clip": 1.0, "quantile_lr": "0.2"}, "quantile_lr",
+     TypeError, "real number"),
+    ("dp_noise", {"l2_clip": 1.0, "reduce": "max"}, "reduce", ValueError,
+     "one of 'mean', 'sum'"),
+    ("dp_noise", {"l2_clip": 1.0, "seed": 0.5}, "seed", TypeError,
+     "an int or a key"),
+    ("dp_noise", {"l2_clip": INF, "noise_multiplier": 1.0}, "l2_clip",
+     ValueError, "finite when noise_multiplier > 0"),
+    ("clipped_grad", {"loss_fn": 3, "l2_clip": 1.0}, "loss_fn", TypeError,
+     "callable"),
+    ("clipped_grad", {"loss_fn": LOSS, "l2_clip": -1.0}, "l2_clip",
+     ValueError, ">= 0"),
+    ("clipped_grad", {"loss_fn": LOSS, "l2_clip": 1.0, "method": "fast"},
+     "method", ValueError, "one of 'ghost', 'vmap'"),
+    ("clipped_grad", {"loss_fn": LOSS, "l2_clip": 1.0, "reduce": "max"},
+     "reduce", ValueError, "one of 'sum', 'mean'"),
+    ("clipped_grad", {"loss_fn": LOSS, "l2_clip": 1.0, "batch_argnums": 0},
+     "batch_argnums", ValueError, "ints >= 1"),
+    ("clipped_grad", {"loss_fn": LOSS, "l2_clip": 1.0,
+                      "microbatch_size": 0}, "microbatch_size", ValueError,
+     ">= 1"),
+    ("clipped_grad", {"loss_fn": LOSS, "l2_clip": 1.0, "gamma": 0.0},
+     "gamma", ValueError, "> 0"),
+    ("clipped_grad", {"loss_fn": LOSS, "l2_clip": 1.0, "has_aux": "yes"},
+     "has_aux", TypeError, "a bool"),
+    ("clipped_grad", {"loss_fn": LOSS, "l2_clip": 1.0, "normalize": 1},
+     "normalize", TypeError, "a bool"),
     ("guard", {"inner": "adam"}, "inner", TypeError,
      "an optax.GradientTransformation"),
     ("guard", {"inner": SGD, "skip_nonfinite": 1}, "skip_nonfinite",
@@ -200,7 +239,8 @@ def test_every_public_transformation_has_a_bad_argument_case():
   covered = {name for name, *_ in BAD}
   factories = {"clip_value", "clip_norm", "clip_global", "clip_block_rms",
                "clip_unitwise", "clip_zscore", "clip_percentile",
-               "clip_relative", "clip_per_example", "guard", "clipped"}
+               "clip_relative", "clip_per_example", "guard", "clipped",
+               "dp_noise", "clipped_grad"}
   assert factories <= covered, factories - covered
   public = {n for n in optaxclip.__all__ if n[0].islower()}
   others = {"stats", "default_unit_axes", "upgrade_state"}

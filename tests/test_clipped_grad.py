@@ -8,9 +8,11 @@ import pathlib
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fast_compile import compile_fast
 from fast_compile import run_fast
 import optaxclip
 
@@ -82,7 +84,29 @@ def _misc_case():
   return loss, params, (tokens, image)
 
 
+def _nnx_case():
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(10, 6, rngs=rngs)
+      self.norm = nnx.LayerNorm(6, rngs=rngs)  # not ghosted: exact path
+      self.out = nnx.Linear(6, 1, rngs=rngs)
+
+    def __call__(self, tokens):
+      return self.out(jnp.tanh(self.norm(self.embed(tokens))))[..., 0].sum(1)
+
+  graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+  tokens = np.random.default_rng(2).integers(0, 10, size=(6, 4))
+
+  def loss(p, tokens):
+    return nnx.merge(graphdef, p)(tokens) ** 2
+
+  return loss, params, (tokens,)
+
+
 CASES = {
+  "nnx": _nnx_case,
   "mlp": _mlp_case,
   "transformer": _transformer_case,
   "misc": _misc_case,
@@ -155,6 +179,13 @@ def test_ghost_plan_names_what_falls_back():
   loss, params, batch = _transformer_case()
   plan = optaxclip.clipped_grad(loss, 1.0).plan(params, *batch)
   assert plan.fallback == []  # embeddings, attention, MLP, LayerNorm, scan
+  loss, params, batch = _nnx_case()
+  plan = optaxclip.clipped_grad(loss, 1.0).plan(params, *batch)
+  assert sorted(plan.fallback) == [
+    "['norm']['bias'].value",
+    "['norm']['scale'].value",
+  ]
+  assert len(plan.ghosted) == 3  # nnx.Embed and nnx.Linear
 
 
 @pytest.mark.parametrize("method", ["ghost", "vmap"])
@@ -280,3 +311,37 @@ def test_bad_arguments():
     fn(params, x, y[:4])
   with pytest.raises(ValueError, match="dp_noise: l2_clip must be finite"):
     optaxclip.dp_noise(float("inf"), noise_multiplier=1.0)
+
+
+def test_batch_split_over_devices_under_jit():
+  # The batch split over a "data" axis (Auto, then Explicit): the same
+  # numbers as one device, and no activation is gathered (the only
+  # all-gathers are of B values: the per-example squared norms, or which
+  # example to pick in the rare non-finite branch).
+  loss, params, (x, y) = _mlp_case()
+  x = np.tile(x[:, None], (1, 3, 1))  # sequences (B, T, d)
+  fn = optaxclip.clipped_grad(
+    lambda p, x, y: loss(p, x, y[:, None]).mean(-1),
+    0.5,
+    batch_argnums=(1, 2),
+  )
+  want = run_fast(fn, params, x, y)
+  types = jax.sharding.AxisType
+  for kind in (types.Auto, types.Explicit):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("data")
+    )
+    xs, ys = jax.device_put(x, sharding), jax.device_put(y, sharding)
+    with jax.set_mesh(mesh):
+      compiled = compile_fast(jax.jit(fn).lower(params, xs, ys))
+      got = compiled(params, xs, ys)
+    for line in compiled.as_text().splitlines():
+      if " all-gather(" in line:
+        dims = line.split("=")[1].split("[")[1].split("]")[0]
+        size = np.prod([int(d) for d in dims.split(",") if d])
+        assert size <= 8, line  # B flags or per-example norms, no more
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    _close(
+      got[0], [np.asarray(w, np.float64) for w in jax.tree.leaves(want[0])]
+    )

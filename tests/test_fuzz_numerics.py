@@ -76,7 +76,7 @@ NO_SHRINK = hypothesis.settings(phases=(
     hypothesis.Phase.generate))
 
 
-@NO_SHRINK
+@hypothesis.settings(NO_SHRINK, max_examples=20)
 @hypothesis.given(_cases(fz.REAL))
 def test_finite_input_clips_exactly_along_its_direction(case):
   dtype, g, w, limits = case
@@ -163,7 +163,7 @@ def _derivative_runner():
   return jax.jit(run)
 
 
-@hypothesis.settings(NO_SHRINK, max_examples=15)
+@hypothesis.settings(NO_SHRINK, max_examples=8)
 @hypothesis.given(_cases(("float32",)))
 def test_derivatives_of_order_0_to_2_have_no_nan_on_finite_input(case):
   _, g, _, limits = case
