@@ -634,10 +634,10 @@ class UnitLayout:
     return out
 
   def leaf_vector(self, values, dtype) -> jax.Array:
-    """Per-part values (arrays or :class:`Scaled`, as floats) of whole-leaf
-    units as one vector in leaf order.
-  """
-    flat = [jnp.ravel(as_scaled(v).as_float()).astype(dtype) for v in values]
+    """Per-part values (arrays) of whole-leaf units as one vector in leaf
+    order.
+    """
+    flat = [jnp.ravel(v).astype(dtype) for v in values]
     order = []
     for kind, what, _ in self.parts:
       order.extend([what] if kind == "leaf" else [i for i, _, _ in what])
@@ -649,7 +649,7 @@ class UnitLayout:
   def unpack(self, values):
     """Per-part unit values (arrays or :class:`Scaled`) as per-leaf ones
     (keepdims shapes).
-"""
+    """
     out = [None] * len(self.shapes)
     for (kind, what, _), v in zip(self.parts, values):
       if kind == "leaf":
@@ -704,7 +704,8 @@ def scale_each(leaves: Sequence[jax.Array],
       f = (Scaled(jnp.take(f.value, idx), jnp.take(f.exponent, idx))
            if isinstance(f, Scaled) else jnp.take(f, idx))
     columns = _multipliers(f, dtype)
-    rows = take_each(jnp.stack([jnp.ravel(m) for m in columns], axis=1))
+    rows = take_each(jnp.stack(
+        [jnp.ravel(m).astype(columns[0].dtype) for m in columns], axis=1))
     for i, row in zip(members, rows):
       out[i] = _apply_multipliers(leaves[i],
                                   [row[k] for k in range(len(columns))])
@@ -1147,8 +1148,7 @@ def clip_scale(norm: Union[jax.Array, Scaled],
 
 def is_scaled_down(factor: Scaled) -> jax.Array:
   """Whether a factor from :func:`clip_scale` changes what it scales (NaN
-  factors included).
-  """
+  factors included)."""
   return (factor.value != 1) | (factor.exponent != 0)
 
 
