@@ -1200,7 +1200,7 @@ def _apply_multipliers(x: jax.Array, multipliers) -> jax.Array:
   wide = promote_types(x.dtype, accumulation_dtype(x.dtype))
   y = x.astype(wide)
   for m in multipliers:
-    y = y * m
+    y = y * jnp.asarray(m).astype(wide)  # exact: real powers of two
   return y.astype(x.dtype)
 
 
