@@ -222,15 +222,17 @@ class _Measured:
           f"updates have {len(self.leaves)}; call init with parameters of "
           "the same structure as the updates."
         )
-      per_leaf = _norms.unit_norms_scaled(
+      # Packed: the leaves' norms come as one vector from a few reductions,
+      # whatever the number of leaves (compile time on many tiny leaves).
+      layout, per_part = _norms.unit_norms_packed(
         self.leaves, axis_name=axis_name, sharded=flags
       )
       scaled = _norms.Scaled(
-        jnp.stack([n.value.reshape(()).astype(acc) for n in per_leaf])
-        if per_leaf
+        layout.leaf_vector([n.value for n in per_part], acc)
+        if per_part
         else jnp.zeros((0,), acc),
-        jnp.stack([n.exponent.reshape(()) for n in per_leaf])
-        if per_leaf
+        layout.leaf_vector([n.exponent for n in per_part], jnp.int32)
+        if per_part
         else jnp.zeros((0,), jnp.int32),
       )
     # The norm exactly (value * 2**exponent, even beyond the dtype's range)
@@ -254,10 +256,8 @@ class _Measured:
     if self.scope == "global":
       out = [_norms.scale_leaf(x, factor) for x in self.leaves]
     else:
-      out = [
-        _norms.scale_leaf(x, _norms.Scaled(factor.value[i], factor.exponent[i]))
-        for i, x in enumerate(self.leaves)
-      ]
+      # scale_each, not factor[i]: kernels shared by leaves of one shape.
+      out = _norms.scale_each(self.leaves, factor)
     scaled = _norms.is_scaled_down(jax.lax.stop_gradient(factor))
     # Exactly min(norm, limit), without inf * 0; NaN for a non-finite unit,
     # whose output holds NaN.

@@ -488,6 +488,230 @@ def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
 # Unit norms
 # --------------------------------------------------------------------------
 
+def take_each(v: jax.Array) -> list[jax.Array]:
+  """``[v[0], v[1], ...]`` for an array ``v``, as separate arrays.
+
+  Not as ``v[i]``: XLA fuses a static slice into its consumer with the
+  offset as a constant, so that scaling many leaves of one shape by their
+  own entries of ``v`` compiles one kernel per leaf (XLA:CPU compiles each
+  distinct kernel with LLVM: seconds for hundreds of leaves). Here ``v`` is
+  laid out as a ``B x B`` grid of its rows (``B = ceil(sqrt(len(v)))``) and
+  row ``(r, c)`` is selected by two masked sums with constant one-hot
+  masks, which XLA keeps as operands: kernels are shared by all leaves of a
+  shape. Selection, not multiplication: a NaN or inf entry stays in its own
+  row.
+  """
+  n = v.shape[0]
+  if n <= 1:
+    return [v[0]] if n else []
+  b = math.isqrt(n - 1) + 1
+  rest = v.shape[1:]
+  grid = jnp.pad(v, [(0, b * b - n)] + [(0, 0)] * len(rest)).reshape(
+      (b, b) + rest)
+  eye = np.eye(b, dtype=bool)
+  zero = jnp.zeros((), v.dtype)
+  ones = (1,) * len(rest)
+  rows, out = {}, []
+  for i in range(n):
+    r, c = divmod(i, b)
+    if r not in rows:
+      mask = eye[r].reshape((b, 1) + ones)
+      rows[r] = jnp.sum(jnp.where(mask, grid, zero), axis=0)
+    out.append(jnp.sum(jnp.where(eye[c].reshape((b,) + ones), rows[r], zero),
+                       axis=0))
+  return out
+
+
+class UnitLayout:
+  """Where the units of many leaves lie: small leaves packed by unit size.
+
+  A leaf that is one unit (its norm spans the whole leaf) is a row of its
+  elements. Small such leaves (see ``_concatenable``; real, non-empty) with
+  the same size, accumulation dtype and grouping key (e.g. the mapped axes
+  their sums are summed over) are stacked into one ``(leaves, size)``
+  matrix, in chunks of at most ``CHUNK_SIZE`` elements, and reduced
+  along its rows at once: the compiled program then grows with the number
+  of distinct unit sizes, not of leaves (a model without ``scan`` has
+  thousands of tiny leaves and pays its compile time at every restart).
+  Other leaves (large, complex, or of several units) are parts of their
+  own, reduced as they are: their step time does not change.
+
+  A *part* is either such a matrix (its unit values are a column, one row
+  per leaf) or one leaf (its unit values keep the leaf's rank, reduced axes
+  of size 1). Values computed on the parts are handed back per leaf by
+  :meth:`unpack` and :meth:`scale` with :func:`take_each`, so that each
+  leaf is scaled by its own scalar as a fusible element-wise operand (the
+  leaves themselves are never sliced back out of a concatenation).
+  """
+
+  def __init__(self, leaves, axes, keys):
+    self.shapes = [tuple(x.shape) for x in leaves]
+    self.axes = [_reduce_axes(x, ax) for x, ax in zip(leaves, axes)]
+    # Per part: ("rows", [(leaf, row offset, rows)], key) or ("leaf", i, key).
+    self.parts = []
+    groups = {}
+    for i, (x, ax, key) in enumerate(zip(leaves, self.axes, keys)):
+      if (x.size == 0 or jnp.iscomplexobj(x) or not _concatenable(x)):
+        self.parts.append(("leaf", i, key))
+        continue
+      unit = math.prod(x.shape[d] for d in ax)
+      if unit != x.size:  # several units: a part of its own (see unpack)
+        self.parts.append(("leaf", i, key))
+        continue
+      groups.setdefault((unit, accumulation_dtype(x.dtype), key), []).append(i)
+    for (unit, _, key), members in groups.items():
+      if len(members) == 1:
+        self.parts.append(("leaf", members[0], key))
+        continue
+      chunk, rows = [], 0
+      for i in members:
+        n = math.prod(self.shapes[i]) // unit
+        if chunk and (rows + n) * unit > CHUNK_SIZE:
+          self.parts.append(("rows", chunk, key))
+          chunk, rows = [], 0
+        chunk.append((i, rows, n))
+        rows += n
+      self.parts.append(("rows", chunk, key))
+
+  @property
+  def keys(self) -> list[Any]:
+    return [key for _, _, key in self.parts]
+
+  @property
+  def part_axes(self) -> list[tuple[int, ...]]:
+    """Per part, the axes its units span."""
+    return [(1,) if kind == "rows" else self.axes[what]
+            for kind, what, _ in self.parts]
+
+  def _matrix(self, x, i, dtype):
+    ax = self.axes[i]
+    kept = [d for d in range(x.ndim) if d not in ax]
+    unit = math.prod(x.shape[d] for d in ax)
+    x = jnp.transpose(x, kept + list(ax)) if kept and ax != tuple(
+        range(len(kept), x.ndim)) else x
+    return x.astype(dtype).reshape(-1, unit)
+
+  def pack(self, leaves) -> list[jax.Array]:
+    """The leaves (or arrays of their shapes, e.g. the params) as parts.
+
+    Stacked parts are in the members' widest accumulation dtype.
+    """
+    out = []
+    for kind, what, _ in self.parts:
+      if kind == "leaf":
+        out.append(leaves[what])
+        continue
+      dtype = tree_accumulation_dtype([leaves[i] for i, _, _ in what])
+      mats = [self._matrix(leaves[i], i, dtype) for i, _, _ in what]
+      out.append(jnp.concatenate(mats) if len(mats) > 1 else mats[0])
+    return out
+
+  def pack_units(self, values) -> list[jax.Array]:
+    """Per-leaf unit values (keepdims shapes) as per-part values."""
+    out = []
+    for kind, what, _ in self.parts:
+      if kind == "leaf":
+        out.append(values[what])
+      else:
+        out.append(jnp.concatenate([jnp.ravel(values[i]) for i, _, _ in what]))
+    return out
+
+  def unit_shape(self, i) -> tuple[int, ...]:
+    return tuple(1 if d in self.axes[i] else n
+                 for d, n in enumerate(self.shapes[i]))
+
+  def pack_static(self, numbers) -> list[np.ndarray]:
+    """Per-leaf numbers (one for all of a leaf's units) as per-part arrays
+    of the parts' unit values' shapes.
+    """
+    out = []
+    for kind, what, _ in self.parts:
+      if kind == "leaf":
+        out.append(np.asarray(numbers[what]))
+      else:
+        out.append(np.concatenate([np.full((n, 1), numbers[i])
+                                   for i, _, n in what]))
+    return out
+
+  def leaf_vector(self, values, dtype) -> jax.Array:
+    """Per-part values (arrays) of whole-leaf units as one vector in leaf
+    order.
+    """
+    flat = [jnp.ravel(v).astype(dtype) for v in values]
+    order = []
+    for kind, what, _ in self.parts:
+      order.extend([what] if kind == "leaf" else [i for i, _, _ in what])
+    vector = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+    if order == sorted(order):
+      return vector
+    return jnp.take(vector, np.argsort(np.asarray(order)), axis=0)
+
+  def unpack(self, values):
+    """Per-part unit values (arrays or :class:`Scaled`) as per-leaf ones
+    (keepdims shapes).
+    """
+    out = [None] * len(self.shapes)
+    for (kind, what, _), v in zip(self.parts, values):
+      if kind == "leaf":
+        out[what] = v
+        continue
+      if isinstance(v, Scaled):
+        pairs = zip(take_each(jnp.ravel(v.value)),
+                    take_each(jnp.ravel(v.exponent)))
+        for (i, _, _), (value, e) in zip(what, pairs):
+          shape = self.unit_shape(i)
+          out[i] = Scaled(value.reshape(shape), e.reshape(shape))
+        continue
+      for (i, _, _), value in zip(what, take_each(jnp.ravel(v))):
+        out[i] = value.reshape(self.unit_shape(i))
+    return out
+
+  def scale(self, leaves, factors) -> list[jax.Array]:
+    """Each leaf times its units' factors (per part, :class:`Scaled` or
+    plain), as :func:`scale_leaf` computes it (see :func:`scale_each`).
+    """
+    out = [None] * len(self.shapes)
+    for (kind, what, _), f in zip(self.parts, factors):
+      if kind == "leaf":
+        out[what] = scale_leaf(leaves[what], f)
+        continue
+      members = [i for i, _, _ in what]
+      flat = (Scaled(jnp.ravel(f.value), jnp.ravel(f.exponent))
+              if isinstance(f, Scaled) else jnp.ravel(f))
+      for i, y in zip(members, scale_each([leaves[i] for i in members], flat)):
+        out[i] = y
+    return out
+
+
+def scale_each(leaves: Sequence[jax.Array],
+               factors: Union[jax.Array, Scaled]) -> list[jax.Array]:
+  """``[scale_leaf(x_i, factors[i])]`` for a vector of factors, one a leaf.
+
+  The multipliers that scale_leaf applies one after the other are computed
+  on the factor vector (per leaf dtype), and each leaf takes its row of
+  them at once with :func:`take_each`: kernels shared by the leaves of one
+  shape, not one per leaf.
+  """
+  leaves = list(leaves)
+  by_dtype = {}
+  for i, x in enumerate(leaves):
+    by_dtype.setdefault(np.dtype(x.dtype), []).append(i)
+  out = [None] * len(leaves)
+  for dtype, members in by_dtype.items():
+    f = factors
+    if len(members) < len(leaves):
+      idx = np.asarray(members)
+      f = (Scaled(jnp.take(f.value, idx), jnp.take(f.exponent, idx))
+           if isinstance(f, Scaled) else jnp.take(f, idx))
+    columns = _multipliers(f, dtype)
+    rows = take_each(jnp.stack(
+        [jnp.ravel(m).astype(columns[0].dtype) for m in columns], axis=1))
+    for i, row in zip(members, rows):
+      out[i] = _apply_multipliers(leaves[i],
+                                  [row[k] for k in range(len(columns))])
+  return out
+
+
 def unit_norms(
     leaves: Sequence[jax.Array],
     ord: float = 2.0,
@@ -515,7 +739,8 @@ def unit_norms_scaled(
 ) -> list[Scaled]:
   """The p-norm of each unit of each leaf, with reduced axes kept as size 1.
 
-  The fast path is one reduction pass per leaf. A unit whose power sum is not
+  The fast path is one reduction pass over the leaves, small leaves stacked
+  by unit size (see :class:`UnitLayout`). A unit whose power sum is not
   finite, or too small to trust, sends the call to the exact recompute. A
   unit whose sum is exactly zero (all zeros, or every square
   underflowed) is settled first by the largest magnitude of each unit, a
@@ -538,24 +763,61 @@ def unit_norms_scaled(
   leaves = list(leaves)
   if not leaves:
     return []
+  layout, norms = unit_norms_packed(leaves, ord, axes, axis_name=axis_name,
+                                    sharded=sharded)
+  return layout.unpack(norms)
+
+
+def unit_norms_packed(
+    leaves: Sequence[jax.Array],
+    ord: float = 2.0,
+    axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
+    *,
+    axis_name: AxisName = None,
+    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
+    keys: Optional[Sequence[Any]] = None,
+) -> tuple[UnitLayout, list[Scaled]]:
+  """:func:`unit_norms_scaled` as ``(layout, norms per part)`` (see UnitLayout).
+
+  ``keys``: per leaf, a hashable that leaves stacked together must share
+  (beyond their unit size, dtype and ``sharded`` entry).
+  """
+  leaves = list(leaves)
   axes = [None] * len(leaves) if axes is None else list(axes)
   flags = _sharded_flags(leaves, sharded, axis_name)
-  p = ord
+  keys = [None] * len(leaves) if keys is None else list(keys)
+  layout = UnitLayout(leaves, axes, list(zip(flags, keys)))
+  return layout, _part_norms(layout.pack(leaves), ord, layout.part_axes,
+                             [f for f, _ in layout.keys], axis_name)
 
-  def maxima(leaves_):
+
+def part_norms(layout: UnitLayout, leaves: Sequence[jax.Array],
+               ord: float = 2.0, *, axis_name: AxisName = None
+               ) -> list[Scaled]:
+  """Unit norms of other leaves of the same shapes (e.g. the parameters),
+  per part of ``layout`` (from :func:`unit_norms_packed`).
+"""
+  return _part_norms(layout.pack(list(leaves)), ord, layout.part_axes,
+                     [f for f, _ in layout.keys], axis_name)
+
+
+def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
+  """Unit norms of each part (keepdims); the body of unit_norms."""
+  def maxima(parts_):
     return [
-        _pmax(jnp.max(magnitude(x), axis=_reduce_axes(x, ax), keepdims=True,
-                      initial=0), f)
-        for x, ax, f in zip(leaves_, axes, flags)]
+        _pmax(jnp.max(magnitude(x), axis=ax, keepdims=True, initial=0), f)
+        for x, ax, f in zip(parts_, axes, flags)]
 
+  if not parts:
+    return []
   if math.isinf(p):
-    return [as_scaled(m) for m in maxima(leaves)]
+    return [as_scaled(m) for m in maxima(parts)]
 
   sums = [_psum_sharded(_power_sum(x, p, ax, accumulation_dtype(x.dtype)), f,
                         axis_name)
-          for x, ax, f in zip(leaves, axes, flags)]
+          for x, ax, f in zip(parts, axes, flags)]
   # The checks run on all sums at once (one concatenation: the compiled
-  # program does not grow with three checks per leaf). The bound of the
+  # program does not grow with three checks per part). The bound of the
   # narrowest accumulation dtype serves all: a stricter bound only sends
   # more sums to the exact recompute.
   safe_min = max(_safe_min(s.dtype) for s in sums)
@@ -563,25 +825,25 @@ def unit_norms_scaled(
   good = [jnp.isfinite(v) & (v >= safe_min) for v in flat]
   zero = [v == 0 for v in flat]  # all zeros, or all squares underflowed
 
-  def direct(leaves_):
-    del leaves_
+  def direct(parts_):
+    del parts_
     return [as_scaled(safe_root(s, p)) for s in sums]
 
-  def exact(leaves_):
+  def exact(parts_):
     out = []
-    for x, ax, f in zip(leaves_, axes, flags):
+    for x, ax, f in zip(parts_, axes, flags):
       q, e = _scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
       out.append(_scaled_norm(*_across_devices(q, e, p, f, axis_name), p))
     return out
 
-  def fallback(leaves_):
+  def fallback(parts_):
     # Zero sums are zero norms when their units' largest magnitude is 0 and
     # every other sum is trusted (one max pass); otherwise recompute.
     settled = _all([g | (z & (m == 0)) for g, z, m in zip(
-        good, zero, _flat_parts(maxima(leaves_)))])
-    return jax.lax.cond(settled, direct, exact, leaves_)
+        good, zero, _flat_parts(maxima(parts_)))])
+    return jax.lax.cond(settled, direct, exact, parts_)
 
-  return jax.lax.cond(_all(good), direct, fallback, leaves)
+  return jax.lax.cond(_all(good), direct, fallback, parts)
 
 
 # --------------------------------------------------------------------------
@@ -886,8 +1148,7 @@ def clip_scale(norm: Union[jax.Array, Scaled],
 
 def is_scaled_down(factor: Scaled) -> jax.Array:
   """Whether a factor from :func:`clip_scale` changes what it scales (NaN
-  factors included).
-  """
+  factors included)."""
   return (factor.value != 1) | (factor.exponent != 0)
 
 
@@ -908,16 +1169,39 @@ def scale_leaf(x: jax.Array, factor: Union[jax.Array, Scaled]) -> jax.Array:
   value times the part of ``2**exponent`` that keeps it normal, then the
   rest as further exact powers of two (each 1 for an ordinary factor).
   """
-  wide = promote_types(x.dtype, accumulation_dtype(x.dtype))
+  return _apply_multipliers(x, _multipliers(factor, x.dtype))
+
+
+def _multipliers(factor: Union[jax.Array, Scaled], dtype) -> list[jax.Array]:
+  """The numbers that a value of ``dtype`` is multiplied by, one after the
+  other, in the wide dtype, to scale it by ``factor`` (see scale_leaf).
+  """
+  wide = promote_types(dtype, accumulation_dtype(dtype))
   if not isinstance(factor, Scaled):
-    return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
-  dtype = accumulation_dtype(x.dtype)
-  lo, hi = _exp_range(dtype)
+    return [factor.astype(wide)]
+  acc = accumulation_dtype(dtype)
+  lo, hi = _exp_range(acc)
   # value is in [0.5, 2] (or 1, or NaN): value * 2**first stays normal.
   first = jnp.clip(factor.exponent, lo + 1, hi - 1)
-  head = (factor.value.astype(dtype) * pow2(first, dtype)).astype(wide)
-  return ldexp(x.astype(wide) * head, factor.exponent - first,
-               pieces=2).astype(x.dtype)
+  head = (factor.value.astype(acc) * pow2(first, acc)).astype(wide)
+  # The rest, 2**(exponent - first), in two normal powers (as ldexp).
+  real = jnp.finfo(wide).dtype
+  lo, hi = _exp_range(real)
+  k = jnp.asarray(factor.exponent - first, jnp.int32)
+  steps = []
+  for _ in range(2):
+    step = jnp.clip(k, lo, hi)
+    steps.append(pow2(step, real))
+    k = k - step
+  return [head, *steps]
+
+
+def _apply_multipliers(x: jax.Array, multipliers) -> jax.Array:
+  wide = promote_types(x.dtype, accumulation_dtype(x.dtype))
+  y = x.astype(wide)
+  for m in multipliers:
+    y = y * jnp.asarray(m).astype(wide)  # exact: real powers of two
+  return y.astype(x.dtype)
 
 
 def count(mask: jax.Array) -> jax.Array:

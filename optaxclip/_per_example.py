@@ -233,9 +233,14 @@ def sum_clipped(
     for x, n, f, limit in zip(leaves_, norms, factors, limits):
       small = keep & (f < _SMALL_FACTOR)
       mantissa, exponent = jnp.frexp(jnp.where(small, n, 1))
+      del mantissa  # a clipped exponent leaves another one: use n itself
       exponent = jnp.where(small, jnp.clip(exponent, 0, 128), 0)
+      # The example is scaled by 2**-exponent (exact), so its weight is the
+      # limit over the norm scaled alike: in [0.5, 1) for a huge norm, the
+      # norm itself for one below 1 (a tiny limit, not a huge norm).
+      scaled_norm = _scale_by_power_of_two(jnp.where(small, n, 1), exponent)
       weight = jnp.where(
-        small, jnp.asarray(limit, n.dtype) / mantissa, jnp.where(keep, f, 0)
+        small, jnp.asarray(limit, n.dtype) / scaled_norm, jnp.where(keep, f, 0)
       )
       scaled = _scale_by_power_of_two(x, exponent)
       scaled = jnp.where(_per_example(keep, x), scaled, 0)

@@ -220,17 +220,21 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
       _init_stats(ClipValueState), _compiled.jit_update(update_fn))
 
 
-def _per_unit_clip(leaves, norms, limits, ord, across=None):  # pylint: disable=redefined-builtin
+def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redefined-builtin
   """Scales each unit to its limit; returns updates and the statistics.
 
+  ``norms`` and ``limits`` are per part of ``layout`` (see
+  ``_norms.UnitLayout``): factors and statistics are computed on the few
+  parts, and each leaf is scaled by its own entries of its part's factors.
   ``norms`` are :class:`_norms.Scaled`, as are the factors: exact for norms
   beyond the dtype's range and factors below its smallest normal number.
-  ``across``: per leaf, the mapped axes over which devices hold other units
-  of it (their statistics are summed across them; see combine_norms).
+  The layout's keys are ``(sharded, across)``: ``across`` are the mapped
+  axes over which devices hold other units of a leaf (their statistics are
+  summed across them; see combine_norms).
   """
-  across = [()] * len(leaves) if across is None else across
+  across = [key[1] for key in layout.keys]
   factors = [_norms.clip_scale(n, lim) for n, lim in zip(norms, limits)]
-  out = [_norms.scale_leaf(x, f) for x, f in zip(leaves, factors)]
+  out = layout.scale(leaves, factors)
   clipped_norms = [n * f for n, f in zip(norms, factors)]
   scaled = sum((_norms._psum_sharded(  # noqa: SLF001
       _norms.count(_norms.is_scaled_down(f)), names, names)
@@ -315,12 +319,12 @@ def clip_norm(
     axes = [_checks.leaf_axes(who, axis, x, path)
             for x, path in zip(leaves, paths)]
     splits = _sharding.resolve(updates, sharded, axis_name, "clip_norm")
-    norms = _norms.unit_norms_scaled(
+    layout, norms = _norms.unit_norms_packed(
         leaves, p, axes, axis_name=axis_name,
-        sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)])
+        sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)],
+        keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
     out, stats = _per_unit_clip(
-        leaves, norms, [max_norm] * len(leaves), p,
-        [_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
+        leaves, layout, norms, [max_norm] * len(norms), p)
     return jax.tree.unflatten(treedef, out), ClipNormState(*stats)
 
   return optax.GradientTransformation(
@@ -454,12 +458,14 @@ def clip_block_rms(
     del params, state
     leaves, treedef = _flatten(updates, "clip_block_rms")
     flags = sharded_flags(updates, sharded, "clip_block_rms", axis_name)
-    norms = _norms.unit_norms_scaled(leaves, 2.0, axis_name=axis_name,
-                                     sharded=flags)
-    sizes = [x.size * _sharding.size(f) for x, f in zip(leaves, flags)]
-    limits = [jnp.asarray(threshold, n.value.dtype) * math.sqrt(max(size, 1))
-              for size, n in zip(sizes, norms)]
-    out, stats = _per_unit_clip(leaves, norms, limits, 2.0)
+    layout, norms = _norms.unit_norms_packed(
+        leaves, 2.0, axis_name=axis_name, sharded=flags,
+        keys=[()] * len(leaves))
+    roots = layout.pack_static([math.sqrt(max(x.size * _sharding.size(f), 1))
+                                for x, f in zip(leaves, flags)])
+    limits = [jnp.asarray(threshold, n.value.dtype) * r.astype(n.value.dtype)
+              for r, n in zip(roots, norms)]
+    out, stats = _per_unit_clip(leaves, layout, norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipBlockRMSState(*stats)
 
   return optax.GradientTransformation(
@@ -616,14 +622,13 @@ def clip_unitwise(
             else _checks.leaf_axes(who, axis, x, path)
             for x, s, path in zip(leaves, splits, paths)]
     flags = [_sharding.axes_of(s, a) for s, a in zip(splits, axes)]
-    g_norms = _norms.unit_norms_scaled(leaves, 2.0, axes, axis_name=axis_name,
-                                       sharded=flags)
-    w_norms = _norms.unit_norms_scaled(param_leaves, 2.0, axes,
-                                       axis_name=axis_name, sharded=flags)
+    layout, g_norms = _norms.unit_norms_packed(
+        leaves, 2.0, axes, axis_name=axis_name, sharded=flags,
+        keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
+    w_norms = _norms.part_norms(layout, param_leaves, 2.0,
+                                axis_name=axis_name)
     limits = [_unitwise_limit(w, clipping, eps) for w in w_norms]
-    out, stats = _per_unit_clip(
-        leaves, g_norms, limits, 2.0,
-        [_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
+    out, stats = _per_unit_clip(leaves, layout, g_norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(*stats)
 
   return optax.GradientTransformation(

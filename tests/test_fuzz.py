@@ -747,23 +747,13 @@ def _per_example_property(config, tree):
     )
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=AssertionError,
-  reason=(
-    "regression on main from branch dp (found by this suite): "
-    "_per_example.sum_clipped's careful path clips the exponent of a norm "
-    "below 0.5 to 0 but keeps frexp's mantissa, so a factor below "
-    "_SMALL_FACTOR scales the example by limit / mantissa: "
-    "clip_per_example(1e-20, reduce='sum') of [[-0.3174]] gives -5e-21"
-  ),
-)
-@_examples(6, xfailing=True)
+@_examples(6)
 @hypothesis.given(
   config=fz.per_example_configs(),
   tree=fz.per_example_trees(huge=False),
 )
-# Found by this suite: a tiny l2_clip and an example norm below 0.5.
+# Found by this suite (a regression, fixed): a tiny l2_clip and an example
+# norm below 0.5 were scaled by limit / mantissa.
 @hypothesis.example(
   config=fz.Config(
     "clip_per_example",
