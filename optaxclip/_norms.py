@@ -650,7 +650,7 @@ class UnitLayout:
     """Per-part unit values (arrays or :class:`Scaled`) as per-leaf ones
     (keepdims shapes).
     """
-    out = [None] * len(self.shapes)
+    out: list[Any] = [None] * len(self.shapes)
     for (kind, what, _), v in zip(self.parts, values):
       if kind == "leaf":
         out[what] = v
@@ -670,7 +670,7 @@ class UnitLayout:
     """Each leaf times its units' factors (per part, :class:`Scaled` or
     plain), as :func:`scale_leaf` computes it (see :func:`scale_each`).
     """
-    out = [None] * len(self.shapes)
+    out: list[Any] = [None] * len(self.shapes)
     for (kind, what, _), f in zip(self.parts, factors):
       if kind == "leaf":
         out[what] = scale_leaf(leaves[what], f)
@@ -696,7 +696,7 @@ def scale_each(leaves: Sequence[jax.Array],
   by_dtype = {}
   for i, x in enumerate(leaves):
     by_dtype.setdefault(np.dtype(x.dtype), []).append(i)
-  out = [None] * len(leaves)
+  out: list[Any] = [None] * len(leaves)
   for dtype, members in by_dtype.items():
     f = factors
     if len(members) < len(leaves):
@@ -796,7 +796,7 @@ def part_norms(layout: UnitLayout, leaves: Sequence[jax.Array],
                ) -> list[Scaled]:
   """Unit norms of other leaves of the same shapes (e.g. the parameters),
   per part of ``layout`` (from :func:`unit_norms_packed`).
-"""
+  """
   return _part_norms(layout.pack(list(leaves)), ord, layout.part_axes,
                      [f for f, _ in layout.keys], axis_name)
 
@@ -1148,7 +1148,8 @@ def clip_scale(norm: Union[jax.Array, Scaled],
 
 def is_scaled_down(factor: Scaled) -> jax.Array:
   """Whether a factor from :func:`clip_scale` changes what it scales (NaN
-  factors included)."""
+  factors included).
+  """
   return (factor.value != 1) | (factor.exponent != 0)
 
 
