@@ -48,7 +48,8 @@ MAX_DELTA = 1e-3  # the gradients are N(0, 1e-3): about a third is clipped
 
 def _stateless(update):
   return optax.GradientTransformation(
-      lambda params: jnp.zeros((), jnp.float32), update)
+    lambda params: jnp.zeros((), jnp.float32), update
+  )
 
 
 def global_without_check():
@@ -58,6 +59,7 @@ def global_without_check():
     norm = jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in leaves))
     factor = jnp.where(norm > MAX_NORM, MAX_NORM / norm, 1.0)
     return jax.tree.map(lambda x: x * factor, updates), norm
+
   return _stateless(update)
 
 
@@ -70,11 +72,13 @@ def per_leaf_without_check():
       return x * jnp.where(norm > MAX_LEAF_NORM, MAX_LEAF_NORM / norm, 1.0)
 
     return jax.tree.map(clip, updates), jnp.zeros((), jnp.float32)
+
   return _stateless(update)
 
 
 def value_clip(stats: str):
   """The element clip with no statistics, ``max |g|``, or max and count."""
+
   def update(updates, state, params=None):
     del state, params
     leaves = jax.tree.leaves(updates)
@@ -86,38 +90,53 @@ def value_clip(stats: str):
       elif stats == "max+count":
         biggest, over = optaxclip._norms.largest_and_count_above(x, MAX_DELTA)
         largest, count = jnp.maximum(largest, biggest), count + over
-    clipped = jax.tree.map(lambda x: jnp.clip(x, -MAX_DELTA, MAX_DELTA),
-                           updates)
+    clipped = jax.tree.map(
+      lambda x: jnp.clip(x, -MAX_DELTA, MAX_DELTA), updates
+    )
     return clipped, largest + count
+
   return _stateless(update)
 
 
 VARIANTS = {
-    "adam + read (floor)": harness.chained(harness.read_only),
-    "global, no overflow check": harness.chained(global_without_check),
-    "optaxclip.clip_global": harness.chained(
-        lambda: optaxclip.clip_global(MAX_NORM)),
-    "per-leaf norms, no check": harness.chained(per_leaf_without_check),
-    "optaxclip.clip_norm": harness.chained(
-        lambda: optaxclip.clip_norm(MAX_LEAF_NORM)),
-    "element clip, no statistics": harness.chained(lambda: value_clip("none")),
-    "element clip + max(abs(g))": harness.chained(lambda: value_clip("max")),
-    "element clip + max(abs(g)) + count": harness.chained(
-        lambda: value_clip("max+count")),
-    "optaxclip.clip_value": harness.chained(
-        lambda: optaxclip.clip_value(MAX_DELTA)),
-    "optax.clip": harness.chained(lambda: optax.clip(MAX_DELTA)),
+  "adam + read (floor)": harness.chained(harness.read_only),
+  "global, no overflow check": harness.chained(global_without_check),
+  "optaxclip.clip_global": harness.chained(
+    lambda: optaxclip.clip_global(MAX_NORM)
+  ),
+  "per-leaf norms, no check": harness.chained(per_leaf_without_check),
+  "optaxclip.clip_norm": harness.chained(
+    lambda: optaxclip.clip_norm(MAX_LEAF_NORM)
+  ),
+  "element clip, no statistics": harness.chained(lambda: value_clip("none")),
+  "element clip + max(abs(g))": harness.chained(lambda: value_clip("max")),
+  "element clip + max(abs(g)) + count": harness.chained(
+    lambda: value_clip("max+count")
+  ),
+  "optaxclip.clip_value": harness.chained(
+    lambda: optaxclip.clip_value(MAX_DELTA)
+  ),
+  "optax.clip": harness.chained(lambda: optax.clip(MAX_DELTA)),
 }
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--rounds", type=int, default=11,
-                      help="timing rounds (default: 11)")
-  parser.add_argument("--leaves", type=int, default=64,
-                      help="float32 leaves in the tree (default: 64)")
-  parser.add_argument("--size", type=int, default=400_000,
-                      help="elements per leaf (default: 400000)")
+  parser.add_argument(
+    "--rounds", type=int, default=11, help="timing rounds (default: 11)"
+  )
+  parser.add_argument(
+    "--leaves",
+    type=int,
+    default=64,
+    help="float32 leaves in the tree (default: 64)",
+  )
+  parser.add_argument(
+    "--size",
+    type=int,
+    default=400_000,
+    help="elements per leaf (default: 400000)",
+  )
   args = parser.parse_args(argv)
   for name in ("rounds", "leaves", "size"):
     if getattr(args, name) < 1:
@@ -127,18 +146,23 @@ def main(argv=None) -> int:
   grads = harness.make_arrays(shapes, jnp.float32, harness.GRAD_SCALE, seed=1)
   variants = {"adam": (harness.adam, False)}
   variants.update({name: (make, False) for name, make in VARIANTS.items()})
-  results = harness.time_variants(variants, params, grads, args.rounds,
-                                  budget_s=30.0)
+  results = harness.time_variants(
+    variants, params, grads, args.rounds, budget_s=30.0
+  )
   print("\n".join(harness.machine_lines()))
-  print(f"- Command: `python benchmarks/floors.py --rounds {args.rounds} "
-        f"--leaves {args.leaves} --size {args.size}`")
+  print(
+    f"- Command: `python benchmarks/floors.py --rounds {args.rounds} "
+    f"--leaves {args.leaves} --size {args.size}`"
+  )
   print()
   print("| variant | step / adam (median, IQR) | temp MiB |")
   print("|---|---|---|")
   for name in VARIANTS:
     res = results[name]
-    print(f"| {name} | {harness.fmt_ratio(res)} | "
-          f"{harness.fmt_mb(res.temp_bytes)} |")
+    print(
+      f"| {name} | {harness.fmt_ratio(res)} | "
+      f"{harness.fmt_mb(res.temp_bytes)} |"
+    )
   return 0
 
 

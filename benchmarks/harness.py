@@ -61,14 +61,17 @@ def log(msg: str) -> None:
 # Trees
 # --------------------------------------------------------------------------
 
+
 def many_leaves(n: int, size: int) -> dict[str, tuple[int, ...]]:
   """``n`` vectors of ``size`` elements."""
   return {f"leaf_{i:04d}": (size,) for i in range(n)}
 
 
-def transformer(blocks: int, width: int, vocab: int,
-                context: int) -> dict[str, Any]:
+def transformer(
+  blocks: int, width: int, vocab: int, context: int
+) -> dict[str, Any]:
   """Shapes of a GPT-style decoder: embeddings, attention, MLP, layer norms."""
+
   def dense(n_in, n_out):
     return {"kernel": (n_in, n_out), "bias": (n_out,)}
 
@@ -78,11 +81,12 @@ def transformer(blocks: int, width: int, vocab: int,
   tree = {"embed": {"tokens": (vocab, width), "positions": (context, width)}}
   for b in range(blocks):
     tree[f"block_{b:02d}"] = {
-        "ln_1": norm(),
-        "attn": {name: dense(width, width)
-                 for name in ("query", "key", "value", "out")},
-        "ln_2": norm(),
-        "mlp": {"up": dense(width, 4 * width), "down": dense(4 * width, width)},
+      "ln_1": norm(),
+      "attn": {
+        name: dense(width, width) for name in ("query", "key", "value", "out")
+      },
+      "ln_2": norm(),
+      "mlp": {"up": dense(width, 4 * width), "down": dense(4 * width, width)},
     }
   tree["ln_f"] = norm()
   return tree
@@ -95,15 +99,17 @@ def _is_shape(x) -> bool:
 def make_arrays(shapes, dtype, scale: float, seed: int, ones_for=None):
   """Random N(0, scale) arrays of the given shapes (``ones_for(path)``: 1)."""
   with_path, treedef = jax.tree_util.tree_flatten_with_path(
-      shapes, is_leaf=_is_shape)
+    shapes, is_leaf=_is_shape
+  )
   keys = jax.random.split(jax.random.PRNGKey(seed), max(len(with_path), 1))
   out = []
   for key, (path, shape) in zip(keys, with_path):
     if ones_for and ones_for(jax.tree_util.keystr(path)):
       out.append(jnp.ones(shape, dtype))
     else:
-      out.append((scale * jax.random.normal(key, shape, jnp.float32)
-                  ).astype(dtype))
+      out.append(
+        (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+      )
   return jax.tree.unflatten(treedef, out)
 
 
@@ -114,6 +120,7 @@ def count_params(tree) -> int:
 # --------------------------------------------------------------------------
 # Transformations: adam and the floors
 # --------------------------------------------------------------------------
+
 
 def adam() -> optax.GradientTransformation:
   return optax.adam(LEARNING_RATE)
@@ -127,9 +134,13 @@ def chained(make_clipper):
 def _sum_of_squares(tree) -> jax.Array:
   # The barrier keeps XLA from merging x * x with adam's own g * g (which it
   # would then write out in full): this is one read of the gradients.
-  return sum((jnp.sum(jnp.square(
-      jax.lax.optimization_barrier(x).astype(jnp.float32)))
-              for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
+  return sum(
+    (
+      jnp.sum(jnp.square(jax.lax.optimization_barrier(x).astype(jnp.float32)))
+      for x in jax.tree.leaves(tree)
+    ),
+    jnp.zeros((), jnp.float32),
+  )
 
 
 def read_only() -> optax.GradientTransformation:
@@ -138,6 +149,7 @@ def read_only() -> optax.GradientTransformation:
   ``chain(read_only(), adam)`` is adam plus one reduction pass over the
   gradients: the floor for any clipper that needs a norm.
   """
+
   def init_fn(params):
     del params
     return jnp.zeros((), jnp.float32)
@@ -155,6 +167,7 @@ def scale_only() -> optax.GradientTransformation:
   ``chain(scale_only(), adam)`` is the floor for scaling the gradients, the
   other thing a norm clipper does.
   """
+
   def init_fn(params):
     del params
     return jnp.ones((), jnp.float32)
@@ -162,8 +175,11 @@ def scale_only() -> optax.GradientTransformation:
   def update_fn(updates, state, params=None):
     del params
     scaled = jax.tree.map(
-        lambda x: (x * state.astype(jnp.promote_types(x.dtype, jnp.float32))
-                   ).astype(x.dtype), updates)
+      lambda x: (
+        x * state.astype(jnp.promote_types(x.dtype, jnp.float32))
+      ).astype(x.dtype),
+      updates,
+    )
     return scaled, state * 0.999
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -180,16 +196,21 @@ def read_pass_fn(grads) -> Callable[[], None]:
 # Step time
 # --------------------------------------------------------------------------
 
+
 def _is_adam_state(x) -> bool:
   return isinstance(x, optax.ScaleByAdamState)
 
 
 def _take_adam(state) -> optax.ScaleByAdamState:
-  found = [x for x in jax.tree.leaves(state, is_leaf=_is_adam_state)
-           if _is_adam_state(x)]
+  found = [
+    x
+    for x in jax.tree.leaves(state, is_leaf=_is_adam_state)
+    if _is_adam_state(x)
+  ]
   if len(found) != 1:
-    raise ValueError(f"a timed variant must hold one adam state; got "
-                     f"{len(found)}")
+    raise ValueError(
+      f"a timed variant must hold one adam state; got {len(found)}"
+    )
   return found[0]
 
 
@@ -198,8 +219,11 @@ _NO_ADAM = optax.ScaleByAdamState(count=None, mu=None, nu=None)
 
 
 def _put_adam(state, adam_state):
-  return jax.tree.map(lambda x: adam_state if _is_adam_state(x) else x,
-                      state, is_leaf=_is_adam_state)
+  return jax.tree.map(
+    lambda x: adam_state if _is_adam_state(x) else x,
+    state,
+    is_leaf=_is_adam_state,
+  )
 
 
 def temp_bytes(compiled) -> int:
@@ -210,8 +234,9 @@ def temp_bytes(compiled) -> int:
 class Stepper:
   """A jitted, donating step of one variant, sharing params and Adam state."""
 
-  def __init__(self, tx, params, grads, with_stats=False,
-               compiler_options=None):
+  def __init__(
+    self, tx, params, grads, with_stats=False, compiler_options=None
+  ):
     def step(p, s, g):
       u, s = tx.update(g, s, p)
       p = optax.apply_updates(p, u)
@@ -243,6 +268,7 @@ class Stepper:
 @dataclasses.dataclass
 class Result:
   """One variant's timings: per-round ratios to adam, step milliseconds."""
+
   ratios: list[float]
   ms: list[float]
   temp_bytes: Optional[int] = None
@@ -251,11 +277,17 @@ class Result:
     return statistics.median(self.ratios) if self.ratios else math.nan
 
 
-def time_variants(variants: dict[str, tuple[Callable[[], Any], bool]],
-                  params, grads, rounds: Optional[int], budget_s: float,
-                  extra: Optional[dict[str, Callable[[], None]]] = None,
-                  log=log, seed: int = 0,
-                  compiler_options=None) -> dict[str, Result]:
+def time_variants(
+  variants: dict[str, tuple[Callable[[], Any], bool]],
+  params,
+  grads,
+  rounds: Optional[int],
+  budget_s: float,
+  extra: Optional[dict[str, Callable[[], None]]] = None,
+  log=log,
+  seed: int = 0,
+  compiler_options=None,
+) -> dict[str, Result]:
   """Step time of each variant over ``adam``'s, between two adam steps.
 
   Args:
@@ -284,17 +316,22 @@ def time_variants(variants: dict[str, tuple[Callable[[], Any], bool]],
 
   def build(item):
     name, (make_tx, with_stats) = item
-    return name, Stepper(make_tx(), shared["params"], grads, with_stats,
-                         compiler_options)
+    return name, Stepper(
+      make_tx(), shared["params"], grads, with_stats, compiler_options
+    )
 
   # Two at a time: XLA compiles outside the GIL, tracing does not.
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     steppers = dict(pool.map(build, variants.items()))
   log(f"  compiled {len(steppers)} steps")
-  results = {name: Result([], [], stepper.temp_bytes)
-             for name, stepper in steppers.items()}
-  runners = {name: functools.partial(stepper.step, shared, grads)
-             for name, stepper in steppers.items()}
+  results = {
+    name: Result([], [], stepper.temp_bytes)
+    for name, stepper in steppers.items()
+  }
+  runners = {
+    name: functools.partial(stepper.step, shared, grads)
+    for name, stepper in steppers.items()
+  }
   for name, fn in (extra or {}).items():
     runners[name] = fn
     results[name] = Result([], [])
@@ -326,8 +363,9 @@ def time_variants(variants: dict[str, tuple[Callable[[], Any], bool]],
       after = t[2 * i + 3] - t[2 * i + 2]
       results[name].ratios.append(2 * mine / (before + after))
       results[name].ms.append(mine * 1e3)
-    results["adam"].ms.extend((t[2 * i + 1] - t[2 * i]) * 1e3
-                              for i in range(len(order) + 1))
+    results["adam"].ms.extend(
+      (t[2 * i + 1] - t[2 * i]) * 1e3 for i in range(len(order) + 1)
+    )
     results["adam"].ratios.append(1.0)
   return results
 
@@ -383,6 +421,7 @@ def torch_reference(params, grads, rounds: int) -> tuple[float, float, str]:
 # Compile time
 # --------------------------------------------------------------------------
 
+
 def compile_seconds(make_tx, params, grads) -> tuple[float, float, int]:
   """Trace+lower seconds, XLA compile seconds and temp bytes of one step."""
   tx = make_tx()
@@ -403,6 +442,7 @@ def compile_seconds(make_tx, params, grads) -> tuple[float, float, int]:
 # --------------------------------------------------------------------------
 # Report helpers
 # --------------------------------------------------------------------------
+
 
 def fmt_ratio(res: Optional[Result]) -> str:
   """``median x (first quartile-third quartile)``, or a dash."""
@@ -427,19 +467,27 @@ def machine_lines() -> list[str]:
           break
   except OSError:  # not Linux
     pass
-  devices = ", ".join(sorted({f"{d.platform}:{d.device_kind}"
-                              for d in jax.devices()}))
-  versions = (f"python {platform.python_version()}, jax {jax.__version__}, "
-              f"jaxlib {jaxlib.__version__}, optax {optax.__version__}, "
-              f"optaxclip {optaxclip.__version__}, numpy {np.__version__}")
+  devices = ", ".join(
+    sorted({f"{d.platform}:{d.device_kind}" for d in jax.devices()})
+  )
+  versions = (
+    f"python {platform.python_version()}, jax {jax.__version__}, "
+    f"jaxlib {jaxlib.__version__}, optax {optax.__version__}, "
+    f"optaxclip {optaxclip.__version__}, numpy {np.__version__}"
+  )
   if importlib.util.find_spec("torch") is not None:
     import torch
+
     versions += f", torch {torch.__version__}"
   load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
   return [
-      (f"- Machine: {os.cpu_count()} cores, {model} ({platform.system()} "
-       f"{platform.release()}); devices: {len(jax.devices())} x {devices}"),
-      f"- Versions: {versions}",
-      (f"- Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; "
-       f"load average at the start: {load}"),
+    (
+      f"- Machine: {os.cpu_count()} cores, {model} ({platform.system()} "
+      f"{platform.release()}); devices: {len(jax.devices())} x {devices}"
+    ),
+    f"- Versions: {versions}",
+    (
+      f"- Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; "
+      f"load average at the start: {load}"
+    ),
   ]

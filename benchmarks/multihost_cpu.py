@@ -23,16 +23,21 @@ PORT = int(os.environ.get("MULTIHOST_PORT", "12377"))
 
 def data():
   import numpy as np
+
   rng = np.random.default_rng(0)
-  tree = {"kernel": rng.normal(size=(16, 4)).astype(np.float32),
-          "scale": rng.normal(size=(3,)).astype(np.float32)}
+  tree = {
+    "kernel": rng.normal(size=(16, 4)).astype(np.float32),
+    "scale": rng.normal(size=(3,)).astype(np.float32),
+  }
   return tree, rng.normal(size=(32, 5)).astype(np.float32)
 
 
 def per_example(axis_name=None):
   import optaxclip
-  return optaxclip.clip_per_example(1.0, noise_multiplier=0.5,
-                                    target_quantile=0.5, axis_name=axis_name)
+
+  return optaxclip.clip_per_example(
+    1.0, noise_multiplier=0.5, target_quantile=0.5, axis_name=axis_name
+  )
 
 
 def worker(process_id):
@@ -46,17 +51,21 @@ def worker(process_id):
   import optaxclip
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"localhost:{PORT}", num_processes=2,
-                             process_id=process_id)
+  jax.distributed.initialize(
+    f"localhost:{PORT}", num_processes=2, process_id=process_id
+  )
   mesh = jax.make_mesh((jax.device_count(),), ("d",))
 
   def global_array(x, spec):
     return jax.make_array_from_callback(
-        x.shape, NamedSharding(mesh, spec), lambda index: x[index])
+      x.shape, NamedSharding(mesh, spec), lambda index: x[index]
+    )
 
   tree, batch = data()
-  grads = {"kernel": global_array(tree["kernel"], P("d")),
-           "scale": global_array(tree["scale"], P())}
+  grads = {
+    "kernel": global_array(tree["kernel"], P("d")),
+    "scale": global_array(tree["scale"], P()),
+  }
   tx = optax.chain(optaxclip.clip_global(1.0), optax.adam(1e-2))
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init)(grads)
@@ -64,21 +73,42 @@ def worker(process_id):
   norm = float(optaxclip.stats(state)["clip_global/norm"])
 
   dp = per_example("d")
-  step = jax.jit(jax.shard_map(lambda x: dp.update({"w": x}, dp.init(None)),
-                               mesh=mesh, in_specs=P("d"), out_specs=P()))
+  step = jax.jit(
+    jax.shard_map(
+      lambda x: dp.update({"w": x}, dp.init(None)),
+      mesh=mesh,
+      in_specs=P("d"),
+      out_specs=P(),
+    )
+  )
   out, dp_state = step(global_array(batch, P("d")))
-  print(json.dumps({
-      "process": jax.process_index(), "devices": jax.device_count(),
-      "local_devices": jax.local_device_count(), "norm": norm,
-      "dp_mean": np.asarray(out["w"]).tolist(),
-      "dp_clip_norm": float(dp_state.clip_norm)}), flush=True)
+  print(
+    json.dumps(
+      {
+        "process": jax.process_index(),
+        "devices": jax.device_count(),
+        "local_devices": jax.local_device_count(),
+        "norm": norm,
+        "dp_mean": np.asarray(out["w"]).tolist(),
+        "dp_clip_norm": float(dp_state.clip_norm),
+      }
+    ),
+    flush=True,
+  )
 
 
 def main():
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  procs = [subprocess.Popen([sys.executable, __file__, str(i)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, __file__, str(i)],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   results = []
   for proc in procs:
     stdout, stderr = proc.communicate(timeout=600)
@@ -88,19 +118,23 @@ def main():
 
   import jax
   import numpy as np
+
   tree, batch = data()
-  want_norm = float(np.sqrt(sum(np.sum(x.astype(np.float64) ** 2)
-                                for x in tree.values())))
+  want_norm = float(
+    np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in tree.values()))
+  )
   tx = per_example()
   want_out, want_state = jax.jit(tx.update)({"w": batch}, tx.init(None))
   for r in results:
     dp_err = float(np.max(np.abs(np.asarray(r["dp_mean"]) - want_out["w"])))
-    print(f"process {r['process']} ({r['local_devices']} of {r['devices']} "
-          f"devices): clip_global norm {r['norm']:.6f} (numpy {want_norm:.6f})"
-          f"; clip_per_example over the data axis: clip norm "
-          f"{r['dp_clip_norm']:.6f} "
-          f"(one process {float(want_state.clip_norm):.6f})"
-          f", max |mean - one process| {dp_err:.1e}")
+    print(
+      f"process {r['process']} ({r['local_devices']} of {r['devices']} "
+      f"devices): clip_global norm {r['norm']:.6f} (numpy {want_norm:.6f})"
+      f"; clip_per_example over the data axis: clip norm "
+      f"{r['dp_clip_norm']:.6f} "
+      f"(one process {float(want_state.clip_norm):.6f})"
+      f", max |mean - one process| {dp_err:.1e}"
+    )
     assert abs(r["norm"] - want_norm) <= 1e-5 * want_norm
     assert dp_err <= 1e-5
   print("agree")

@@ -82,6 +82,7 @@ QUICK_SECONDS = 60
 @dataclasses.dataclass
 class Sizes:
   """Problem sizes of a run (full or --quick)."""
+
   many_leaves: int = 64
   many_size: int = 400_000
   blocks: int = 12
@@ -101,20 +102,35 @@ class Sizes:
 
   @classmethod
   def quick(cls) -> Sizes:
-    return cls(many_leaves=4, many_size=1024, blocks=0, width=32, vocab=64,
-               context=16, compile_leaves=20, compile_size=100, rounds=3,
-               budget_s=2.0, compile_repeats=1, leaf_counts=(10,),
-               compiler_options={"xla_backend_optimization_level": 0,
-                                 "xla_llvm_disable_expensive_passes": True})
+    return cls(
+      many_leaves=4,
+      many_size=1024,
+      blocks=0,
+      width=32,
+      vocab=64,
+      context=16,
+      compile_leaves=20,
+      compile_size=100,
+      rounds=3,
+      budget_s=2.0,
+      compile_repeats=1,
+      leaf_counts=(10,),
+      compiler_options={
+        "xla_backend_optimization_level": 0,
+        "xla_llvm_disable_expensive_passes": True,
+      },
+    )
 
 
 # --------------------------------------------------------------------------
 # The rows of the step tables
 # --------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Row:
   """One line of the step table: an optaxclip variant and its optax twin."""
+
   name: str
   ours: Callable[[], optax.GradientTransformation]
   theirs: Optional[Callable[[], optax.GradientTransformation]] = None
@@ -129,39 +145,75 @@ def step_rows() -> list[Row]:
   chained = harness.chained
   adam = harness.adam
   return [
-      Row("adam + read (floor)", chained(harness.read_only),
-          note="one f32 sum-of-squares pass over the gradients, not used"),
-      Row("adam + scale (floor)", chained(harness.scale_only),
-          note="every leaf times a factor from the state, no norm"),
-      Row("clip_global", chained(lambda: optaxclip.clip_global(1.0)),
-          chained(lambda: optax.clip_by_global_norm(1.0)),
-          "optax.clip_by_global_norm", 1.08),
-      Row("clip_global + stats()",
-          chained(lambda: optaxclip.clip_global(1.0)), with_stats=True,
-          note="the step also returns optaxclip.stats(state)"),
-      Row("clip_norm", chained(lambda: optaxclip.clip_norm(0.1)),
-          target=1.10),
-      Row("clip_value", chained(lambda: optaxclip.clip_value(1e-3)),
-          chained(lambda: optax.clip(1e-3)), "optax.clip", 1.10),
-      Row("clip_block_rms", chained(lambda: optaxclip.clip_block_rms(5e-4)),
-          chained(lambda: optax.clip_by_block_rms(5e-4)),
-          "optax.clip_by_block_rms", 1.10),
-      Row("clip_unitwise", chained(lambda: optaxclip.clip_unitwise(0.01)),
-          chained(lambda: optax.adaptive_grad_clip(0.01)),
-          "optax.adaptive_grad_clip", 1.10),
-      Row("clip_zscore", chained(optaxclip.clip_zscore),
-          target=ADAPTIVE_TARGET),
-      Row("clip_zscore(scope=leaf)",
-          chained(lambda: optaxclip.clip_zscore(scope="leaf"))),
-      Row("clip_percentile", chained(optaxclip.clip_percentile),
-          target=ADAPTIVE_TARGET),
-      Row("clip_percentile(scope=leaf)",
-          chained(lambda: optaxclip.clip_percentile(scope="leaf"))),
-      Row("clip_relative", chained(optaxclip.clip_relative),
-          target=ADAPTIVE_TARGET),
-      Row("guard(adam)", lambda: optaxclip.guard(adam()),
-          lambda: optax.apply_if_finite(adam(), 10),
-          "optax.apply_if_finite", ADAPTIVE_TARGET),
+    Row(
+      "adam + read (floor)",
+      chained(harness.read_only),
+      note="one f32 sum-of-squares pass over the gradients, not used",
+    ),
+    Row(
+      "adam + scale (floor)",
+      chained(harness.scale_only),
+      note="every leaf times a factor from the state, no norm",
+    ),
+    Row(
+      "clip_global",
+      chained(lambda: optaxclip.clip_global(1.0)),
+      chained(lambda: optax.clip_by_global_norm(1.0)),
+      "optax.clip_by_global_norm",
+      1.08,
+    ),
+    Row(
+      "clip_global + stats()",
+      chained(lambda: optaxclip.clip_global(1.0)),
+      with_stats=True,
+      note="the step also returns optaxclip.stats(state)",
+    ),
+    Row("clip_norm", chained(lambda: optaxclip.clip_norm(0.1)), target=1.10),
+    Row(
+      "clip_value",
+      chained(lambda: optaxclip.clip_value(1e-3)),
+      chained(lambda: optax.clip(1e-3)),
+      "optax.clip",
+      1.10,
+    ),
+    Row(
+      "clip_block_rms",
+      chained(lambda: optaxclip.clip_block_rms(5e-4)),
+      chained(lambda: optax.clip_by_block_rms(5e-4)),
+      "optax.clip_by_block_rms",
+      1.10,
+    ),
+    Row(
+      "clip_unitwise",
+      chained(lambda: optaxclip.clip_unitwise(0.01)),
+      chained(lambda: optax.adaptive_grad_clip(0.01)),
+      "optax.adaptive_grad_clip",
+      1.10,
+    ),
+    Row("clip_zscore", chained(optaxclip.clip_zscore), target=ADAPTIVE_TARGET),
+    Row(
+      "clip_zscore(scope=leaf)",
+      chained(lambda: optaxclip.clip_zscore(scope="leaf")),
+    ),
+    Row(
+      "clip_percentile",
+      chained(optaxclip.clip_percentile),
+      target=ADAPTIVE_TARGET,
+    ),
+    Row(
+      "clip_percentile(scope=leaf)",
+      chained(lambda: optaxclip.clip_percentile(scope="leaf")),
+    ),
+    Row(
+      "clip_relative", chained(optaxclip.clip_relative), target=ADAPTIVE_TARGET
+    ),
+    Row(
+      "guard(adam)",
+      lambda: optaxclip.guard(adam()),
+      lambda: optax.apply_if_finite(adam(), 10),
+      "optax.apply_if_finite",
+      ADAPTIVE_TARGET,
+    ),
   ]
 
 
@@ -169,43 +221,58 @@ def step_rows() -> list[Row]:
 # Sections
 # --------------------------------------------------------------------------
 
+
 def verdict(value: float, target: Optional[float]) -> str:
   if target is None or math.isnan(value):
     return ""
   return "yes" if value <= target else "**no**"
 
 
-def step_table(title: str, params, rows: list[Row],
-               results: dict[str, harness.Result], floor: harness.Result,
-               torch_line: Optional[str]) -> list[str]:
+def step_table(
+  title: str,
+  params,
+  rows: list[Row],
+  results: dict[str, harness.Result],
+  floor: harness.Result,
+  torch_line: Optional[str],
+) -> list[str]:
   """The markdown table of one tree."""
   adam_res = results["adam"]
   rounds = len(adam_res.ratios)
   lines = [
-      f"### {title}",
-      "",
-      (f"{harness.count_params(params) / 1e6:.1f}M parameters in "
-       f"{len(jax.tree.leaves(params))} leaves; adam's step: "
-       f"{statistics.median(adam_res.ms):.1f} ms (median); {rounds} rounds; "
-       f"adam's temporaries: {harness.fmt_mb(adam_res.temp_bytes)} MiB."),
-      "",
-      ("| variant | optaxclip / adam | target | met | optax equivalent | "
-       "optax / adam | temp MiB (optaxclip / optax) |"),
-      "|---|---|---|---|---|---|---|",
-      (f"| one read pass alone (jitted sum of squares) | "
-       f"{1 + floor.median():.3f}x | | | | | |"),
+    f"### {title}",
+    "",
+    (
+      f"{harness.count_params(params) / 1e6:.1f}M parameters in "
+      f"{len(jax.tree.leaves(params))} leaves; adam's step: "
+      f"{statistics.median(adam_res.ms):.1f} ms (median); {rounds} rounds; "
+      f"adam's temporaries: {harness.fmt_mb(adam_res.temp_bytes)} MiB."
+    ),
+    "",
+    (
+      "| variant | optaxclip / adam | target | met | optax equivalent | "
+      "optax / adam | temp MiB (optaxclip / optax) |"
+    ),
+    "|---|---|---|---|---|---|---|",
+    (
+      f"| one read pass alone (jitted sum of squares) | "
+      f"{1 + floor.median():.3f}x | | | | | |"
+    ),
   ]
   for row in rows:
     ours = results[row.name]
     theirs = results["optax:" + row.name] if row.theirs else None
     name = row.name if not row.note else f"{row.name} <sub>{row.note}</sub>"
-    temps = (f"{harness.fmt_mb(ours.temp_bytes)} / "
-             f"{harness.fmt_mb(theirs.temp_bytes) if theirs else '–'}")
+    temps = (
+      f"{harness.fmt_mb(ours.temp_bytes)} / "
+      f"{harness.fmt_mb(theirs.temp_bytes) if theirs else '–'}"
+    )
     target = "" if row.target is None else f"<= {row.target:.2f}x"
     lines.append(
-        f"| {name} | {harness.fmt_ratio(ours)} | {target} | "
-        f"{verdict(ours.median(), row.target)} | {row.theirs_name or '–'} | "
-        f"{harness.fmt_ratio(theirs)} | {temps} |")
+      f"| {name} | {harness.fmt_ratio(ours)} | {target} | "
+      f"{verdict(ours.median(), row.target)} | {row.theirs_name or '–'} | "
+      f"{harness.fmt_ratio(theirs)} | {temps} |"
+    )
   if torch_line:
     lines.append(torch_line)
   lines.append("")
@@ -214,8 +281,9 @@ def step_table(title: str, params, rows: list[Row],
 
 def run_tree(title: str, shapes, dtype, sizes: Sizes) -> list[str]:
   """Times every row on one tree; returns the table's lines."""
-  params = harness.make_arrays(shapes, dtype, 0.02, seed=0,
-                               ones_for=lambda name: "scale" in name)
+  params = harness.make_arrays(
+    shapes, dtype, 0.02, seed=0, ones_for=lambda name: "scale" in name
+  )
   grads = harness.make_arrays(shapes, dtype, harness.GRAD_SCALE, seed=1)
   rows = step_rows()
   variants = {"adam": (harness.adam, False)}
@@ -223,21 +291,31 @@ def run_tree(title: str, shapes, dtype, sizes: Sizes) -> list[str]:
     variants[row.name] = (row.ours, row.with_stats)
     if row.theirs:
       variants["optax:" + row.name] = (row.theirs, False)
-  harness.log(f"{title}: {harness.count_params(params) / 1e6:.1f}M params, "
-              f"{len(jax.tree.leaves(params))} leaves, {len(variants)} "
-              "variants")
+  harness.log(
+    f"{title}: {harness.count_params(params) / 1e6:.1f}M params, "
+    f"{len(jax.tree.leaves(params))} leaves, {len(variants)} "
+    "variants"
+  )
   t0 = time.perf_counter()
   results = harness.time_variants(
-      variants, params, grads, sizes.rounds, sizes.budget_s,
-      extra={"read": harness.read_pass_fn(grads)},
-      compiler_options=sizes.compiler_options)
+    variants,
+    params,
+    grads,
+    sizes.rounds,
+    sizes.budget_s,
+    extra={"read": harness.read_pass_fn(grads)},
+    compiler_options=sizes.compiler_options,
+  )
   torch_line = None
   if importlib.util.find_spec("torch") is not None:
     ratio, ms, version = harness.torch_reference(
-        params, grads, max(sizes.rounds or 0, 5))
-    torch_line = (f"| torch {version}: clip_grad_norm_(foreach=True) + "
-                  f"Adam(foreach=True) / Adam ({ms:.1f} ms) | "
-                  f"{ratio:.3f}x | | | | | |")
+      params, grads, max(sizes.rounds or 0, 5)
+    )
+    torch_line = (
+      f"| torch {version}: clip_grad_norm_(foreach=True) + "
+      f"Adam(foreach=True) / Adam ({ms:.1f} ms) | "
+      f"{ratio:.3f}x | | | | | |"
+    )
   harness.log(f"  done in {time.perf_counter() - t0:.0f} s")
   floor = results.pop("read")
   return step_table(title, params, rows, results, floor, torch_line)
@@ -249,29 +327,37 @@ def run_compile(sizes: Sizes) -> list[str]:
   params = harness.make_arrays(shapes, jnp.float32, 0.02, seed=0)
   grads = harness.make_arrays(shapes, jnp.float32, harness.GRAD_SCALE, seed=1)
   variants = {
-      "adam": harness.adam,
-      "chain(clip_global, adam)": harness.chained(
-          lambda: optaxclip.clip_global(1.0)),
+    "adam": harness.adam,
+    "chain(clip_global, adam)": harness.chained(
+      lambda: optaxclip.clip_global(1.0)
+    ),
   }
   if sizes.optax_compile:
     variants["chain(optax.clip_by_global_norm, adam)"] = harness.chained(
-        lambda: optax.clip_by_global_norm(1.0))
+      lambda: optax.clip_by_global_norm(1.0)
+    )
   measured = {name: [] for name in variants}
   for rep in range(sizes.compile_repeats):
     for name, make_tx in variants.items():
       if rep and name.startswith("chain(optax"):
         continue  # once is enough for the reference
       measured[name].append(harness.compile_seconds(make_tx, params, grads))
-      harness.log(f"  compile {name} #{rep + 1}: lower "
-                  f"{measured[name][-1][0]:.1f} s, compile "
-                  f"{measured[name][-1][1]:.1f} s")
+      harness.log(
+        f"  compile {name} #{rep + 1}: lower "
+        f"{measured[name][-1][0]:.1f} s, compile "
+        f"{measured[name][-1][1]:.1f} s"
+      )
   lines = [
-      (f"### Compile time: {sizes.compile_leaves} leaves of "
-       f"{sizes.compile_size} float32"),
-      "",
-      ("| step | trace + lower s | XLA compile s | total / adam | target "
-       "| met | temp KiB |"),
-      "|---|---|---|---|---|---|---|",
+    (
+      f"### Compile time: {sizes.compile_leaves} leaves of "
+      f"{sizes.compile_size} float32"
+    ),
+    "",
+    (
+      "| step | trace + lower s | XLA compile s | total / adam | target "
+      "| met | temp KiB |"
+    ),
+    "|---|---|---|---|---|---|---|",
   ]
   adam_total = statistics.median(m[0] + m[1] for m in measured["adam"])
   for name, runs in measured.items():
@@ -280,20 +366,27 @@ def run_compile(sizes: Sizes) -> list[str]:
     ratio = (low + comp) / adam_total
     target = 1.5 if name == "chain(clip_global, adam)" else None
     lines.append(
-        f"| {name} ({len(runs)} run{'s' if len(runs) > 1 else ''}) | "
-        f"{low:.2f} | {comp:.2f} | {ratio:.2f}x | "
-        f"{'' if target is None else f'<= {target:.1f}x'} | "
-        f"{verdict(ratio, target)} | {runs[0][2] / 1024:.1f} |")
+      f"| {name} ({len(runs)} run{'s' if len(runs) > 1 else ''}) | "
+      f"{low:.2f} | {comp:.2f} | {ratio:.2f}x | "
+      f"{'' if target is None else f'<= {target:.1f}x'} | "
+      f"{verdict(ratio, target)} | {runs[0][2] / 1024:.1f} |"
+    )
   lines.append("")
   return lines
 
 
 def run_leaves(sizes: Sizes) -> list[str]:
   """Compile time of every per-tensor clipper on many small leaves."""
-  results = {n: compile_time.measure(compile_time.CLIPPERS, n, log=harness.log)
-             for n in sizes.leaf_counts}
-  return ["### Compile time of each clipper on many small leaves", "",
-          *compile_time.table(results, "mixed"), ""]
+  results = {
+    n: compile_time.measure(compile_time.CLIPPERS, n, log=harness.log)
+    for n in sizes.leaf_counts
+  }
+  return [
+    "### Compile time of each clipper on many small leaves",
+    "",
+    *compile_time.table(results, "mixed"),
+    "",
+  ]
 
 
 def run_section(key: str, sizes: Sizes) -> list[str]:
@@ -304,14 +397,20 @@ def run_section(key: str, sizes: Sizes) -> list[str]:
     return run_leaves(sizes)
   if key == "a":
     title = f"(a) {sizes.many_leaves} x {sizes.many_size} float32"
-    return run_tree(title, harness.many_leaves(sizes.many_leaves,
-                                               sizes.many_size),
-                    jnp.float32, sizes)
+    return run_tree(
+      title,
+      harness.many_leaves(sizes.many_leaves, sizes.many_size),
+      jnp.float32,
+      sizes,
+    )
   dtype = jnp.float32 if key == "b" else jnp.bfloat16
-  title = (f"({key}) transformer, {sizes.blocks} blocks of width "
-           f"{sizes.width}, {jnp.dtype(dtype).name}")
-  shapes = harness.transformer(sizes.blocks, sizes.width, sizes.vocab,
-                               sizes.context)
+  title = (
+    f"({key}) transformer, {sizes.blocks} blocks of width "
+    f"{sizes.width}, {jnp.dtype(dtype).name}"
+  )
+  shapes = harness.transformer(
+    sizes.blocks, sizes.width, sizes.vocab, sizes.context
+  )
   return run_tree(title, shapes, dtype, sizes)
 
 
@@ -320,25 +419,29 @@ def run_section(key: str, sizes: Sizes) -> list[str]:
 # --------------------------------------------------------------------------
 
 METHOD = (
-    "Each step ratio is the median over rounds of (the variant's step time "
-    "/ the mean of the two adam steps around it: each round runs adam, v1, "
-    "adam, v2, adam, ... with the variants in a new random order); the "
-    "interquartile range is in parentheses. Steps donate params and state, "
-    "as a training loop does. Floors: `one read pass alone` is a jitted "
-    "float32 sum of squares of the gradients on its own (1 + its time over "
-    "adam's); `adam + read` adds that pass to adam's step (no norm-based "
-    "clipper can cost less); `adam + scale` multiplies every leaf by a "
-    "factor from the state (what scaling the update costs). Temp is the "
-    "compiled step's temporary memory "
-    "(`memory_analysis().temp_size_in_bytes`); adam's own is in each "
-    "table's heading. Rows without a target (scope=leaf) are for reference.")
+  "Each step ratio is the median over rounds of (the variant's step time "
+  "/ the mean of the two adam steps around it: each round runs adam, v1, "
+  "adam, v2, adam, ... with the variants in a new random order); the "
+  "interquartile range is in parentheses. Steps donate params and state, "
+  "as a training loop does. Floors: `one read pass alone` is a jitted "
+  "float32 sum of squares of the gradients on its own (1 + its time over "
+  "adam's); `adam + read` adds that pass to adam's step (no norm-based "
+  "clipper can cost less); `adam + scale` multiplies every leaf by a "
+  "factor from the state (what scaling the update costs). Temp is the "
+  "compiled step's temporary memory "
+  "(`memory_analysis().temp_size_in_bytes`); adam's own is in each "
+  "table's heading. Rows without a target (scope=leaf) are for reference."
+)
 
 
 def commit() -> str:
   """The checkout's commit, marked when files differ from it."""
+
   def git(*args):
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
-                          text=True, check=False).stdout.strip()
+    return subprocess.run(
+      ["git", *args], cwd=ROOT, capture_output=True, text=True, check=False
+    ).stdout.strip()
+
   head = git("rev-parse", "--short=12", "HEAD")
   if not head:
     return "unknown (not a git checkout)"
@@ -348,51 +451,77 @@ def commit() -> str:
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      description=(__doc__ or "").split("\n\n")[0],
-      epilog=(f"A full run takes about {FULL_MINUTES} minutes on 2 idle CPU "
-              "cores (more than half of it compiling the per-tensor clippers "
-              "of section leaves), and two to three times that on a loaded "
-              f"machine; --quick about {QUICK_SECONDS} s (most of it "
-              "compiling)."))
+    description=(__doc__ or "").split("\n\n")[0],
+    epilog=(
+      f"A full run takes about {FULL_MINUTES} minutes on 2 idle CPU "
+      "cores (more than half of it compiling the per-tensor clippers "
+      "of section leaves), and two to three times that on a loaded "
+      f"machine; --quick about {QUICK_SECONDS} s (most of it "
+      "compiling)."
+    ),
+  )
   parser.add_argument(
-      "--quick", action="store_true",
-      help=f"tiny sizes, about {QUICK_SECONDS} s: checks that it runs (the "
-      "figures mean nothing)")
+    "--quick",
+    action="store_true",
+    help=f"tiny sizes, about {QUICK_SECONDS} s: checks that it runs (the "
+    "figures mean nothing)",
+  )
   parser.add_argument(
-      "--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-      metavar="SECTION",
-      help="the sections to run, of: a (64 leaves of 400k float32), b "
-      "(transformer, float32), c (transformer, bfloat16), compile "
-      "(clip_global on 1000 leaves), leaves (every clipper's compile time on "
-      "300 and 1000 leaves); default: all")
+    "--only",
+    nargs="+",
+    choices=SECTIONS,
+    default=list(SECTIONS),
+    metavar="SECTION",
+    help="the sections to run, of: a (64 leaves of 400k float32), b "
+    "(transformer, float32), c (transformer, bfloat16), compile "
+    "(clip_global on 1000 leaves), leaves (every clipper's compile time on "
+    "300 and 1000 leaves); default: all",
+  )
   parser.add_argument(
-      "--leaf-counts", type=int, nargs="+", default=None, metavar="N",
-      help="the tree sizes of section leaves (default: 300 1000; --quick: "
-      "10)")
+    "--leaf-counts",
+    type=int,
+    nargs="+",
+    default=None,
+    metavar="N",
+    help="the tree sizes of section leaves (default: 300 1000; --quick: 10)",
+  )
   parser.add_argument(
-      "--out", type=pathlib.Path, default=None,
-      help="where to write the markdown report (default: "
-      "benchmarks/RESULTS.md for a full run, benchmarks/out/RESULTS.md for "
-      "--quick or --only)")
+    "--out",
+    type=pathlib.Path,
+    default=None,
+    help="where to write the markdown report (default: "
+    "benchmarks/RESULTS.md for a full run, benchmarks/out/RESULTS.md for "
+    "--quick or --only)",
+  )
   parser.add_argument(
-      "--rounds", type=int, default=None,
-      help="timing rounds per tree (default: fitted to about 40 s of timed "
-      "steps per tree, 5 to 15; --quick: 3)")
+    "--rounds",
+    type=int,
+    default=None,
+    help="timing rounds per tree (default: fitted to about 40 s of timed "
+    "steps per tree, 5 to 15; --quick: 3)",
+  )
   parser.add_argument(
-      "--note", default="",
-      help="a line for the report's heading (how the machine was used)")
+    "--note",
+    default="",
+    help="a line for the report's heading (how the machine was used)",
+  )
   parser.add_argument(
-      "--no-optax-compile", action="store_true",
-      help="skip optax.clip_by_global_norm's compile time in the compile "
-      "section (23 s on 2 idle cores)")
+    "--no-optax-compile",
+    action="store_true",
+    help="skip optax.clip_by_global_norm's compile time in the compile "
+    "section (23 s on 2 idle cores)",
+  )
   args = parser.parse_args(argv)
   if args.rounds is not None and args.rounds < 1:
     parser.error(f"--rounds must be at least 1; got {args.rounds}")
   if args.leaf_counts is not None and min(args.leaf_counts) < 1:
     parser.error(f"--leaf-counts must be at least 1; got {args.leaf_counts}")
   if args.out is None:
-    full = (not args.quick and set(args.only) == set(SECTIONS)
-            and args.leaf_counts is None)
+    full = (
+      not args.quick
+      and set(args.only) == set(SECTIONS)
+      and args.leaf_counts is None
+    )
     args.out = RESULTS if full else SCRATCH
   return args
 
@@ -409,12 +538,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
   command = " ".join(["python benchmarks/run.py", *(argv or sys.argv[1:])])
   lines = [
-      "# optaxclip benchmarks", "", *harness.machine_lines(),
-      f"- Command: `{command}`" + (" (quick sizes: not for quoting)"
-                                   if args.quick else ""),
-      f"- Commit: {commit()}",
-      *([f"- Note: {args.note}"] if args.note else []),
-      "", METHOD, "",
+    "# optaxclip benchmarks",
+    "",
+    *harness.machine_lines(),
+    f"- Command: `{command}`"
+    + (" (quick sizes: not for quoting)" if args.quick else ""),
+    f"- Commit: {commit()}",
+    *([f"- Note: {args.note}"] if args.note else []),
+    "",
+    METHOD,
+    "",
   ]
   out = args.out
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -423,20 +556,23 @@ def main(argv: Optional[list[str]] = None) -> int:
   for key in SECTIONS:
     if key not in args.only:
       continue
-    wanted = ("## Step time over adam's own step" if key in ("a", "b", "c")
-              else "## Compile time")
+    wanted = (
+      "## Step time over adam's own step"
+      if key in ("a", "b", "c")
+      else "## Compile time"
+    )
     if heading != wanted:
       lines += [wanted, ""]
       heading = wanted
     if args.quick:  # small: one process is enough, and starts faster
       lines += run_section(key, sizes)
     else:
-      with concurrent.futures.ProcessPoolExecutor(
-          1, mp_context=spawn) as pool:
+      with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
         lines += pool.submit(run_section, key, sizes).result()
     # A crash or a kill late in the run keeps the tables so far.
-    out.write_text("\n".join([*lines, "(run in progress)"]) + "\n",
-                   encoding="utf-8")
+    out.write_text(
+      "\n".join([*lines, "(run in progress)"]) + "\n", encoding="utf-8"
+    )
   if importlib.util.find_spec("torch") is None:
     lines.append("PyTorch is not installed: no cross-framework row.")
   text = "\n".join(lines).rstrip() + "\n"

@@ -47,9 +47,15 @@ def _install_torch_stand_ins():
   fsdp.FullyShardedDataParallel = FullyShardedDataParallel
   utils.clip_grad_norm_ = clip_grad_norm_
   torch.distributed, dist.fsdp, torch.nn, nn.utils = dist, fsdp, nn, utils
-  sys.modules.update({
-      "torch": torch, "torch.distributed": dist,
-      "torch.distributed.fsdp": fsdp, "torch.nn": nn, "torch.nn.utils": utils})
+  sys.modules.update(
+    {
+      "torch": torch,
+      "torch.distributed": dist,
+      "torch.distributed.fsdp": fsdp,
+      "torch.nn": nn,
+      "torch.nn.utils": utils,
+    }
+  )
 
 
 def _load_reference(path):
@@ -59,19 +65,20 @@ def _load_reference(path):
   spec.loader.exec_module(module)
 
   class Reference(module.ZClip):
-
     def _compute_grad_norm(self, model):
       return _LAST["norm"]
 
     def apply_in_place_clipping(self, pl_module, global_norm, max_global_norm):
-      _LAST["factor"] = (max_global_norm / (global_norm + 1e-6)
-                         if global_norm > max_global_norm else 1.0)
+      _LAST["factor"] = (
+        max_global_norm / (global_norm + 1e-6)
+        if global_norm > max_global_norm
+        else 1.0
+      )
 
   return Reference
 
 
 class _Model:
-
   def modules(self):
     return []
 
@@ -82,7 +89,8 @@ class _Model:
 def _stream(steps, seed):
   rng = np.random.default_rng(seed)
   norms = (1 + 0.005 * np.arange(steps)) * np.exp(
-      0.15 * rng.standard_normal(steps))
+    0.15 * rng.standard_normal(steps)
+  )
   for t in rng.choice(steps, size=steps // 8, replace=False):
     norms[t] *= rng.uniform(1.5, 30)
   return norms.astype(np.float32)
@@ -98,14 +106,26 @@ def main():
   worst = {"factor": 0.0, "mean": 0.0, "var": 0.0}
   steps = clipped = configs = 0
   for mode, option, factor, max_norm, skip, seed in itertools.product(
-      ("zscore", "percentile"), ("adaptive_scaling", "mean"), (1.0, 0.7, 1.3),
-      (None, 3.0), (False, True), (0, 1)):
+    ("zscore", "percentile"),
+    ("adaptive_scaling", "mean"),
+    (1.0, 0.7, 1.3),
+    (None, 3.0),
+    (False, True),
+    (0, 1),
+  ):
     if mode == "percentile" and (option == "mean" or factor != 1.0):
       continue  # both are unused in percentile mode
     configs += 1
-    kwargs = dict(alpha=0.95, z_thresh=2.0, eps=1e-6, warmup_steps=7,
-                  mode=mode, clip_option=option, clip_factor=factor,
-                  skip_update_on_spike=skip)
+    kwargs = dict(
+      alpha=0.95,
+      z_thresh=2.0,
+      eps=1e-6,
+      warmup_steps=7,
+      mode=mode,
+      clip_option=option,
+      clip_factor=factor,
+      skip_update_on_spike=skip,
+    )
     reference = reference_class(max_grad_norm=max_norm, **kwargs)
     tx = optaxclip.clip_zscore(max_norm=max_norm, **kwargs)
     update = jax.jit(tx.update)
@@ -115,20 +135,28 @@ def main():
       reference.step(_Model())
       out, state = update({"w": jnp.array([norm, 0.0])}, state)
       ours = float(out["w"][0]) / float(norm)
-      worst["factor"] = max(worst["factor"],
-                            abs(ours - _LAST["factor"]) / _LAST["factor"])
+      worst["factor"] = max(
+        worst["factor"], abs(ours - _LAST["factor"]) / _LAST["factor"]
+      )
       if reference.initialized:
-        worst["mean"] = max(worst["mean"],
-                            abs(float(state.mean) - reference.mean)
-                            / reference.mean)
-        worst["var"] = max(worst["var"], abs(float(state.var) - reference.var)
-                           / max(reference.var, 1e-12))
+        worst["mean"] = max(
+          worst["mean"],
+          abs(float(state.mean) - reference.mean) / reference.mean,
+        )
+        worst["var"] = max(
+          worst["var"],
+          abs(float(state.var) - reference.var) / max(reference.var, 1e-12),
+        )
       steps += 1
       clipped += _LAST["factor"] < 1
-  print(f"{configs} runs (configuration x seed), {steps} steps, {clipped} "
-        "clipped by the reference")
-  print("worst relative difference: " + ", ".join(
-      f"{k} {v:.2e}" for k, v in worst.items()))
+  print(
+    f"{configs} runs (configuration x seed), {steps} steps, {clipped} "
+    "clipped by the reference"
+  )
+  print(
+    "worst relative difference: "
+    + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+  )
   if max(worst.values()) > 1e-4:
     raise SystemExit("MISMATCH")
 

@@ -29,9 +29,10 @@ def number(kind, low=None, *, open_low=False, high=None):
     except ValueError:
       value = None
     if value is None or not (
-        math.isfinite(value)
-        and (low is None or value > low or (not open_low and value == low))
-        and (high is None or value < high)):
+      math.isfinite(value)
+      and (low is None or value > low or (not open_low and value == low))
+      and (high is None or value < high)
+    ):
       raise argparse.ArgumentTypeError(f"must be {word}{bound}; got {text!r}")
     return value
 

@@ -27,8 +27,9 @@ JUMP_AT, JUMP = 180, 2.5  # from here on, norms are 2.5x larger for good
 def norm_stream(steps, seed=0):
   rng = np.random.default_rng(seed)
   t = np.arange(steps)
-  norms = ((0.7 + 1.3 * np.exp(-t / 40))
-           * np.exp(0.12 * rng.standard_normal(steps)))
+  norms = (0.7 + 1.3 * np.exp(-t / 40)) * np.exp(
+    0.12 * rng.standard_normal(steps)
+  )
   for step, k in SPIKES.items():
     if step < steps:
       norms[step] *= k
@@ -39,19 +40,21 @@ def norm_stream(steps, seed=0):
 def gradient(norm, bad=False):
   """A 3-leaf tree with global norm ``norm`` (leaf shares 0.1, 0.3, ~0.95)."""
   shares = np.array([0.1, 0.3, np.sqrt(1 - 0.1**2 - 0.3**2)])
-  g = {name: jnp.full((n,), norm * s / np.sqrt(n), jnp.float32)
-       for name, n, s in zip(("bias", "embed", "kernel"), (4, 16, 64), shares)}
+  g = {
+    name: jnp.full((n,), norm * s / np.sqrt(n), jnp.float32)
+    for name, n, s in zip(("bias", "embed", "kernel"), (4, 16, 64), shares)
+  }
   if bad:
     g["kernel"] = g["kernel"].at[0].set(jnp.nan)
   return g
 
 
 CLIPPERS = {
-    "zclip": optaxclip.clip_zscore(),
-    "zclip_pct": optaxclip.clip_zscore(mode="percentile"),
-    "autoclip": optaxclip.clip_percentile(10.0, history=1024),
-    "adagc": optaxclip.clip_relative(warmup_steps=25, warmup_max_norm=5.0),
-    "guard": optaxclip.guard(optax.identity(), spike_z=3.0),
+  "zclip": optaxclip.clip_zscore(),
+  "zclip_pct": optaxclip.clip_zscore(mode="percentile"),
+  "autoclip": optaxclip.clip_percentile(10.0, history=1024),
+  "adagc": optaxclip.clip_relative(warmup_steps=25, warmup_max_norm=5.0),
+  "guard": optaxclip.guard(optax.identity(), spike_z=3.0),
 }
 
 
@@ -63,8 +66,9 @@ def run(steps):
     state = tx.init(gradient(1.0))
     for t, n in enumerate(norms):
       _, state = update(gradient(n, bad=t == NAN_STEP), state)
-      s = {k.split("/", 1)[1]: float(v)
-           for k, v in optaxclip.stats(state).items()}
+      s = {
+        k.split("/", 1)[1]: float(v) for k, v in optaxclip.stats(state).items()
+      }
       if name == "guard":
         s["clip_fraction"] = float(s["consecutive_skips"] > 0)
       records[name].append(s)
@@ -73,12 +77,19 @@ def run(steps):
 
 def print_table(norms, records):
   steps = len(norms)
-  interesting = sorted(set(range(0, steps, 20)) | {
-      t + d for t in (*SPIKES, NAN_STEP, JUMP_AT) for d in (-1, 0, 1, 2)
-      if 0 <= t + d < steps})
+  interesting = sorted(
+    set(range(0, steps, 20))
+    | {
+      t + d
+      for t in (*SPIKES, NAN_STEP, JUMP_AT)
+      for d in (-1, 0, 1, 2)
+      if 0 <= t + d < steps
+    }
+  )
   names = list(records)
   head = f"{'step':>4} {'norm':>8} | " + " | ".join(
-      f"{n + ' thr':>13} {'clip':>4}" for n in names)
+    f"{n + ' thr':>13} {'clip':>4}" for n in names
+  )
   print(head)
   print("-" * len(head))
   for t in interesting:
@@ -97,14 +108,17 @@ def print_table(norms, records):
 
 def plot(norms, records, path):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
   top.semilogy(norms, "k.", label="gradient norm")
   for n, rs in records.items():
     top.semilogy([r["threshold"] for r in rs], label=f"{n} threshold")
-    bottom.plot([r["clip_fraction"] for r in rs], label=n,
-                drawstyle="steps-mid")
+    bottom.plot(
+      [r["clip_fraction"] for r in rs], label=n, drawstyle="steps-mid"
+    )
   top.set_ylabel("norm")
   top.legend(fontsize=8)
   bottom.set_ylabel("clip fraction / skipped")
@@ -117,13 +131,19 @@ def plot(norms, records, path):
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--steps", type=number(int, 1), default=200,
-                      help="length of the norm stream (its spikes, NaN and "
-                      f"jump are at steps {min(SPIKES)} to {JUMP_AT})")
-  parser.add_argument("--png", default=None,
-                      help="write a plot here (needs matplotlib)")
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument(
+    "--steps",
+    type=number(int, 1),
+    default=200,
+    help="length of the norm stream (its spikes, NaN and "
+    f"jump are at steps {min(SPIKES)} to {JUMP_AT})",
+  )
+  parser.add_argument(
+    "--png", default=None, help="write a plot here (needs matplotlib)"
+  )
   return parser.parse_args(argv)
 
 

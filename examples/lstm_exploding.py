@@ -68,29 +68,33 @@ BASELINE = 1 / 6
 # elements; the adaptive clippers with their defaults, ZClip with the cap of
 # its reference implementation (max_norm=1.0), guard with a 3-sigma bound.
 VARIANTS = {
-    "none": lambda opt: optax.chain(optaxclip.clip_global(math.inf), opt),
-    "clip_value": lambda opt: optax.chain(optaxclip.clip_value(0.01), opt),
-    "clip_norm": lambda opt: optax.chain(optaxclip.clip_norm(1.0), opt),
-    "clip_global": lambda opt: optax.chain(optaxclip.clip_global(1.0), opt),
-    "clip_zscore": lambda opt: optax.chain(
-        optaxclip.clip_zscore(max_norm=1.0), opt),
-    "clip_percentile": lambda opt: optax.chain(
-        optaxclip.clip_percentile(10.0), opt),
-    "clip_relative": lambda opt: optax.chain(optaxclip.clip_relative(), opt),
-    "guard": lambda opt: optaxclip.guard(opt, spike_z=3.0),
+  "none": lambda opt: optax.chain(optaxclip.clip_global(math.inf), opt),
+  "clip_value": lambda opt: optax.chain(optaxclip.clip_value(0.01), opt),
+  "clip_norm": lambda opt: optax.chain(optaxclip.clip_norm(1.0), opt),
+  "clip_global": lambda opt: optax.chain(optaxclip.clip_global(1.0), opt),
+  "clip_zscore": lambda opt: optax.chain(
+    optaxclip.clip_zscore(max_norm=1.0), opt
+  ),
+  "clip_percentile": lambda opt: optax.chain(
+    optaxclip.clip_percentile(10.0), opt
+  ),
+  "clip_relative": lambda opt: optax.chain(optaxclip.clip_relative(), opt),
+  "guard": lambda opt: optaxclip.guard(opt, spike_z=3.0),
 }
 
 
 class LSTMRegressor(nn.Module):
   """Reads a sequence of (value, mark) pairs and predicts one number."""
+
   hidden: int = HIDDEN
   init_scale: float = INIT_SCALE
 
   @nn.compact
   def __call__(self, x):
     cell = nn.OptimizedLSTMCell(
-        self.hidden,
-        recurrent_kernel_init=nn.initializers.orthogonal(self.init_scale))
+      self.hidden,
+      recurrent_kernel_init=nn.initializers.orthogonal(self.init_scale),
+    )
     h = nn.RNN(cell)(x)
     return nn.Dense(1)(h[:, -1])[:, 0]
 
@@ -124,8 +128,14 @@ def pre_clip_norm(stats):
 
 def was_clipped(stats):
   """Whether the clipper changed anything this step (guard: skipped it)."""
-  return sum(v for k, v in stats.items()
-             if k.endswith(("/clip_fraction", "/consecutive_skips"))) > 0
+  return (
+    sum(
+      v
+      for k, v in stats.items()
+      if k.endswith(("/clip_fraction", "/consecutive_skips"))
+    )
+    > 0
+  )
 
 
 def make_train_chunk(model, batch, seq_len):
@@ -144,8 +154,10 @@ def make_train_chunk(model, batch, seq_len):
     x, y = adding_batch(key, batch, seq_len)
     params = jax.tree.map(lambda *p: jnp.stack(p), *[s.params for s in states])
     losses, grads = grad_fn(params, x, y)
-    states = [s.apply_gradients(grads=jax.tree.map(lambda g, i=i: g[i], grads))
-              for i, s in enumerate(states)]
+    states = [
+      s.apply_gradients(grads=jax.tree.map(lambda g, i=i: g[i], grads))
+      for i, s in enumerate(states)
+    ]
     all_stats = [optaxclip.stats(s.opt_state) for s in states]
     norms = jnp.stack([pre_clip_norm(st) for st in all_stats])
     clipped = jnp.stack([was_clipped(st) for st in all_stats])
@@ -164,17 +176,22 @@ def train(names, steps, seq_len, lr, seed, init_scale=INIT_SCALE):
   init_key, data_key = jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
   model = LSTMRegressor(init_scale=init_scale)
   params = init_params(model, init_key, adding_batch(key, 2, seq_len)[0])
-  states = [train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=VARIANTS[n](optax.adam(lr)))
-            for n in names]
+  states = [
+    train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=VARIANTS[n](optax.adam(lr))
+    )
+    for n in names
+  ]
   train_chunk = make_train_chunk(model, BATCH, seq_len)
   chunk = max(d for d in range(1, 26) if steps % d == 0)
   records = []
-  with tqdm(total=steps, desc=f"training {len(names)} variants",
-            unit="step") as bar:
+  with tqdm(
+    total=steps, desc=f"training {len(names)} variants", unit="step"
+  ) as bar:
     for start in range(0, steps, chunk):
       keys = jax.vmap(lambda i: jax.random.fold_in(data_key, i))(
-          jnp.arange(start, start + chunk))
+        jnp.arange(start, start + chunk)
+      )
       states, record = train_chunk(states, keys)
       records.append(jax.device_get(record))
       bar.update(chunk)
@@ -190,16 +207,19 @@ def summarize(names, losses, norms, clipped):
     loss = losses[:, i]
     final = float(np.mean(loss[-tail:]))
     diverged = not np.all(np.isfinite(loss)) or final > 10 * BASELINE
-    rows.append({
+    rows.append(
+      {
         "variant": name,
         "final loss": final,
-        "best loss": float(np.nanmin(loss)) if np.any(np.isfinite(loss))
-                     else math.nan,
+        "best loss": float(np.nanmin(loss))
+        if np.any(np.isfinite(loss))
+        else math.nan,
         "max pre-clip norm": float(np.nanmax(norms[:, i])),
         "steps clipped": float(np.mean(clipped[:, i])),
         "diverged": "yes" if diverged else "no",
         "learned": "yes" if final < BASELINE / 10 else "no",
-    })
+      }
+    )
   return rows
 
 
@@ -213,14 +233,23 @@ def format_table(rows):
 
   keys = list(rows[0])
   cells = [[cell(k, r[k]) for k in keys] for r in rows]
-  widths = [max(len(k), *(len(c[j]) for c in cells))
-            for j, k in enumerate(keys)]
-  lines = ["  ".join(k.ljust(w) if j == 0 else k.rjust(w)
-                     for j, (k, w) in enumerate(zip(keys, widths)))]
+  widths = [
+    max(len(k), *(len(c[j]) for c in cells)) for j, k in enumerate(keys)
+  ]
+  lines = [
+    "  ".join(
+      k.ljust(w) if j == 0 else k.rjust(w)
+      for j, (k, w) in enumerate(zip(keys, widths))
+    )
+  ]
   lines.append("  ".join("-" * w for w in widths))
   for c in cells:
-    lines.append("  ".join(v.ljust(w) if j == 0 else v.rjust(w)
-                           for j, (v, w) in enumerate(zip(c, widths))))
+    lines.append(
+      "  ".join(
+        v.ljust(w) if j == 0 else v.rjust(w)
+        for j, (v, w) in enumerate(zip(c, widths))
+      )
+    )
   return "\n".join(lines)
 
 
@@ -230,21 +259,39 @@ def plot(names, losses, norms, path, title):
   kernel = np.ones(smooth) / smooth
   fig, (ax_loss, ax_norm) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
   for i, name in enumerate(names):
-    style = ({"color": "black", "linewidth": 2.0, "zorder": 3}
-             if name == "none" else {"linewidth": 1.2})
+    style = (
+      {"color": "black", "linewidth": 2.0, "zorder": 3}
+      if name == "none"
+      else {"linewidth": 1.2}
+    )
     loss = np.convolve(losses[:, i], kernel, mode="valid")
     ax_loss.plot(np.arange(smooth - 1, len(losses)), loss, label=name, **style)
     ax_norm.plot(norms[:, i], alpha=0.7, **{**style, "linewidth": 0.8})
   ax_loss.axhline(BASELINE, color="gray", linestyle="--", linewidth=1)
-  ax_loss.annotate("predicting the mean", (1.0, BASELINE), color="gray",
-                   xycoords=("axes fraction", "data"), ha="right",
-                   va="bottom", xytext=(-4, 4), textcoords="offset points")
-  ax_loss.set(yscale="log", ylabel=f"loss (mean of {smooth} steps)",
-              title=title)
-  ax_norm.set(yscale="log", xlabel="step",
-              ylabel="pre-clip gradient norm\n(clip_value: largest |g|)")
-  ax_loss.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                 fontsize="small", frameon=False)
+  ax_loss.annotate(
+    "predicting the mean",
+    (1.0, BASELINE),
+    color="gray",
+    xycoords=("axes fraction", "data"),
+    ha="right",
+    va="bottom",
+    xytext=(-4, 4),
+    textcoords="offset points",
+  )
+  ax_loss.set(
+    yscale="log", ylabel=f"loss (mean of {smooth} steps)", title=title
+  )
+  ax_norm.set(
+    yscale="log",
+    xlabel="step",
+    ylabel="pre-clip gradient norm\n(clip_value: largest |g|)",
+  )
+  ax_loss.legend(
+    loc="upper left",
+    bbox_to_anchor=(1.01, 1.0),
+    fontsize="small",
+    frameon=False,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -252,34 +299,64 @@ def plot(names, losses, norms, path, title):
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n", maxsplit=1)[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--steps", type=number(int, 1), default=1500,
-                      help="training steps of each variant")
-  parser.add_argument("--seq-len", type=number(int, 2), default=100,
-                      help="length of the adding problem's sequences")
-  parser.add_argument("--lr", type=number(float, 0, open_low=True),
-                      default=2e-2, help="Adam's learning rate")
-  parser.add_argument("--seed", type=number(int, 0, high=2**32), default=0,
-                      help="seed of the init and the data (the same for "
-                      "every variant)")
-  parser.add_argument("--init-scale", type=number(float, 0, open_low=True),
-                      default=INIT_SCALE,
-                      help="the recurrent kernel's orthogonal init scale; 1 is "
-                      "Flax's default, where gradients do not explode")
-  parser.add_argument("--variants", default="all",
-                      help="comma-separated, from: " + ", ".join(VARIANTS))
+    description=__doc__.split("\n\n", maxsplit=1)[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
   parser.add_argument(
-      "--out", help="where to write the PNG",
-      default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
-                           "lstm_exploding.png"))
+    "--steps",
+    type=number(int, 1),
+    default=1500,
+    help="training steps of each variant",
+  )
+  parser.add_argument(
+    "--seq-len",
+    type=number(int, 2),
+    default=100,
+    help="length of the adding problem's sequences",
+  )
+  parser.add_argument(
+    "--lr",
+    type=number(float, 0, open_low=True),
+    default=2e-2,
+    help="Adam's learning rate",
+  )
+  parser.add_argument(
+    "--seed",
+    type=number(int, 0, high=2**32),
+    default=0,
+    help="seed of the init and the data (the same for every variant)",
+  )
+  parser.add_argument(
+    "--init-scale",
+    type=number(float, 0, open_low=True),
+    default=INIT_SCALE,
+    help="the recurrent kernel's orthogonal init scale; 1 is "
+    "Flax's default, where gradients do not explode",
+  )
+  parser.add_argument(
+    "--variants",
+    default="all",
+    help="comma-separated, from: " + ", ".join(VARIANTS),
+  )
+  parser.add_argument(
+    "--out",
+    help="where to write the PNG",
+    default=os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), "out", "lstm_exploding.png"
+    ),
+  )
   args = parser.parse_args(argv)
-  args.names = (list(VARIANTS) if args.variants == "all" else
-                [n.strip() for n in args.variants.split(",") if n.strip()])
+  args.names = (
+    list(VARIANTS)
+    if args.variants == "all"
+    else [n.strip() for n in args.variants.split(",") if n.strip()]
+  )
   unknown = [n for n in args.names if n not in VARIANTS]
   if unknown or not args.names:
-    parser.error(f"argument --variants: unknown {unknown or 'none given'}; "
-                 f"choose from {', '.join(VARIANTS)}")
+    parser.error(
+      f"argument --variants: unknown {unknown or 'none given'}; "
+      f"choose from {', '.join(VARIANTS)}"
+    )
   return args
 
 
@@ -287,24 +364,34 @@ def main(argv=None):
   args = parse_args(argv)
   names = args.names
 
-  print(f"adding problem, sequence length {args.seq_len}; LSTM({HIDDEN}), "
-        f"recurrent init x{args.init_scale}, forget bias {FORGET_BIAS}; Adam "
-        f"lr {args.lr}; batch {BATCH}; {args.steps} steps; seed {args.seed}")
+  print(
+    f"adding problem, sequence length {args.seq_len}; LSTM({HIDDEN}), "
+    f"recurrent init x{args.init_scale}, forget bias {FORGET_BIAS}; Adam "
+    f"lr {args.lr}; batch {BATCH}; {args.steps} steps; seed {args.seed}"
+  )
   start = time.perf_counter()
-  losses, norms, clipped = train(names, args.steps, args.seq_len, args.lr,
-                                 args.seed, args.init_scale)
+  losses, norms, clipped = train(
+    names, args.steps, args.seq_len, args.lr, args.seed, args.init_scale
+  )
   rows = summarize(names, losses, norms, clipped)
   print()
   print(format_table(rows))
-  print(f"\nfinal loss: mean of the last 10% of steps. learned: a final loss "
-        f"below {BASELINE / 10:.3g}\n(predicting the mean scores "
-        f"{BASELINE:.3g}). diverged: a non-finite loss, or a final loss above "
-        f"{10 * BASELINE:.3g}.\nclip_value's pre-clip norm is its largest |g|; "
-        "guard's clipped steps are the steps it skipped.")
+  print(
+    f"\nfinal loss: mean of the last 10% of steps. learned: a final loss "
+    f"below {BASELINE / 10:.3g}\n(predicting the mean scores "
+    f"{BASELINE:.3g}). diverged: a non-finite loss, or a final loss above "
+    f"{10 * BASELINE:.3g}.\nclip_value's pre-clip norm is its largest |g|; "
+    "guard's clipped steps are the steps it skipped."
+  )
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  plot(names, losses, norms, args.out,
-       f"LSTM on the adding problem (T={args.seq_len}), recurrent init "
-       f"x{args.init_scale}, Adam lr {args.lr}, seed {args.seed}")
+  plot(
+    names,
+    losses,
+    norms,
+    args.out,
+    f"LSTM on the adding problem (T={args.seq_len}), recurrent init "
+    f"x{args.init_scale}, Adam lr {args.lr}, seed {args.seed}",
+  )
   print(f"plot: {os.path.abspath(args.out)}")
   print(f"took {time.perf_counter() - start:.0f} s")
 

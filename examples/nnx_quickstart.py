@@ -53,16 +53,30 @@ def train_step(model, optimizer, x, y):
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--steps", type=number(int, 1), default=300,
-                      help="training steps")
-  parser.add_argument("--seq-len", type=number(int, 2), default=50,
-                      help="length of the adding problem's sequences")
-  parser.add_argument("--lr", type=number(float, 0, open_low=True),
-                      default=1e-2, help="Adam's learning rate")
-  parser.add_argument("--seed", type=number(int, 0, high=2**32), default=0,
-                      help="seed of the init and the data")
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument(
+    "--steps", type=number(int, 1), default=300, help="training steps"
+  )
+  parser.add_argument(
+    "--seq-len",
+    type=number(int, 2),
+    default=50,
+    help="length of the adding problem's sequences",
+  )
+  parser.add_argument(
+    "--lr",
+    type=number(float, 0, open_low=True),
+    default=1e-2,
+    help="Adam's learning rate",
+  )
+  parser.add_argument(
+    "--seed",
+    type=number(int, 0, high=2**32),
+    default=0,
+    help="seed of the init and the data",
+  )
   return parser.parse_args(argv)
 
 
@@ -79,9 +93,11 @@ def main(argv=None):
     x, y = adding_batch(jax.random.fold_in(key, step), 32, args.seq_len)
     loss, stats = train_step(model, optimizer, x, y)
     if step % every == 0 or step == args.steps - 1:
-      print(f"step {step:4d}  loss {float(loss):.4f}  pre-clip norm "
-            f"{float(stats['clip_global/norm']):7.3f}  clipped "
-            f"{'yes' if stats['clip_global/clip_fraction'] > 0 else 'no'}")
+      print(
+        f"step {step:4d}  loss {float(loss):.4f}  pre-clip norm "
+        f"{float(stats['clip_global/norm']):7.3f}  clipped "
+        f"{'yes' if stats['clip_global/clip_fraction'] > 0 else 'no'}"
+      )
 
 
 if __name__ == "__main__":

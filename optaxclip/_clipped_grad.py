@@ -630,14 +630,7 @@ def dp_noise(
   )
   adaptive = target_quantile is not None
 
-  def init_fn(params):
-    del params
-    return DpNoiseState(
-      *_stats.zeros(3),
-      clip_norm=_stats.as_stat(l2_clip),
-      key=make_key(),
-      nonfinite=jnp.zeros((), jnp.int32),
-    )
+  init_fn = _per_example.noise_state_init(DpNoiseState, l2_clip, make_key)
 
   def update_fn(
     updates,

@@ -79,8 +79,7 @@ def _static_key(value: Any) -> Optional[Hashable]:
 
 def _raw_update(transformation) -> Callable:
   """The update function under :func:`jit_update`'s wrapper."""
-  return getattr(transformation.update, "__wrapped__",
-                 transformation.update)
+  return getattr(transformation.update, "__wrapped__", transformation.update)
 
 
 def _build_shared(factory: Callable, static: dict[str, Any]) -> Callable:
@@ -91,6 +90,7 @@ def _build_shared(factory: Callable, static: dict[str, Any]) -> Callable:
       warnings.simplefilter("ignore", DeprecationWarning)
       transformation = factory(**static, **dynamic)
     return _raw_update(transformation)(updates, state, params)
+
   return jax.jit(run)
 
 
@@ -111,10 +111,14 @@ def compiled_once(factory: Callable) -> Callable:
   def build(*args, **kwargs):
     transformation = factory(*args, **kwargs)
     arguments = signature.bind(*args, **kwargs).arguments
-    dynamic = {name: value for name, value in arguments.items()
-               if isinstance(value, jax.Array)}
-    static = {name: value for name, value in arguments.items()
-              if name not in dynamic}
+    dynamic = {
+      name: value
+      for name, value in arguments.items()
+      if isinstance(value, jax.Array)
+    }
+    static = {
+      name: value for name, value in arguments.items() if name not in dynamic
+    }
     keys = [(name, _static_key(value)) for name, value in static.items()]
     if any(key is None for _, key in keys):
       return transformation

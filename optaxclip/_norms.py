@@ -122,7 +122,7 @@ def _power(a: jax.Array, p: float) -> jax.Array:
     return a
   if p == 2:
     return a * a
-  return a ** p
+  return a**p
 
 
 def safe_root(s: jax.Array, p: float) -> jax.Array:
@@ -136,7 +136,6 @@ def safe_root(s: jax.Array, p: float) -> jax.Array:
   s_safe = jnp.where(positive, s, 1)
   root = jnp.sqrt(s_safe) if p == 2 else s_safe ** (1.0 / p)
   return jnp.where(positive, root, jnp.where(jnp.isnan(s), s, 0))
-
 
 
 # --------------------------------------------------------------------------
@@ -158,8 +157,9 @@ def _bits(dtype) -> tuple[Any, int, int]:
   info = jnp.finfo(dtype)
   ints = {4: jnp.int32, 8: jnp.int64}
   if np.dtype(dtype).itemsize not in ints:
-    raise TypeError(f"power-of-two scaling needs float32 or float64; "
-                    f"got {np.dtype(dtype)}")
+    raise TypeError(
+      f"power-of-two scaling needs float32 or float64; got {np.dtype(dtype)}"
+    )
   return ints[np.dtype(dtype).itemsize], int(info.nmant), int(info.maxexp) - 1
 
 
@@ -184,7 +184,8 @@ def pow2(k: jax.Array, dtype: Any) -> jax.Array:
   int_dtype, nmant, bias = _bits(dtype)
   field = jnp.clip(jnp.asarray(k).astype(int_dtype) + bias, 0, 2 * bias)
   return jax.lax.bitcast_convert_type(
-      jnp.left_shift(field, jnp.asarray(nmant, int_dtype)), dtype)
+    jnp.left_shift(field, jnp.asarray(nmant, int_dtype)), dtype
+  )
 
 
 def _exp_range(dtype) -> tuple[int, int]:
@@ -216,6 +217,7 @@ class Scaled(NamedTuple):
   outside its dtype's range (a norm of finite float32 values above 3.4e38, a
   clip factor below 2**-126). ``exponent`` is int32, of ``value``'s shape.
   """
+
   value: jax.Array
   exponent: jax.Array
 
@@ -243,6 +245,7 @@ def _normalized(x: Scaled) -> tuple[jax.Array, jax.Array]:
   e = exponent(x.value)
   e = jnp.where(e > jnp.finfo(x.value.dtype).maxexp, 0, e)
   return ldexp(x.value, -e, pieces=2), x.exponent + e
+
 
 def _safe_min(dtype: Any) -> float:
   """Smallest power sum (of any order) for which the direct sum is trusted."""
@@ -327,8 +330,9 @@ def _concatenable(x: jax.Array) -> bool:
   return x.size <= SMALL_LEAF_SIZE and not may_span_devices(x)
 
 
-def _sharded_flags(leaves, sharded, axis_name: AxisName = None
-                   ) -> list[tuple[str, ...]]:
+def _sharded_flags(
+  leaves, sharded, axis_name: AxisName = None
+) -> list[tuple[str, ...]]:
   """Per leaf, the names of ``axis_name`` it is split over (``sharded=None``:
   all of them, for every leaf).
   """
@@ -343,6 +347,7 @@ def _sharded_flags(leaves, sharded, axis_name: AxisName = None
 # Reductions: the fast power sum and the exact (scaled) one
 # --------------------------------------------------------------------------
 
+
 def _with_plain_derivative(fast, plain, n_args: int, n_static: int):
   """A function with ``fast``'s values and ``plain``'s derivatives.
 
@@ -352,8 +357,10 @@ def _with_plain_derivative(fast, plain, n_args: int, n_static: int):
   Derivatives of any order work: the rule's primal output is computed by
   the function itself, so differentiating the rule uses the rule again.
   """
-  @functools.partial(jax.custom_jvp, nondiff_argnums=tuple(
-      range(n_args - n_static, n_args)))
+
+  @functools.partial(
+    jax.custom_jvp, nondiff_argnums=tuple(range(n_args - n_static, n_args))
+  )
   def fn(*args):
     return fast(*args)
 
@@ -361,7 +368,8 @@ def _with_plain_derivative(fast, plain, n_args: int, n_static: int):
   def fn_jvp(*args):
     static, (primals, tangents) = args[:-2], args[-2:]
     return fn(*primals, *static), jax.jvp(
-        lambda *xs: plain(*xs, *static), primals, tangents)[1]
+      lambda *xs: plain(*xs, *static), primals, tangents
+    )[1]
 
   return fn
 
@@ -414,7 +422,8 @@ def _scaled_sum_fast(x, p, axes, dtype):
 
 
 _scaled_sum_custom = _with_plain_derivative(
-    _scaled_sum_fast, _scaled_sum_plain, n_args=4, n_static=3)
+  _scaled_sum_fast, _scaled_sum_plain, n_args=4, n_static=3
+)
 
 
 def _scaled_sum(x: jax.Array, p: float, axes, dtype):
@@ -453,8 +462,7 @@ def _across_devices(q, e, p, sharded, axis_name: AxisName):
   if not names:
     return q, e
   total_e = jax.lax.pmax(e, names)
-  return jax.lax.psum(q * _power(pow2(e - total_e, q.dtype), p),
-                      names), total_e
+  return jax.lax.psum(q * _power(pow2(e - total_e, q.dtype), p), names), total_e
 
 
 def _scaled_norm(q, e, p) -> Scaled:
@@ -475,8 +483,9 @@ def _flat_parts(arrays) -> list[jax.Array]:
 
 
 def _all(parts) -> jax.Array:
-  return functools.reduce(jnp.logical_and, [jnp.all(v) for v in parts],
-                          jnp.array(True))
+  return functools.reduce(
+    jnp.logical_and, [jnp.all(v) for v in parts], jnp.array(True)
+  )
 
 
 def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
@@ -487,6 +496,7 @@ def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
 # --------------------------------------------------------------------------
 # Unit norms
 # --------------------------------------------------------------------------
+
 
 def take_each(v: jax.Array) -> list[jax.Array]:
   """``[v[0], v[1], ...]`` for an array ``v``, as separate arrays.
@@ -507,7 +517,8 @@ def take_each(v: jax.Array) -> list[jax.Array]:
   b = math.isqrt(n - 1) + 1
   rest = v.shape[1:]
   grid = jnp.pad(v, [(0, b * b - n)] + [(0, 0)] * len(rest)).reshape(
-      (b, b) + rest)
+    (b, b) + rest
+  )
   eye = np.eye(b, dtype=bool)
   zero = jnp.zeros((), v.dtype)
   ones = (1,) * len(rest)
@@ -517,8 +528,9 @@ def take_each(v: jax.Array) -> list[jax.Array]:
     if r not in rows:
       mask = eye[r].reshape((b, 1) + ones)
       rows[r] = jnp.sum(jnp.where(mask, grid, zero), axis=0)
-    out.append(jnp.sum(jnp.where(eye[c].reshape((b,) + ones), rows[r], zero),
-                       axis=0))
+    out.append(
+      jnp.sum(jnp.where(eye[c].reshape((b,) + ones), rows[r], zero), axis=0)
+    )
   return out
 
 
@@ -551,7 +563,7 @@ class UnitLayout:
     self.parts = []
     groups = {}
     for i, (x, ax, key) in enumerate(zip(leaves, self.axes, keys)):
-      if (x.size == 0 or jnp.iscomplexobj(x) or not _concatenable(x)):
+      if x.size == 0 or jnp.iscomplexobj(x) or not _concatenable(x):
         self.parts.append(("leaf", i, key))
         continue
       unit = math.prod(x.shape[d] for d in ax)
@@ -580,15 +592,20 @@ class UnitLayout:
   @property
   def part_axes(self) -> list[tuple[int, ...]]:
     """Per part, the axes its units span."""
-    return [(1,) if kind == "rows" else self.axes[what]
-            for kind, what, _ in self.parts]
+    return [
+      (1,) if kind == "rows" else self.axes[what]
+      for kind, what, _ in self.parts
+    ]
 
   def _matrix(self, x, i, dtype):
     ax = self.axes[i]
     kept = [d for d in range(x.ndim) if d not in ax]
     unit = math.prod(x.shape[d] for d in ax)
-    x = jnp.transpose(x, kept + list(ax)) if kept and ax != tuple(
-        range(len(kept), x.ndim)) else x
+    x = (
+      jnp.transpose(x, kept + list(ax))
+      if kept and ax != tuple(range(len(kept), x.ndim))
+      else x
+    )
     return x.astype(dtype).reshape(-1, unit)
 
   def pack(self, leaves) -> list[jax.Array]:
@@ -617,8 +634,9 @@ class UnitLayout:
     return out
 
   def unit_shape(self, i) -> tuple[int, ...]:
-    return tuple(1 if d in self.axes[i] else n
-                 for d, n in enumerate(self.shapes[i]))
+    return tuple(
+      1 if d in self.axes[i] else n for d, n in enumerate(self.shapes[i])
+    )
 
   def pack_static(self, numbers) -> list[np.ndarray]:
     """Per-leaf numbers (one for all of a leaf's units) as per-part arrays
@@ -629,8 +647,9 @@ class UnitLayout:
       if kind == "leaf":
         out.append(np.asarray(numbers[what]))
       else:
-        out.append(np.concatenate([np.full((n, 1), numbers[i])
-                                   for i, _, n in what]))
+        out.append(
+          np.concatenate([np.full((n, 1), numbers[i]) for i, _, n in what])
+        )
     return out
 
   def leaf_vector(self, values, dtype) -> jax.Array:
@@ -656,8 +675,9 @@ class UnitLayout:
         out[what] = v
         continue
       if isinstance(v, Scaled):
-        pairs = zip(take_each(jnp.ravel(v.value)),
-                    take_each(jnp.ravel(v.exponent)))
+        pairs = zip(
+          take_each(jnp.ravel(v.value)), take_each(jnp.ravel(v.exponent))
+        )
         for (i, _, _), (value, e) in zip(what, pairs):
           shape = self.unit_shape(i)
           out[i] = Scaled(value.reshape(shape), e.reshape(shape))
@@ -676,15 +696,19 @@ class UnitLayout:
         out[what] = scale_leaf(leaves[what], f)
         continue
       members = [i for i, _, _ in what]
-      flat = (Scaled(jnp.ravel(f.value), jnp.ravel(f.exponent))
-              if isinstance(f, Scaled) else jnp.ravel(f))
+      flat = (
+        Scaled(jnp.ravel(f.value), jnp.ravel(f.exponent))
+        if isinstance(f, Scaled)
+        else jnp.ravel(f)
+      )
       for i, y in zip(members, scale_each([leaves[i] for i in members], flat)):
         out[i] = y
     return out
 
 
-def scale_each(leaves: Sequence[jax.Array],
-               factors: Union[jax.Array, Scaled]) -> list[jax.Array]:
+def scale_each(
+  leaves: Sequence[jax.Array], factors: Union[jax.Array, Scaled]
+) -> list[jax.Array]:
   """``[scale_leaf(x_i, factors[i])]`` for a vector of factors, one a leaf.
 
   The multipliers that scale_leaf applies one after the other are computed
@@ -701,41 +725,52 @@ def scale_each(leaves: Sequence[jax.Array],
     f = factors
     if len(members) < len(leaves):
       idx = np.asarray(members)
-      f = (Scaled(jnp.take(f.value, idx), jnp.take(f.exponent, idx))
-           if isinstance(f, Scaled) else jnp.take(f, idx))
+      f = (
+        Scaled(jnp.take(f.value, idx), jnp.take(f.exponent, idx))
+        if isinstance(f, Scaled)
+        else jnp.take(f, idx)
+      )
     columns = _multipliers(f, dtype)
-    rows = take_each(jnp.stack(
-        [jnp.ravel(m).astype(columns[0].dtype) for m in columns], axis=1))
+    rows = take_each(
+      jnp.stack(
+        [jnp.ravel(m).astype(columns[0].dtype) for m in columns], axis=1
+      )
+    )
     for i, row in zip(members, rows):
-      out[i] = _apply_multipliers(leaves[i],
-                                  [row[k] for k in range(len(columns))])
+      out[i] = _apply_multipliers(
+        leaves[i], [row[k] for k in range(len(columns))]
+      )
   return out
 
 
 def unit_norms(
-    leaves: Sequence[jax.Array],
-    ord: float = 2.0,
-    axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
-    *,
-    axis_name: AxisName = None,
-    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
+  leaves: Sequence[jax.Array],
+  ord: float = 2.0,
+  axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
+  *,
+  axis_name: AxisName = None,
+  sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> list[jax.Array]:
   """The p-norm of each unit of each leaf, with reduced axes kept as size 1.
 
   As :func:`unit_norms_scaled`, as plain arrays in the accumulation dtype
   (``inf`` where a norm of finite values exceeds its range).
   """
-  return [n.as_float() for n in unit_norms_scaled(
-      leaves, ord, axes, axis_name=axis_name, sharded=sharded)]
+  return [
+    n.as_float()
+    for n in unit_norms_scaled(
+      leaves, ord, axes, axis_name=axis_name, sharded=sharded
+    )
+  ]
 
 
 def unit_norms_scaled(
-    leaves: Sequence[jax.Array],
-    ord: float = 2.0,  # pylint: disable=redefined-builtin
-    axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
-    *,
-    axis_name: AxisName = None,
-    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
+  leaves: Sequence[jax.Array],
+  ord: float = 2.0,  # pylint: disable=redefined-builtin
+  axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
+  *,
+  axis_name: AxisName = None,
+  sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> list[Scaled]:
   """The p-norm of each unit of each leaf, with reduced axes kept as size 1.
 
@@ -763,19 +798,20 @@ def unit_norms_scaled(
   leaves = list(leaves)
   if not leaves:
     return []
-  layout, norms = unit_norms_packed(leaves, ord, axes, axis_name=axis_name,
-                                    sharded=sharded)
+  layout, norms = unit_norms_packed(
+    leaves, ord, axes, axis_name=axis_name, sharded=sharded
+  )
   return layout.unpack(norms)
 
 
 def unit_norms_packed(
-    leaves: Sequence[jax.Array],
-    ord: float = 2.0,
-    axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
-    *,
-    axis_name: AxisName = None,
-    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
-    keys: Optional[Sequence[Any]] = None,
+  leaves: Sequence[jax.Array],
+  ord: float = 2.0,
+  axes: Optional[Sequence[Optional[tuple[int, ...]]]] = None,
+  *,
+  axis_name: AxisName = None,
+  sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
+  keys: Optional[Sequence[Any]] = None,
 ) -> tuple[UnitLayout, list[Scaled]]:
   """:func:`unit_norms_scaled` as ``(layout, norms per part)`` (see UnitLayout).
 
@@ -787,35 +823,54 @@ def unit_norms_packed(
   flags = _sharded_flags(leaves, sharded, axis_name)
   keys = [None] * len(leaves) if keys is None else list(keys)
   layout = UnitLayout(leaves, axes, list(zip(flags, keys)))
-  return layout, _part_norms(layout.pack(leaves), ord, layout.part_axes,
-                             [f for f, _ in layout.keys], axis_name)
+  return layout, _part_norms(
+    layout.pack(leaves),
+    ord,
+    layout.part_axes,
+    [f for f, _ in layout.keys],
+    axis_name,
+  )
 
 
-def part_norms(layout: UnitLayout, leaves: Sequence[jax.Array],
-               ord: float = 2.0, *, axis_name: AxisName = None
-               ) -> list[Scaled]:
+def part_norms(
+  layout: UnitLayout,
+  leaves: Sequence[jax.Array],
+  ord: float = 2.0,
+  *,
+  axis_name: AxisName = None,
+) -> list[Scaled]:
   """Unit norms of other leaves of the same shapes (e.g. the parameters),
   per part of ``layout`` (from :func:`unit_norms_packed`).
   """
-  return _part_norms(layout.pack(list(leaves)), ord, layout.part_axes,
-                     [f for f, _ in layout.keys], axis_name)
+  return _part_norms(
+    layout.pack(list(leaves)),
+    ord,
+    layout.part_axes,
+    [f for f, _ in layout.keys],
+    axis_name,
+  )
 
 
 def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   """Unit norms of each part (keepdims); the body of unit_norms."""
+
   def maxima(parts_):
     return [
-        _pmax(jnp.max(magnitude(x), axis=ax, keepdims=True, initial=0), f)
-        for x, ax, f in zip(parts_, axes, flags)]
+      _pmax(jnp.max(magnitude(x), axis=ax, keepdims=True, initial=0), f)
+      for x, ax, f in zip(parts_, axes, flags)
+    ]
 
   if not parts:
     return []
   if math.isinf(p):
     return [as_scaled(m) for m in maxima(parts)]
 
-  sums = [_psum_sharded(_power_sum(x, p, ax, accumulation_dtype(x.dtype)), f,
-                        axis_name)
-          for x, ax, f in zip(parts, axes, flags)]
+  sums = [
+    _psum_sharded(
+      _power_sum(x, p, ax, accumulation_dtype(x.dtype)), f, axis_name
+    )
+    for x, ax, f in zip(parts, axes, flags)
+  ]
   # The checks run on all sums at once (one concatenation: the compiled
   # program does not grow with three checks per part). The bound of the
   # narrowest accumulation dtype serves all: a stricter bound only sends
@@ -839,8 +894,12 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   def fallback(parts_):
     # Zero sums are zero norms when their units' largest magnitude is 0 and
     # every other sum is trusted (one max pass); otherwise recompute.
-    settled = _all([g | (z & (m == 0)) for g, z, m in zip(
-        good, zero, _flat_parts(maxima(parts_)))])
+    settled = _all(
+      [
+        g | (z & (m == 0))
+        for g, z, m in zip(good, zero, _flat_parts(maxima(parts_)))
+      ]
+    )
     return jax.lax.cond(settled, direct, exact, parts_)
 
   return jax.lax.cond(_all(good), direct, fallback, parts)
@@ -849,6 +908,7 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
 # --------------------------------------------------------------------------
 # Global norm
 # --------------------------------------------------------------------------
+
 
 def _pieces(leaves, flags) -> list[tuple[jax.Array, bool]]:
   """The leaves as ``(array, sharded)`` pieces for a tree-wide reduction.
@@ -879,27 +939,28 @@ def _pieces(leaves, flags) -> list[tuple[jax.Array, bool]]:
 
 
 def global_norm(
-    leaves: Sequence[jax.Array],
-    ord: float = 2.0,
-    *,
-    axis_name: AxisName = None,
-    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
+  leaves: Sequence[jax.Array],
+  ord: float = 2.0,
+  *,
+  axis_name: AxisName = None,
+  sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> jax.Array:
   """The p-norm of all leaves taken together, as one vector.
 
   As :func:`global_norm_scaled`, as a plain scalar in the accumulation dtype
   (``inf`` where a norm of finite values exceeds its range).
   """
-  return global_norm_scaled(leaves, ord, axis_name=axis_name,
-                            sharded=sharded).as_float()
+  return global_norm_scaled(
+    leaves, ord, axis_name=axis_name, sharded=sharded
+  ).as_float()
 
 
 def global_norm_scaled(
-    leaves: Sequence[jax.Array],
-    ord: float = 2.0,  # pylint: disable=redefined-builtin
-    *,
-    axis_name: AxisName = None,
-    sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
+  leaves: Sequence[jax.Array],
+  ord: float = 2.0,  # pylint: disable=redefined-builtin
+  *,
+  axis_name: AxisName = None,
+  sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
 ) -> Scaled:
   """The p-norm of all leaves taken together, as one vector.
 
@@ -934,16 +995,19 @@ def global_norm_scaled(
     biggest = jnp.zeros((), dtype)
     for f, idx in groups.items():
       if idx:
-        local = functools.reduce(jnp.maximum, [
-            jnp.max(magnitude(arrays[i], dtype), initial=0) for i in idx])
+        local = functools.reduce(
+          jnp.maximum,
+          [jnp.max(magnitude(arrays[i], dtype), initial=0) for i in idx],
+        )
         biggest = jnp.maximum(biggest, _pmax(local, f))
     return as_scaled(biggest)
 
   total = jnp.zeros((), dtype)
   for f, idx in groups.items():
     if idx:
-      local = sum(_power_sum(arrays[i], p, None, dtype).reshape(())
-                  for i in idx)
+      local = sum(
+        _power_sum(arrays[i], p, None, dtype).reshape(()) for i in idx
+      )
       total = total + _psum_sharded(local, f, axis_name)
   # A sum at or above this bound cannot hide lost (underflowed) terms that
   # matter; below it, or when it overflowed, recompute exactly.
@@ -957,10 +1021,15 @@ def global_norm_scaled(
     parts = []
     for f, idx in groups.items():
       if idx:
-        q, e = _merge_scaled([
-            tuple(v.reshape(())
-                  for v in _scaled_sum(arrays_[i], p, None, dtype))
-            for i in idx], p)
+        q, e = _merge_scaled(
+          [
+            tuple(
+              v.reshape(()) for v in _scaled_sum(arrays_[i], p, None, dtype)
+            )
+            for i in idx
+          ],
+          p,
+        )
         parts.append(_across_devices(q, e, p, f, axis_name))
     return _scaled_norm(*_merge_scaled(parts, p), p)
 
@@ -969,21 +1038,26 @@ def global_norm_scaled(
 
 def _largest_and_count_plain(x, limit, dtype):
   a = magnitude(x, dtype)
-  return (jnp.max(a, initial=0).astype(jnp.float32),
-          jnp.sum(a > limit, dtype=jnp.float32))
+  return (
+    jnp.max(a, initial=0).astype(jnp.float32),
+    jnp.sum(a > limit, dtype=jnp.float32),
+  )
 
 
 def _largest_and_count_fast(x, limit, dtype):
   a = magnitude(x, dtype)
   zero = jnp.zeros((), jnp.float32)
   return jax.lax.reduce(
-      (a.astype(jnp.float32), (a > limit).astype(jnp.float32)), (zero, zero),
-      lambda u, v: (jnp.maximum(u[0], v[0]), u[1] + v[1]),
-      tuple(range(x.ndim)))
+    (a.astype(jnp.float32), (a > limit).astype(jnp.float32)),
+    (zero, zero),
+    lambda u, v: (jnp.maximum(u[0], v[0]), u[1] + v[1]),
+    tuple(range(x.ndim)),
+  )
 
 
 _largest_and_count_custom = _with_plain_derivative(
-    _largest_and_count_fast, _largest_and_count_plain, n_args=3, n_static=1)
+  _largest_and_count_fast, _largest_and_count_plain, n_args=3, n_static=1
+)
 
 
 def largest_and_count_above(x: jax.Array, limit: Any):
@@ -1047,18 +1121,27 @@ def _flat_scaled(norms: Sequence[Scaled]) -> list[Scaled]:
   ``ShardingTypeError``) raveled on their own.
   """
   local = [n for n in norms if not may_span_devices(n.value)]
-  parts = [Scaled(jnp.ravel(n.value), jnp.ravel(n.exponent))
-           for n in norms if may_span_devices(n.value)]
+  parts = [
+    Scaled(jnp.ravel(n.value), jnp.ravel(n.exponent))
+    for n in norms
+    if may_span_devices(n.value)
+  ]
   if local:
-    parts.append(Scaled(_flat_concat([n.value for n in local]),
-                        _flat_concat([n.exponent for n in local])))
+    parts.append(
+      Scaled(
+        _flat_concat([n.value for n in local]),
+        _flat_concat([n.exponent for n in local]),
+      )
+    )
   return parts
 
 
-def combine_norms(norms: Sequence[Union[jax.Array, Scaled]],
-                  ord: float = 2.0,  # pylint: disable=redefined-builtin
-                  *, across: Optional[Sequence[tuple[str, ...]]] = None
-                  ) -> jax.Array:
+def combine_norms(
+  norms: Sequence[Union[jax.Array, Scaled]],
+  ord: float = 2.0,  # pylint: disable=redefined-builtin
+  *,
+  across: Optional[Sequence[tuple[str, ...]]] = None,
+) -> jax.Array:
   """The p-norm of a set of unit norms: the norm of the whole they partition.
 
   Used for statistics: it costs a pass over the (small) norm arrays only.
@@ -1078,15 +1161,22 @@ def combine_norms(norms: Sequence[Union[jax.Array, Scaled]],
   parts = {names: _flat_scaled(members) for names, members in groups.items()}
 
   def over_devices(reduce_local, combine, collective):
-    return functools.reduce(combine, [
-        collective(functools.reduce(combine, [reduce_local(v) for v in own]),
-                   names) if names else
-        functools.reduce(combine, [reduce_local(v) for v in own])
-        for names, own in parts.items()])
+    return functools.reduce(
+      combine,
+      [
+        collective(
+          functools.reduce(combine, [reduce_local(v) for v in own]), names
+        )
+        if names
+        else functools.reduce(combine, [reduce_local(v) for v in own])
+        for names, own in parts.items()
+      ],
+    )
 
   if math.isinf(ord):
-    return over_devices(lambda n: jnp.max(n.as_float(), initial=0),
-                        jnp.maximum, jax.lax.pmax)
+    return over_devices(
+      lambda n: jnp.max(n.as_float(), initial=0), jnp.maximum, jax.lax.pmax
+    )
   # Each unit norm as m * 2**E (0.5 <= m < 1), all rescaled to the largest
   # E: exact powers of two, no division. Non-finite norms are added at the
   # end (inf or NaN), so that no inf * 0 appears.
@@ -1108,14 +1198,17 @@ def combine_norms(norms: Sequence[Union[jax.Array, Scaled]],
 
   total = over_devices(power_sum, jnp.add, jax.lax.psum)
   bad = over_devices(
-      lambda n: jnp.sum(jnp.where(jnp.isfinite(n.value), 0, n.value)),
-      jnp.add, jax.lax.psum)
+    lambda n: jnp.sum(jnp.where(jnp.isfinite(n.value), 0, n.value)),
+    jnp.add,
+    jax.lax.psum,
+  )
   top = jnp.where(total > 0, top, 0)
   return Scaled(safe_root(total, ord), top).as_float() + bad
 
 
-def clip_scale(norm: Union[jax.Array, Scaled],
-               limit: Union[Any, Scaled]) -> Scaled:
+def clip_scale(
+  norm: Union[jax.Array, Scaled], limit: Union[Any, Scaled]
+) -> Scaled:
   """``min(1, limit / norm)`` as a :class:`Scaled` factor, exact.
 
   Both may lie outside the dtype's range (``1e-3 / 1.4e37`` is below 2**-126
@@ -1135,12 +1228,16 @@ def clip_scale(norm: Union[jax.Array, Scaled],
   n_m, n_e = _normalized(norm)
   l_m, l_e = _normalized(limit)
   finite_limit = limit.value < jnp.inf
-  above = (n_m > 0) & finite_limit & (
-      (limit.value == 0) | (n_e > l_e) | ((n_e == l_e) & (n_m > l_m)))
+  above = (
+    (n_m > 0)
+    & finite_limit
+    & ((limit.value == 0) | (n_e > l_e) | ((n_e == l_e) & (n_m > l_m)))
+  )
   # Both operands masked: no inf (an infinite limit) or 0 in the branch
   # not taken, whose derivative would be 0 * inf = NaN.
-  value = jnp.where(above, jnp.where(above, l_m, 1) / jnp.where(above, n_m, 1),
-                    1)
+  value = jnp.where(
+    above, jnp.where(above, l_m, 1) / jnp.where(above, n_m, 1), 1
+  )
   bad = ~jnp.isfinite(norm.value) | jnp.isnan(limit.value)
   value = jnp.where(bad, jnp.nan, value).astype(dtype)
   return Scaled(value, jnp.where(above, l_e - n_e, 0))

@@ -13,7 +13,7 @@ The aggregation step is built from three named parts that
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import math
 from typing import Any, Literal, NamedTuple, Optional
 
@@ -186,6 +186,24 @@ def _scale_by_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
   a = jnp.ldexp(jnp.ones((), real), -half)
   b = jnp.ldexp(jnp.ones((), real), half - exponent)
   return x.astype(dtype) * _per_example(a, x) * _per_example(b, x)
+
+
+def noise_state_init(state_cls: type, l2_clip: Any, make_key: Callable):
+  """The ``init`` of a state laid out as :class:`ClipPerExampleState` (norm,
+  clipped_norm, clip_fraction, clip_norm, key, nonfinite): zero statistics,
+  the clip norm ``l2_clip`` and a fresh key. Shared with ``dp_noise``.
+  """
+
+  def init_fn(params):
+    del params
+    return state_cls(
+      *_stats.zeros(3),
+      clip_norm=_stats.as_stat(l2_clip),
+      key=make_key(),
+      nonfinite=jnp.zeros((), jnp.int32),
+    )
+
+  return init_fn
 
 
 def sum_clipped(
@@ -590,14 +608,7 @@ def clip_per_example(
   _checks.check_finite_with_noise(who, l2_clip, noise_multiplier)
   adaptive = target_quantile is not None
 
-  def init_fn(params):
-    del params
-    return ClipPerExampleState(
-      *_stats.zeros(3),
-      clip_norm=_stats.as_stat(l2_clip),
-      key=make_key(),
-      nonfinite=jnp.zeros((), jnp.int32),
-    )
+  init_fn = noise_state_init(ClipPerExampleState, l2_clip, make_key)
 
   def update_fn(updates, state, params=None):
     del params

@@ -37,18 +37,23 @@ class LeafSharding(NamedTuple):
     dims: per dimension, the names splitting it (from a PartitionSpec), or
       ``None`` when only ``axes`` is known.
   """
+
   axes: tuple[str, ...]
   dims: Optional[tuple[tuple[str, ...], ...]]
 
 
 def _entry(who, spec, axis_name, path, leaf) -> LeafSharding:
   ndim = getattr(leaf, "ndim", None)
-  return LeafSharding(*_checks.shard_spec(
-      who, spec, axis_name, jax.tree_util.keystr(path) or "<root>", ndim))
+  return LeafSharding(
+    *_checks.shard_spec(
+      who, spec, axis_name, jax.tree_util.keystr(path) or "<root>", ndim
+    )
+  )
 
 
-def resolve(updates: Any, sharded: Any, axis_name: Any,
-            who: str) -> list[LeafSharding]:
+def resolve(
+  updates: Any, sharded: Any, axis_name: Any, who: str
+) -> list[LeafSharding]:
   """Per leaf of ``updates`` (in ``jax.tree.leaves`` order), its sharding.
 
   Raises:
@@ -57,15 +62,20 @@ def resolve(updates: Any, sharded: Any, axis_name: Any,
   """
   with_path = jax.tree_util.tree_flatten_with_path(updates)[0]
   if _checks.is_shard_spec(sharded):
-    return [_entry(who, sharded, axis_name, path, leaf)
-            for path, leaf in with_path]
+    return [
+      _entry(who, sharded, axis_name, path, leaf) for path, leaf in with_path
+    ]
   if callable(sharded):
-    return [_entry(who, sharded(path, leaf), axis_name, path, leaf)
-            for path, leaf in with_path]
+    return [
+      _entry(who, sharded(path, leaf), axis_name, path, leaf)
+      for path, leaf in with_path
+    ]
   entries = {
-      tuple(path): spec for path, spec in
-      jax.tree_util.tree_flatten_with_path(
-          sharded, is_leaf=_checks.is_shard_spec)[0]}
+    tuple(path): spec
+    for path, spec in jax.tree_util.tree_flatten_with_path(
+      sharded, is_leaf=_checks.is_shard_spec
+    )[0]
+  }
   out = []
   for path, leaf in with_path:
     path = tuple(path)
@@ -75,14 +85,16 @@ def resolve(updates: Any, sharded: Any, axis_name: Any,
         break
     else:
       raise ValueError(
-          f"{who}: sharded must be a pytree prefix of the updates (an entry "
-          f"for every leaf); got none for the leaf "
-          f"{jax.tree_util.keystr(path) or '<root>'}.")
+        f"{who}: sharded must be a pytree prefix of the updates (an entry "
+        f"for every leaf); got none for the leaf "
+        f"{jax.tree_util.keystr(path) or '<root>'}."
+      )
   return out
 
 
-def axes_of(sharding: LeafSharding,
-            unit_axes: Optional[tuple[int, ...]]) -> tuple[str, ...]:
+def axes_of(
+  sharding: LeafSharding, unit_axes: Optional[tuple[int, ...]]
+) -> tuple[str, ...]:
   """The names over which the partial sums of a unit must be summed.
 
   Without dimensions (a bool or a tuple of names), every axis the leaf is
@@ -90,13 +102,14 @@ def axes_of(sharding: LeafSharding,
   """
   if sharding.dims is None:
     return sharding.axes
-  spanned = (range(len(sharding.dims)) if unit_axes is None else unit_axes)
+  spanned = range(len(sharding.dims)) if unit_axes is None else unit_axes
   names = {n for d in spanned for n in sharding.dims[d]}
   return tuple(n for n in sharding.axes if n in names)
 
 
-def other_axes(sharding: LeafSharding,
-               unit_axes: Optional[tuple[int, ...]]) -> tuple[str, ...]:
+def other_axes(
+  sharding: LeafSharding, unit_axes: Optional[tuple[int, ...]]
+) -> tuple[str, ...]:
   """The names that split a leaf across units (each device: other units)."""
   summed = axes_of(sharding, unit_axes)
   if sharding.dims is None:

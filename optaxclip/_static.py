@@ -35,6 +35,7 @@ class ClipValueState(NamedTuple):
       made NaN counts); in leaves of more than 65536 elements, estimated
       from every 257th element (see :func:`clip_value`).
   """
+
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
@@ -49,6 +50,7 @@ class ClipNormState(NamedTuple):
     clipped_norm: the same norm after clipping.
     clip_fraction: the share of units (leaves or slices) scaled down.
   """
+
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
@@ -63,6 +65,7 @@ class ClipGlobalState(NamedTuple):
     clipped_norm: the global ``ord``-norm after clipping.
     clip_fraction: 1.0 when the tree was scaled down, else 0.0.
   """
+
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
@@ -77,6 +80,7 @@ class ClipBlockRMSState(NamedTuple):
     clipped_norm: the global L2 norm after clipping.
     clip_fraction: the share of leaves scaled down.
   """
+
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
@@ -91,6 +95,7 @@ class ClipUnitwiseState(NamedTuple):
     clipped_norm: the global L2 norm after clipping.
     clip_fraction: the share of units scaled down.
   """
+
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
@@ -103,6 +108,7 @@ def _init_stats(state_cls):
   def init_fn(params):
     del params
     return state_cls(*_stats.zeros())
+
   return init_fn
 
 
@@ -117,8 +123,9 @@ def _fraction(numerator, denominator) -> jax.Array:
   return _stats.as_stat(numerator / max(denominator, 1))
 
 
-def sharded_flags(updates: Any, sharded: Sharded, who: str,
-                  axis_name: Any = None) -> list[tuple[str, ...]]:
+def sharded_flags(
+  updates: Any, sharded: Sharded, who: str, axis_name: Any = None
+) -> list[tuple[str, ...]]:
   """Per leaf of ``updates``, the names of ``axis_name`` it is split over.
 
   ``sharded`` is an entry for all leaves, a pytree prefix of entries or a
@@ -172,8 +179,9 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
     >>> round(float(state.clip_fraction), 4)
     0.6667
   """
-  _checks.check_number("max_delta", max_delta, who="clip_value", low=0.0,
-                       allow_inf=True)
+  _checks.check_number(
+    "max_delta", max_delta, who="clip_value", low=0.0, allow_inf=True
+  )
 
   def update_fn(updates, state, params=None):
     del params, state
@@ -198,8 +206,9 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
         factor = jnp.where(over, limit / jnp.where(over, mag, 1), 1) + poison
         out.append(_norms.scale_leaf(x, factor))
       else:
-        out.append(jnp.clip(x.astype(limit.dtype), -limit, limit
-                            ).astype(x.dtype))
+        out.append(
+          jnp.clip(x.astype(limit.dtype), -limit, limit).astype(x.dtype)
+        )
       largest = jnp.maximum(largest, biggest.astype(jnp.float32))
       # In the leaf's own dtype: a finite float64 may be inf in float32.
       finite = finite & (biggest < jnp.inf)
@@ -210,14 +219,17 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
       total += x.size
     limit = jnp.asarray(max_delta, jnp.float32)
     new_state = ClipValueState(
-        norm=_stats.as_stat(largest),
-        clipped_norm=_stats.as_stat(jnp.where(
-            finite, jnp.minimum(largest, limit), jnp.nan)),
-        clip_fraction=_fraction(clipped, total))
+      norm=_stats.as_stat(largest),
+      clipped_norm=_stats.as_stat(
+        jnp.where(finite, jnp.minimum(largest, limit), jnp.nan)
+      ),
+      clip_fraction=_fraction(clipped, total),
+    )
     return jax.tree.unflatten(treedef, out), new_state
 
   return optax.GradientTransformation(
-      _init_stats(ClipValueState), _compiled.jit_update(update_fn))
+    _init_stats(ClipValueState), _compiled.jit_update(update_fn)
+  )
 
 
 def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redefined-builtin
@@ -236,27 +248,34 @@ def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redef
   factors = [_norms.clip_scale(n, lim) for n, lim in zip(norms, limits)]
   out = layout.scale(leaves, factors)
   clipped_norms = [n * f for n, f in zip(norms, factors)]
-  scaled = sum((_norms._psum_sharded(  # noqa: SLF001
-      _norms.count(_norms.is_scaled_down(f)), names, names)
-                for f, names in zip(factors, across)),
-               jnp.zeros((), jnp.float32))
-  units = sum(n.value.size * _sharding.size(names)
-              for n, names in zip(norms, across))
-  stats = (_stats.as_stat(_norms.combine_norms(norms, ord, across=across)),
-           _stats.as_stat(_norms.combine_norms(clipped_norms, ord,
-                                               across=across)),
-           _fraction(scaled, units))
+  scaled = sum(
+    (
+      _norms._psum_sharded(  # noqa: SLF001
+        _norms.count(_norms.is_scaled_down(f)), names, names
+      )
+      for f, names in zip(factors, across)
+    ),
+    jnp.zeros((), jnp.float32),
+  )
+  units = sum(
+    n.value.size * _sharding.size(names) for n, names in zip(norms, across)
+  )
+  stats = (
+    _stats.as_stat(_norms.combine_norms(norms, ord, across=across)),
+    _stats.as_stat(_norms.combine_norms(clipped_norms, ord, across=across)),
+    _fraction(scaled, units),
+  )
   return out, stats
 
 
 @_compiled.compiled_once
 def clip_norm(
-    max_norm: Scalar,
-    *,
-    ord: Ord = None,
-    axis: Axis = None,
-    axis_name: AxisName = None,
-    sharded: Sharded = True,
+  max_norm: Scalar,
+  *,
+  ord: Ord = None,
+  axis: Axis = None,
+  axis_name: AxisName = None,
+  sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Clips each leaf (or each slice of it) to ``ord``-norm at most ``max_norm``.
 
@@ -316,28 +335,35 @@ def clip_norm(
     del params, state
     leaves, treedef = _flatten(updates, "clip_norm")
     paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
-    axes = [_checks.leaf_axes(who, axis, x, path)
-            for x, path in zip(leaves, paths)]
+    axes = [
+      _checks.leaf_axes(who, axis, x, path) for x, path in zip(leaves, paths)
+    ]
     splits = _sharding.resolve(updates, sharded, axis_name, "clip_norm")
     layout, norms = _norms.unit_norms_packed(
-        leaves, p, axes, axis_name=axis_name,
-        sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)],
-        keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
+      leaves,
+      p,
+      axes,
+      axis_name=axis_name,
+      sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)],
+      keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)],
+    )
     out, stats = _per_unit_clip(
-        leaves, layout, norms, [max_norm] * len(norms), p)
+      leaves, layout, norms, [max_norm] * len(norms), p
+    )
     return jax.tree.unflatten(treedef, out), ClipNormState(*stats)
 
   return optax.GradientTransformation(
-      _init_stats(ClipNormState), _compiled.jit_update(update_fn))
+    _init_stats(ClipNormState), _compiled.jit_update(update_fn)
+  )
 
 
 @_compiled.compiled_once
 def clip_global(
-    max_norm: Scalar,
-    *,
-    ord: Ord = None,
-    axis_name: AxisName = None,
-    sharded: Sharded = True,
+  max_norm: Scalar,
+  *,
+  ord: Ord = None,
+  axis_name: AxisName = None,
+  sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Scales the whole update to a global ``ord``-norm of at most ``max_norm``.
 
@@ -393,26 +419,31 @@ def clip_global(
     del params, state
     leaves, treedef = _flatten(updates, "clip_global")
     norm = _norms.global_norm_scaled(
-        leaves, p, axis_name=axis_name,
-        sharded=sharded_flags(updates, sharded, "clip_global", axis_name))
+      leaves,
+      p,
+      axis_name=axis_name,
+      sharded=sharded_flags(updates, sharded, "clip_global", axis_name),
+    )
     factor = _norms.clip_scale(norm, max_norm)
     out = [_norms.scale_leaf(x, factor) for x in leaves]
     new_state = ClipGlobalState(
-        norm=_stats.as_stat(norm.as_float()),
-        clipped_norm=_stats.as_stat((norm * factor).as_float()),
-        clip_fraction=_stats.as_stat(_norms.is_scaled_down(factor)))
+      norm=_stats.as_stat(norm.as_float()),
+      clipped_norm=_stats.as_stat((norm * factor).as_float()),
+      clip_fraction=_stats.as_stat(_norms.is_scaled_down(factor)),
+    )
     return jax.tree.unflatten(treedef, out), new_state
 
   return optax.GradientTransformation(
-      _init_stats(ClipGlobalState), _compiled.jit_update(update_fn))
+    _init_stats(ClipGlobalState), _compiled.jit_update(update_fn)
+  )
 
 
 @_compiled.compiled_once
 def clip_block_rms(
-    threshold: Scalar,
-    *,
-    axis_name: AxisName = None,
-    sharded: Sharded = True,
+  threshold: Scalar,
+  *,
+  axis_name: AxisName = None,
+  sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Clips each leaf to a root-mean-square of at most ``threshold``.
 
@@ -450,8 +481,7 @@ def clip_block_rms(
     Array([ 1., -1.,  1., -1.], dtype=float32)
   """
   who = "clip_block_rms"
-  _checks.check_number("threshold", threshold, who=who, low=0.0,
-                       allow_inf=True)
+  _checks.check_number("threshold", threshold, who=who, low=0.0, allow_inf=True)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
@@ -459,17 +489,24 @@ def clip_block_rms(
     leaves, treedef = _flatten(updates, "clip_block_rms")
     flags = sharded_flags(updates, sharded, "clip_block_rms", axis_name)
     layout, norms = _norms.unit_norms_packed(
-        leaves, 2.0, axis_name=axis_name, sharded=flags,
-        keys=[()] * len(leaves))
-    roots = layout.pack_static([math.sqrt(max(x.size * _sharding.size(f), 1))
-                                for x, f in zip(leaves, flags)])
-    limits = [jnp.asarray(threshold, n.value.dtype) * r.astype(n.value.dtype)
-              for r, n in zip(roots, norms)]
+      leaves, 2.0, axis_name=axis_name, sharded=flags, keys=[()] * len(leaves)
+    )
+    roots = layout.pack_static(
+      [
+        math.sqrt(max(x.size * _sharding.size(f), 1))
+        for x, f in zip(leaves, flags)
+      ]
+    )
+    limits = [
+      jnp.asarray(threshold, n.value.dtype) * r.astype(n.value.dtype)
+      for r, n in zip(roots, norms)
+    ]
     out, stats = _per_unit_clip(leaves, layout, norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipBlockRMSState(*stats)
 
   return optax.GradientTransformation(
-      _init_stats(ClipBlockRMSState), _compiled.jit_update(update_fn))
+    _init_stats(ClipBlockRMSState), _compiled.jit_update(update_fn)
+  )
 
 
 def default_unit_axes(x: jax.Array) -> Optional[tuple[int, ...]]:
@@ -513,8 +550,9 @@ def _unitwise_limit(w_norm, clipping, eps):
   # to the params would be inf * 0 = NaN.
   clipping = jnp.asarray(clipping, dtype)
   unlimited = clipping == jnp.inf
-  value = jnp.where(unlimited, jnp.inf,
-                    jnp.where(unlimited, 1, clipping) * value)
+  value = jnp.where(
+    unlimited, jnp.inf, jnp.where(unlimited, 1, clipping) * value
+  )
   return _norms.Scaled(value, jnp.where(small, 0, w_norm.exponent))
 
 
@@ -533,22 +571,23 @@ def _global_unit_axes(x, split: _sharding.LeafSharding, path: str):
     local = tuple(x.shape)
     if 1 in local and sum(d != 1 for d in local) <= 1:
       raise ValueError(
-          f"clip_unitwise: sharded must give the leaf {path} as a "
-          "PartitionSpec (or axis= must be given), since it is split over "
-          f"{split.axes} and its local shape {local} does not tell its "
-          "units; got a bool or axis names.")
+        f"clip_unitwise: sharded must give the leaf {path} as a "
+        "PartitionSpec (or axis= must be given), since it is split over "
+        f"{split.axes} and its local shape {local} does not tell its "
+        "units; got a bool or axis names."
+      )
     shape = local
   return _unit_axes_of_shape(shape)
 
 
 @_compiled.compiled_once
 def clip_unitwise(
-    clipping: Scalar = 0.01,
-    *,
-    eps: Scalar = 1e-3,
-    axis: Axis = None,
-    axis_name: AxisName = None,
-    sharded: Sharded = True,
+  clipping: Scalar = 0.01,
+  *,
+  eps: Scalar = 1e-3,
+  axis: Axis = None,
+  axis_name: AxisName = None,
+  sharded: Sharded = True,
 ) -> optax.GradientTransformation:
   """Adaptive gradient clipping: ``||g_u|| <= clipping * max(||w_u||, eps)``.
 
@@ -613,23 +652,32 @@ def clip_unitwise(
     try:
       param_leaves = [jnp.asarray(w) for w in treedef.flatten_up_to(params)]
     except (ValueError, TypeError) as err:
-      raise ValueError("clip_unitwise: params do not have the structure of "
-                       f"the updates: {err}") from None
+      raise ValueError(
+        f"clip_unitwise: params do not have the structure of the updates: {err}"
+      ) from None
     _checks.check_float_leaves(params, "clip_unitwise: params")
     paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
     splits = _sharding.resolve(updates, sharded, axis_name, "clip_unitwise")
-    axes = [_global_unit_axes(x, s, path) if axis is None
-            else _checks.leaf_axes(who, axis, x, path)
-            for x, s, path in zip(leaves, splits, paths)]
+    axes = [
+      _global_unit_axes(x, s, path)
+      if axis is None
+      else _checks.leaf_axes(who, axis, x, path)
+      for x, s, path in zip(leaves, splits, paths)
+    ]
     flags = [_sharding.axes_of(s, a) for s, a in zip(splits, axes)]
     layout, g_norms = _norms.unit_norms_packed(
-        leaves, 2.0, axes, axis_name=axis_name, sharded=flags,
-        keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)])
-    w_norms = _norms.part_norms(layout, param_leaves, 2.0,
-                                axis_name=axis_name)
+      leaves,
+      2.0,
+      axes,
+      axis_name=axis_name,
+      sharded=flags,
+      keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)],
+    )
+    w_norms = _norms.part_norms(layout, param_leaves, 2.0, axis_name=axis_name)
     limits = [_unitwise_limit(w, clipping, eps) for w in w_norms]
     out, stats = _per_unit_clip(leaves, layout, g_norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(*stats)
 
   return optax.GradientTransformation(
-      _init_stats(ClipUnitwiseState), _compiled.jit_update(update_fn))
+    _init_stats(ClipUnitwiseState), _compiled.jit_update(update_fn)
+  )

@@ -32,6 +32,7 @@ def register(short: str, stat_fields: tuple[str, ...] = CLIP_FIELDS):
     The decorator, which returns the class unchanged (but for its
     ``__module__``, set to ``optaxclip``, where the class is public).
   """
+
   def decorate(cls: type) -> type:
     missing = [f for f in stat_fields if f not in cls._fields]
     if missing:
@@ -39,6 +40,7 @@ def register(short: str, stat_fields: tuple[str, ...] = CLIP_FIELDS):
     cls.__module__ = "optaxclip"
     _REGISTRY[cls] = (short, tuple(stat_fields))
     return cls
+
   return decorate
 
 
@@ -71,7 +73,7 @@ def _unwrap(value: Any) -> Any:
   if isinstance(value, jax.Array):
     return value
   get_value = getattr(value, "get_value", None)  # flax >= 0.12: .value is
-  if callable(get_value):                         # deprecated.
+  if callable(get_value):  # deprecated.
     return get_value()
   return getattr(value, "value", value)
 
@@ -96,8 +98,8 @@ def _registered_states(tree: Any, path: tuple = ()):
     for name in node._fields:
       if name not in fields:  # statistics are arrays: nothing inside.
         found += _registered_states(
-            getattr(node, name),
-            where + (jax.tree_util.GetAttrKey(name),))
+          getattr(node, name), where + (jax.tree_util.GetAttrKey(name),)
+        )
   return found
 
 
@@ -152,18 +154,23 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
   prefixes = []
   for path, state in found:
     short, _ = _REGISTRY[type(state)]
-    prefixes.append(short if counts[short] == 1 else "/".join(
-        [_path_part(e) for e in path] + [short]))
+    prefixes.append(
+      short
+      if counts[short] == 1
+      else "/".join([_path_part(e) for e in path] + [short])
+    )
   repeated = {p for p, n in collections.Counter(prefixes).items() if n > 1}
   for i, (path, state) in enumerate(found):
     if prefixes[i] in repeated:
-      prefixes[i] = (f"{jax.tree_util.keystr(tuple(path))}/"
-                     f"{_REGISTRY[type(state)][0]}")
+      prefixes[i] = (
+        f"{jax.tree_util.keystr(tuple(path))}/{_REGISTRY[type(state)][0]}"
+      )
   clashes = [p for p, n in collections.Counter(prefixes).items() if n > 1]
   if clashes:
     raise ValueError(
-        f"stats: the states at {clashes[0]!r} must have distinct paths; got "
-        "paths that render alike.")
+      f"stats: the states at {clashes[0]!r} must have distinct paths; got "
+      "paths that render alike."
+    )
   out: dict[str, jax.Array] = {}
   for prefix, (_, state) in zip(prefixes, found):
     for field in _REGISTRY[type(state)][1]:
@@ -230,20 +237,26 @@ def upgrade_state(saved: Any, template: Any, *, _path: str = "") -> Any:
     ('ClipPerExampleState', 2.0, 0)
   """
   flat, treedef = jax.tree_util.tree_flatten_with_path(
-      template, is_leaf=lambda node: node is not template)
+    template, is_leaf=lambda node: node is not template
+  )
   if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a leaf
     if saved is _MISSING or saved is None or not hasattr(template, "shape"):
       return template
     value = jnp.asarray(saved)
     if value.shape != template.shape:
       raise ValueError(
-          f"upgrade_state: the saved value at {_path or '<root>'} must have "
-          f"the template's shape {template.shape}; got {value.shape}.")
+        f"upgrade_state: the saved value at {_path or '<root>'} must have "
+        f"the template's shape {template.shape}; got {value.shape}."
+      )
     return value.astype(template.dtype)
   children = []
   for path, child in flat:
     entry = path[0]
-    children.append(upgrade_state(
-        _child(saved, entry), child,
-        _path=_path + jax.tree_util.keystr((entry,))))
+    children.append(
+      upgrade_state(
+        _child(saved, entry),
+        child,
+        _path=_path + jax.tree_util.keystr((entry,)),
+      )
+    )
   return jax.tree_util.tree_unflatten(treedef, children)

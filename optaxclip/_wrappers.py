@@ -12,11 +12,11 @@ from optaxclip._typing import Scalar
 
 
 def clipped(
-    inner: optax.GradientTransformation,
-    *,
-    clipvalue: Optional[Scalar] = None,
-    clipnorm: Optional[Scalar] = None,
-    global_clipnorm: Optional[Scalar] = None,
+  inner: optax.GradientTransformation,
+  *,
+  clipvalue: Optional[Scalar] = None,
+  clipnorm: Optional[Scalar] = None,
+  global_clipnorm: Optional[Scalar] = None,
 ) -> optax.GradientTransformation:
   """Returns ``inner`` with Keras-style gradient clipping chained before it.
 
@@ -54,17 +54,27 @@ def clipped(
     Array([-0.6, -0.8], dtype=float32)
   """
   _checks.check_transformation("clipped", "inner", inner)
-  given = {name: value for name, value in (
-      ("clipvalue", clipvalue), ("clipnorm", clipnorm),
-      ("global_clipnorm", global_clipnorm)) if value is not None}
+  given = {
+    name: value
+    for name, value in (
+      ("clipvalue", clipvalue),
+      ("clipnorm", clipnorm),
+      ("global_clipnorm", global_clipnorm),
+    )
+    if value is not None
+  }
   if len(given) > 1:
     raise ValueError(
-        "clipped: at most one of clipvalue, clipnorm and global_clipnorm must"
-        f" be given, as Keras requires; got {', '.join(sorted(given))}.")
+      "clipped: at most one of clipvalue, clipnorm and global_clipnorm must"
+      f" be given, as Keras requires; got {', '.join(sorted(given))}."
+    )
   if not given:
     return inner
   name, value = next(iter(given.items()))
   _checks.check_number(name, value, who="clipped", low=0.0, allow_inf=True)
-  clipper = {"clipvalue": _static.clip_value, "clipnorm": _static.clip_norm,
-             "global_clipnorm": _static.clip_global}[name]
+  clipper = {
+    "clipvalue": _static.clip_value,
+    "clipnorm": _static.clip_norm,
+    "global_clipnorm": _static.clip_global,
+  }[name]
   return optax.chain(clipper(value), inner)

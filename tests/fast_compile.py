@@ -10,9 +10,9 @@ not know is dropped (falling back to the default compilation).
 import jax
 
 OPTIONS = {
-    "xla_backend_optimization_level": 0,
-    "xla_llvm_disable_expensive_passes": True,
-    "xla_cpu_use_fusion_emitters": False,
+  "xla_backend_optimization_level": 0,
+  "xla_llvm_disable_expensive_passes": True,
+  "xla_cpu_use_fusion_emitters": False,
 }
 
 

@@ -23,7 +23,7 @@ def pnorm(values, ord):
     return 0.0
   if math.isinf(ord):
     return float(a.max())
-  return float(np.sum(a ** ord) ** (1.0 / ord))
+  return float(np.sum(a**ord) ** (1.0 / ord))
 
 
 def tree_norm(leaves, ord=2.0):
@@ -33,6 +33,7 @@ def tree_norm(leaves, ord=2.0):
 
 
 # --- TensorFlow ---------------------------------------------------------------
+
 
 def tf_clip_by_value(t, clip_min, clip_max):
   """tf.clip_by_value: element-wise into [clip_min, clip_max]."""
@@ -57,6 +58,7 @@ def tf_clip_by_global_norm(ts, clip_norm):
 
 # --- Keras 3 (Optimizer arguments) --------------------------------------------
 
+
 def keras_clipvalue(grads, value):
   return [np.clip(f64(g), -value, value) for g in grads]
 
@@ -71,6 +73,7 @@ def keras_global_clipnorm(grads, norm):
 
 
 # --- PyTorch ------------------------------------------------------------------
+
 
 def torch_clip_grad_norm(grads, max_norm, norm_type=2.0):
   """torch.nn.utils.clip_grad_norm_: returns the clipped grads and total norm.
@@ -89,6 +92,7 @@ def torch_clip_grad_value(grads, clip_value):
 
 
 # --- optax (from its documented formulas) -------------------------------------
+
 
 def block_rms(u, threshold):
   """optax.clip_by_block_rms: ``u / max(1, rms(u) / threshold)``."""

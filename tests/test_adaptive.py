@@ -782,8 +782,9 @@ def test_percentile_state_from_release_0_1_continues_like_a_fresh_one():
   for g in (2.0, 1.0):
     _, state = update(global_tree(g), state)
   legacy = state._replace(
-      history=jnp.where(jnp.isinf(state.history), 0.0, state.history),
-      ordered=jnp.full_like(state.ordered, jnp.inf))
+    history=jnp.where(jnp.isinf(state.history), 0.0, state.history),
+    ordered=jnp.full_like(state.ordered, jnp.inf),
+  )
   for g in (3.0, 4.0, 0.5):
     out, state = update(global_tree(g), state)
     legacy_out, legacy = update(global_tree(g), legacy)

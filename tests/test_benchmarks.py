@@ -18,18 +18,28 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 STEP_ROWS = (
-    "one read pass alone (jitted sum of squares)", "adam + read (floor)",
-    "adam + scale (floor)",
-    "clip_global", "clip_global + stats()", "clip_norm", "clip_value",
-    "clip_block_rms", "clip_unitwise", "clip_zscore",
-    "clip_zscore(scope=leaf)", "clip_percentile", "clip_percentile(scope=leaf)",
-    "clip_relative", "guard(adam)")
+  "one read pass alone (jitted sum of squares)",
+  "adam + read (floor)",
+  "adam + scale (floor)",
+  "clip_global",
+  "clip_global + stats()",
+  "clip_norm",
+  "clip_value",
+  "clip_block_rms",
+  "clip_unitwise",
+  "clip_zscore",
+  "clip_zscore(scope=leaf)",
+  "clip_percentile",
+  "clip_percentile(scope=leaf)",
+  "clip_relative",
+  "guard(adam)",
+)
 OPTAX_TWINS = {
-    "clip_global": "optax.clip_by_global_norm",
-    "clip_value": "optax.clip",
-    "clip_block_rms": "optax.clip_by_block_rms",
-    "clip_unitwise": "optax.adaptive_grad_clip",
-    "guard(adam)": "optax.apply_if_finite",
+  "clip_global": "optax.clip_by_global_norm",
+  "clip_value": "optax.clip",
+  "clip_block_rms": "optax.clip_by_block_rms",
+  "clip_unitwise": "optax.adaptive_grad_clip",
+  "guard(adam)": "optax.apply_if_finite",
 }
 RATIO = re.compile(r"^(\d+\.\d+)x")
 
@@ -64,10 +74,20 @@ def test_quick_run_writes_a_sane_report(tmp_path):
   out = tmp_path / "RESULTS.md"
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   proc = subprocess.run(
-      [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick",
-       "--out", str(out)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-      check=False)
+    [
+      sys.executable,
+      str(ROOT / "benchmarks" / "run.py"),
+      "--quick",
+      "--out",
+      str(out),
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   text = out.read_text(encoding="utf-8")
   assert text == proc.stdout.rstrip("\n") + "\n"
@@ -87,11 +107,15 @@ def test_quick_run_writes_a_sane_report(tmp_path):
       if not name.startswith("one read pass alone"):
         temps = cells[6].split(" / ")
         assert float(temps[0]) >= 0, cells
-  compile_rows = next(rows for title, rows in tables.items()
-                      if title.startswith("Compile time"))
+  compile_rows = next(
+    rows for title, rows in tables.items() if title.startswith("Compile time")
+  )
   names = [cells[0].split(" (")[0] for cells in compile_rows]
-  assert names == ["adam", "chain(clip_global, adam)",
-                   "chain(optax.clip_by_global_norm, adam)"]
+  assert names == [
+    "adam",
+    "chain(clip_global, adam)",
+    "chain(optax.clip_by_global_norm, adam)",
+  ]
   for cells in compile_rows:
     assert float(cells[1]) > 0 and float(cells[2]) > 0
     _ratio(cells[3])
@@ -100,8 +124,9 @@ def test_quick_run_writes_a_sane_report(tmp_path):
   names = [cells[0] for cells in leaves_rows]
   assert names == list(_import("compile_time").CLIPPERS)
   for cells in leaves_rows:
-    seconds, ratio = re.fullmatch(r"(\d+\.\d\d) \((\d+\.\d\d)x\)",
-                                  cells[1]).groups()
+    seconds, ratio = re.fullmatch(
+      r"(\d+\.\d\d) \((\d+\.\d\d)x\)", cells[1]
+    ).groups()
     assert float(seconds) > 0 and float(ratio) > 0, cells
     assert cells[2] in (("",) if cells[0] == "adam" else ("yes", "no"))
 
@@ -126,15 +151,19 @@ def test_only_a_full_run_writes_the_committed_report():
   assert run.parse_args(["--quick"]).out == scratch
   assert run.parse_args(["--only", "a", "compile"]).out == scratch
   assert run.parse_args(["--quick", "--out", "x.md"]).out == pathlib.Path(
-      "x.md")
+    "x.md"
+  )
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["--only", "x"], "invalid choice: 'x'"),
     (["--only"], "expected at least one argument"),
     (["--rounds", "0"], "--rounds must be at least 1; got 0"),
     (["--leaf-counts", "0"], "--leaf-counts must be at least 1; got [0]"),
-])
+  ],
+)
 def test_bad_arguments_are_errors(argv, message, capsys):
   run = _import("run")
   with pytest.raises(SystemExit) as exit_info:
@@ -155,13 +184,29 @@ def test_help_says_how_long_a_run_takes(capsys):
 def test_floors_runs_at_a_tiny_size():
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   proc = subprocess.run(
-      [sys.executable, str(ROOT / "benchmarks" / "floors.py"), "--rounds",
-       "2", "--leaves", "3", "--size", "1000"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-      check=False)
+    [
+      sys.executable,
+      str(ROOT / "benchmarks" / "floors.py"),
+      "--rounds",
+      "2",
+      "--leaves",
+      "3",
+      "--size",
+      "1000",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = [_cells(line) for line in proc.stdout.splitlines()
-          if line.startswith("| ") and not line.startswith("| variant")]
+  rows = [
+    _cells(line)
+    for line in proc.stdout.splitlines()
+    if line.startswith("| ") and not line.startswith("| variant")
+  ]
   floors = _import("floors")
   assert [cells[0] for cells in rows] == list(floors.VARIANTS)
   for cells in rows:

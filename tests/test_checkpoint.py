@@ -25,9 +25,13 @@ def gradient_stream(seed=0):
   out = []
   for t in range(STEPS):
     scale = {5: 30.0, 9: 50.0, 13: 8.0}.get(t, 1.0)
-    g = {"dense": {"kernel": rng.standard_normal((4, 3)) * scale,
-                   "bias": rng.standard_normal(3)},
-         "scale": rng.standard_normal(()) * 0.1}
+    g = {
+      "dense": {
+        "kernel": rng.standard_normal((4, 3)) * scale,
+        "bias": rng.standard_normal(3),
+      },
+      "scale": rng.standard_normal(()) * 0.1,
+    }
     if t == 11:
       g["dense"]["bias"][0] = np.nan
     out.append(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g))
@@ -38,13 +42,20 @@ def test_orbax_round_trip_continues_bit_for_bit(tmp_path):
   # All four adaptive states in one optimizer state: the guard skips the NaN
   # step and the x50 spike (max_norm); the clippers see the other spikes.
   tx = optaxclip.guard(
-      optax.chain(optaxclip.clip_zscore(warmup_steps=3, scope="leaf"),
-                  optaxclip.clip_percentile(history=8),
-                  optaxclip.clip_relative(warmup_steps=3),
-                  optax.adam(1e-2)),
-      max_norm=125.0, spike_z=None, warmup_steps=3)
-  params = {"dense": {"kernel": jnp.zeros((4, 3)), "bias": jnp.zeros(3)},
-            "scale": jnp.ones(())}
+    optax.chain(
+      optaxclip.clip_zscore(warmup_steps=3, scope="leaf"),
+      optaxclip.clip_percentile(history=8),
+      optaxclip.clip_relative(warmup_steps=3),
+      optax.adam(1e-2),
+    ),
+    max_norm=125.0,
+    spike_z=None,
+    warmup_steps=3,
+  )
+  params = {
+    "dense": {"kernel": jnp.zeros((4, 3)), "bias": jnp.zeros(3)},
+    "scale": jnp.ones(()),
+  }
 
   def step_fn(params, state, g):
     updates, state = tx.update(g, state, params)
@@ -70,8 +81,9 @@ def test_orbax_round_trip_continues_bit_for_bit(tmp_path):
 
   # A fresh process rebuilds the optimizer and restores into its layout.
   fresh = tx.init(params)
-  target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                        {"params": params, "opt_state": fresh})
+  target = jax.tree.map(
+    ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": fresh}
+  )
   restored = checkpointer.restore(tmp_path / "ckpt", target)
   checkpointer.close()
   p, s = restored["params"], restored["opt_state"]
@@ -97,20 +109,26 @@ import make_checkpoint_fixture as fixture  # noqa: E402
 
 
 def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
-  saved = json.loads((FIXTURE_DIR / "checkpoint_0_1_0" / "stats.json")
-                     .read_text())
+  saved = json.loads(
+    (FIXTURE_DIR / "checkpoint_0_1_0" / "stats.json").read_text()
+  )
   chained, per_example = fixture.optimizers()
   p = fixture.params()
-  target = {"params": p, "opt_state": chained.init(p),
-            "per_example_state": per_example.init(p)}
+  target = {
+    "params": p,
+    "opt_state": chained.init(p),
+    "per_example_state": per_example.init(p),
+  }
   # States gained fields since 0.1.0 (clip_per_example's `nonfinite`, the
   # adaptive clippers' `restarts`, ...): restore without a target, then into
   # today's layout, the new fields at their initial values.
   checkpointer = ocp.StandardCheckpointer()
   restored = optaxclip.upgrade_state(
-      checkpointer.restore(
-          fixture.extract(FIXTURE_DIR / "checkpoint_0_1_0", tmp_path)),
-      target)
+    checkpointer.restore(
+      fixture.extract(FIXTURE_DIR / "checkpoint_0_1_0", tmp_path)
+    ),
+    target,
+  )
   checkpointer.close()
   assert jax.tree.structure(restored) == jax.tree.structure(target)
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
@@ -119,17 +137,27 @@ def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
   pe_state = restored["per_example_state"]
 
   # Into today's declared classes, every one of them.
-  for cls in (optaxclip.GuardState, optaxclip.ClipValueState,
-              optaxclip.ClipNormState, optaxclip.ClipGlobalState,
-              optaxclip.ClipBlockRMSState, optaxclip.ClipUnitwiseState,
-              optaxclip.ClipZscoreState, optaxclip.ClipPercentileState,
-              optaxclip.ClipRelativeState, optaxclip.ClipPerExampleState):
-    found = optax.tree_utils.tree_get_all_with_path((state, pe_state),
-                                                    cls.__name__)
+  for cls in (
+    optaxclip.GuardState,
+    optaxclip.ClipValueState,
+    optaxclip.ClipNormState,
+    optaxclip.ClipGlobalState,
+    optaxclip.ClipBlockRMSState,
+    optaxclip.ClipUnitwiseState,
+    optaxclip.ClipZscoreState,
+    optaxclip.ClipPercentileState,
+    optaxclip.ClipRelativeState,
+    optaxclip.ClipPerExampleState,
+  ):
+    found = optax.tree_utils.tree_get_all_with_path(
+      (state, pe_state), cls.__name__
+    )
     assert len(found) == 1 and isinstance(found[0][1], cls), cls
   logs = {**optaxclip.stats(state), **optaxclip.stats(pe_state)}
-  target_logs = {**optaxclip.stats(target["opt_state"]),
-                 **optaxclip.stats(target["per_example_state"])}
+  target_logs = {
+    **optaxclip.stats(target["opt_state"]),
+    **optaxclip.stats(target["per_example_state"]),
+  }
   # Every statistic saved is restored (new ones start at their initial value).
   assert set(saved["stats"]) <= set(logs)
   for key, value in saved["stats"].items():
@@ -143,26 +171,40 @@ def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
   # clippers see the steps the guard lets through; no step is NaN).
   before = state
   first = saved["steps"]
-  step = fast_compile.compile_fast(jax.jit(fixture.make_step()).lower(
-      p, state, pe_state, *fixture.gradients(first)))
+  step = fast_compile.compile_fast(
+    jax.jit(fixture.make_step()).lower(
+      p, state, pe_state, *fixture.gradients(first)
+    )
+  )
   for t in range(first, first + 3):
     p, state, pe_state = step(p, state, pe_state, *fixture.gradients(t))
   passed = 3 - (int(state.skipped) - int(before.skipped))
   assert int(state.nonfinite) == int(before.nonfinite)
-  assert int(state.inner_state[6].index) == (
-      int(before.inner_state[6].index) + passed) % 4
-  for leaf in jax.tree.leaves((p, optaxclip.stats(state),
-                               optaxclip.stats(pe_state))):
+  assert (
+    int(state.inner_state[6].index)
+    == (int(before.inner_state[6].index) + passed) % 4
+  )
+  for leaf in jax.tree.leaves(
+    (p, optaxclip.stats(state), optaxclip.stats(pe_state))
+  ):
     assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
   assert not np.array_equal(pe_state.key, saved["per_example_key"])
 
 
 def test_upgrade_state_casts_keeps_and_fills():
   template = optax.chain(optaxclip.clip_zscore(), optax.adam(1e-3)).init(
-      {"w": jnp.zeros(2)})
-  saved = [{"norm": np.float64(3.0), "count": np.int64(4),
-            "mean": 1.5, "var": 0.25, "clipped_norm": 2.0},  # no fraction...
-           jax.tree.map(np.asarray, template[1])]
+    {"w": jnp.zeros(2)}
+  )
+  saved = [
+    {
+      "norm": np.float64(3.0),
+      "count": np.int64(4),
+      "mean": 1.5,
+      "var": 0.25,
+      "clipped_norm": 2.0,
+    },  # no fraction...
+    jax.tree.map(np.asarray, template[1]),
+  ]
   state = optaxclip.upgrade_state(saved, template)
   assert jax.tree.structure(state) == jax.tree.structure(template)
   zscore = state[0]
@@ -173,10 +215,14 @@ def test_upgrade_state_casts_keeps_and_fills():
 
 
 def test_upgrade_state_names_a_shape_mismatch():
-  template = optaxclip.clip_relative().init({"a": jnp.zeros(2),
-                                             "b": jnp.zeros(2)})
+  template = optaxclip.clip_relative().init(
+    {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+  )
   saved = template._asdict() | {"gamma": np.ones(3)}
-  with pytest.raises(ValueError, match=r"^upgrade_state: the saved value at "
-                     r"\.gamma must have the template's shape \(2,\); got "
-                     r"\(3,\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"^upgrade_state: the saved value at "
+    r"\.gamma must have the template's shape \(2,\); got "
+    r"\(3,\)",
+  ):
     optaxclip.upgrade_state(saved, template)

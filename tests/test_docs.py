@@ -12,10 +12,12 @@ import optaxclip
 
 
 class DocsTest(absltest.TestCase):
-
   def test_every_public_function_has_a_doctest(self):
-    functions = [name for name in optaxclip.__all__
-                 if inspect.isfunction(getattr(optaxclip, name))]
+    functions = [
+      name
+      for name in optaxclip.__all__
+      if inspect.isfunction(getattr(optaxclip, name))
+    ]
     self.assertNotEmpty(functions)
     for name in functions:
       doc = inspect.getdoc(getattr(optaxclip, name)) or ""

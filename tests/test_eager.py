@@ -19,18 +19,19 @@ import optaxclip
 GRADS = {"w": jnp.array([[3.0, -4.0], [0.5, 2.0]]), "b": jnp.array([0.1, -0.2])}
 
 TRANSFORMATIONS = {
-    "clip_value": lambda: optaxclip.clip_value(0.5),
-    "clip_norm": lambda: optaxclip.clip_norm(1.0),
-    "clip_global": lambda: optaxclip.clip_global(1.0),
-    "clip_block_rms": lambda: optaxclip.clip_block_rms(0.3),
-    "clip_unitwise": lambda: optaxclip.clip_unitwise(0.1),
-    "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=1),
-    "clip_percentile": lambda: optaxclip.clip_percentile(10.0),
-    "clip_relative": optaxclip.clip_relative,
-    "guard": lambda: optaxclip.guard(optax.adam(1e-2)),
-    "clipped": lambda: optaxclip.clipped(optax.adam(1e-2), global_clipnorm=1.0),
-    "clip_per_example": lambda: optaxclip.clip_per_example(
-        1.0, noise_multiplier=0.2, target_quantile=0.5),
+  "clip_value": lambda: optaxclip.clip_value(0.5),
+  "clip_norm": lambda: optaxclip.clip_norm(1.0),
+  "clip_global": lambda: optaxclip.clip_global(1.0),
+  "clip_block_rms": lambda: optaxclip.clip_block_rms(0.3),
+  "clip_unitwise": lambda: optaxclip.clip_unitwise(0.1),
+  "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=1),
+  "clip_percentile": lambda: optaxclip.clip_percentile(10.0),
+  "clip_relative": optaxclip.clip_relative,
+  "guard": lambda: optaxclip.guard(optax.adam(1e-2)),
+  "clipped": lambda: optaxclip.clipped(optax.adam(1e-2), global_clipnorm=1.0),
+  "clip_per_example": lambda: optaxclip.clip_per_example(
+    1.0, noise_multiplier=0.2, target_quantile=0.5
+  ),
 }
 
 
@@ -42,8 +43,9 @@ def _gradients(name, scale):
 
 
 def _compile_messages(records):
-  return [r.getMessage() for r in records
-          if r.getMessage().startswith("Compiling")]
+  return [
+    r.getMessage() for r in records if r.getMessage().startswith("Compiling")
+  ]
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
@@ -60,7 +62,8 @@ def test_second_eager_update_does_not_compile(name, caplog):
       updates, state = tx.update(grads, state, GRADS)
       jax.block_until_ready(updates)
   assert not _compile_messages(caplog.records), _compile_messages(
-      caplog.records)
+    caplog.records
+  )
   assert jax.tree.structure(updates) == jax.tree.structure(first)
   for leaf in jax.tree.leaves(updates):
     assert np.all(np.isfinite(np.asarray(leaf)))
@@ -86,9 +89,12 @@ def test_eager_update_with_a_function_in_extra_args():
     return jnp.sum(params["w"] ** 2)
 
   inner = optax.GradientTransformationExtraArgs(
-      lambda params: optax.EmptyState(),
-      lambda updates, state, params=None, *, value_fn=None, **_: (
-          jax.tree.map(lambda g: g * value_fn(params), updates), state))
+    lambda params: optax.EmptyState(),
+    lambda updates, state, params=None, *, value_fn=None, **_: (
+      jax.tree.map(lambda g: g * value_fn(params), updates),
+      state,
+    ),
+  )
   tx = optaxclip.guard(inner)
   state = tx.init(GRADS)
   updates, state = tx.update(GRADS, state, GRADS, value_fn=value_fn)
@@ -101,31 +107,43 @@ def test_eager_update_with_a_function_in_extra_args():
 # with the hyperparameters as fresh arrays: the compiled update must be
 # shared between those builds (it recompiled at every call: 120-300 ms).
 INJECTED = {
-    "clip_value": (optaxclip.clip_value, {"max_delta": 0.5}, ()),
-    "clip_norm": (optaxclip.clip_norm, {"max_norm": 1.0}, ()),
-    "clip_global": (optaxclip.clip_global, {"max_norm": 1.0}, ()),
-    "clip_block_rms": (optaxclip.clip_block_rms, {"threshold": 0.3}, ()),
-    "clip_unitwise": (optaxclip.clip_unitwise,
-                      {"clipping": 0.1, "eps": 1e-3}, ()),
-    "clip_zscore": (optaxclip.clip_zscore,
-                    {"warmup_steps": 1, "z_thresh": 2.0}, ()),
-    "clip_percentile": (optaxclip.clip_percentile,
-                        {"percentile": 10.0, "history": 4}, ("history",)),
-    "clip_relative": (optaxclip.clip_relative,
-                      {"factor": 1.5, "warmup_steps": 1}, ()),
-    "guard": (optaxclip.guard,
-              {"inner": optax.sgd(1e-2), "max_norm": 10.0}, ()),
-    "clip_per_example": (optaxclip.clip_per_example,
-                         {"l2_clip": 1.0, "noise_multiplier": 0.2,
-                          "target_quantile": 0.5}, ()),
+  "clip_value": (optaxclip.clip_value, {"max_delta": 0.5}, ()),
+  "clip_norm": (optaxclip.clip_norm, {"max_norm": 1.0}, ()),
+  "clip_global": (optaxclip.clip_global, {"max_norm": 1.0}, ()),
+  "clip_block_rms": (optaxclip.clip_block_rms, {"threshold": 0.3}, ()),
+  "clip_unitwise": (
+    optaxclip.clip_unitwise,
+    {"clipping": 0.1, "eps": 1e-3},
+    (),
+  ),
+  "clip_zscore": (
+    optaxclip.clip_zscore,
+    {"warmup_steps": 1, "z_thresh": 2.0},
+    (),
+  ),
+  "clip_percentile": (
+    optaxclip.clip_percentile,
+    {"percentile": 10.0, "history": 4},
+    ("history",),
+  ),
+  "clip_relative": (
+    optaxclip.clip_relative,
+    {"factor": 1.5, "warmup_steps": 1},
+    (),
+  ),
+  "guard": (optaxclip.guard, {"inner": optax.sgd(1e-2), "max_norm": 10.0}, ()),
+  "clip_per_example": (
+    optaxclip.clip_per_example,
+    {"l2_clip": 1.0, "noise_multiplier": 0.2, "target_quantile": 0.5},
+    (),
+  ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(INJECTED))
 def test_second_eager_injected_update_does_not_compile(name, caplog):
   factory, hyperparams, static_args = INJECTED[name]
-  tx = optax.inject_hyperparams(factory, static_args=static_args)(
-      **hyperparams)
+  tx = optax.inject_hyperparams(factory, static_args=static_args)(**hyperparams)
   state = tx.init(GRADS)
   later = [_gradients(name, scale) for scale in (2.0, 0.5)]
   with jax.log_compiles(True), caplog.at_level(logging.WARNING):
@@ -135,23 +153,23 @@ def test_second_eager_injected_update_does_not_compile(name, caplog):
       updates, state = tx.update(grads, state, GRADS)
       jax.block_until_ready(updates)
   assert not _compile_messages(caplog.records), _compile_messages(
-      caplog.records)
+    caplog.records
+  )
   for leaf in jax.tree.leaves(updates):
     assert np.all(np.isfinite(np.asarray(leaf)))
 
 
-def test_injected_hyperparameter_change_takes_effect_without_compiling(
-    caplog):
+def test_injected_hyperparameter_change_takes_effect_without_compiling(caplog):
   tx = optax.inject_hyperparams(optaxclip.clip_global)(max_norm=1.0)
   state = tx.init(GRADS)
   _, state = tx.update(GRADS, state)
   state.hyperparams["max_norm"] = jnp.full_like(
-      state.hyperparams["max_norm"], 2.0)
+    state.hyperparams["max_norm"], 2.0
+  )
   with jax.log_compiles(True), caplog.at_level(logging.WARNING):
     updates, state = tx.update(GRADS, state)
   assert not _compile_messages(caplog.records)
-  np.testing.assert_allclose(float(optax.tree.norm(updates)), 2.0,
-                             rtol=1e-6)
+  np.testing.assert_allclose(float(optax.tree.norm(updates)), 2.0, rtol=1e-6)
 
 
 def test_equal_configurations_share_one_compiled_update(caplog):

@@ -17,18 +17,27 @@ import optaxclip
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 # The guides moved from the README to the Sphinx site keep their code tested.
-GUIDES = {path.name: path.read_text(encoding="utf-8")
-          for path in sorted((ROOT / "docs").glob("*.md"))}
+GUIDES = {
+  path.name: path.read_text(encoding="utf-8")
+  for path in sorted((ROOT / "docs").glob("*.md"))
+}
 
 
 def _run_script(path, *args, cwd):
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
-      filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+    filter(None, (str(ROOT), env.get("PYTHONPATH")))
+  )
   env["JAX_PLATFORMS"] = "cpu"
   result = subprocess.run(
-      [sys.executable, str(ROOT / path), *args], cwd=cwd, env=env,
-      capture_output=True, text=True, timeout=300, check=False)
+    [sys.executable, str(ROOT / path), *args],
+    cwd=cwd,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert result.returncode == 0, result.stdout + result.stderr
   return result.stdout
 
@@ -48,17 +57,29 @@ def _load(path):
 
 def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
   out = tmp_path / "plots" / "lstm.png"
-  stdout = _run_script("examples/lstm_exploding.py", "--steps", "20",
-                       "--out", str(out), cwd=tmp_path)
-  header = re.search(r"^variant +final loss +best loss +max pre-clip norm "
-                     r"+steps clipped +diverged +learned$", stdout, re.M)
+  stdout = _run_script(
+    "examples/lstm_exploding.py",
+    "--steps",
+    "20",
+    "--out",
+    str(out),
+    cwd=tmp_path,
+  )
+  header = re.search(
+    r"^variant +final loss +best loss +max pre-clip norm "
+    r"+steps clipped +diverged +learned$",
+    stdout,
+    re.M,
+  )
   assert header, stdout
   variants = _load(ROOT / "examples" / "lstm_exploding.py").VARIANTS
   rows = {}
   for name in variants:
     row = re.search(
-        rf"^{name} +(\S+) +(\S+) +(\S+) +(\d+)% +(yes|no) +(yes|no)$",
-        stdout, re.M)
+      rf"^{name} +(\S+) +(\S+) +(\S+) +(\d+)% +(yes|no) +(yes|no)$",
+      stdout,
+      re.M,
+    )
     assert row, f"no row for {name}:\n{stdout}"
     rows[name] = row.groups()
   for name, (final, best, norm, _, diverged, _) in rows.items():
@@ -73,8 +94,14 @@ def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
 
 
 def test_nnx_quickstart_prints_the_pre_clip_norm(tmp_path):
-  stdout = _run_script("examples/nnx_quickstart.py", "--steps", "5",
-                       "--seq-len", "10", cwd=tmp_path)
+  stdout = _run_script(
+    "examples/nnx_quickstart.py",
+    "--steps",
+    "5",
+    "--seq-len",
+    "10",
+    cwd=tmp_path,
+  )
   norms = re.findall(r"pre-clip norm +(\S+) +clipped (yes|no)", stdout)
   assert len(norms) == 5, stdout
   assert all(math.isfinite(float(n)) and float(n) > 0 for n, _ in norms)
@@ -101,8 +128,9 @@ def test_readme_python_blocks_run(capsys):
 
 
 def test_docs_python_blocks_run():
-  ran = {name: _run_blocks(text, f"docs/{name}")
-         for name, text in GUIDES.items()}
+  ran = {
+    name: _run_blocks(text, f"docs/{name}") for name, text in GUIDES.items()
+  }
   # The guides moved from the README keep their examples.
   for guide in ("migrating.md", "which_clipper.md", "many_devices.md"):
     assert ran[guide] >= 1, ran
@@ -110,31 +138,36 @@ def test_docs_python_blocks_run():
 
 def test_readme_has_the_two_setup_commands_verbatim():
   lines = README.splitlines()
-  assert ('python -m pip install -e ".[examples]" && '
-          "python examples/lstm_exploding.py") in lines
+  assert (
+    'python -m pip install -e ".[examples]" && '
+    "python examples/lstm_exploding.py"
+  ) in lines
   assert 'python -m pip install -e ".[test]" && python -m pytest' in lines
 
 
 def test_readme_has_the_docs_preview_command():
   # The same build as .ci/run's, warnings as errors.
-  assert ('python -m pip install -e ".[docs]" && '
-          "python -m sphinx -W -b html docs docs/_build/html") in (
-              README.splitlines())
+  assert (
+    'python -m pip install -e ".[docs]" && '
+    "python -m sphinx -W -b html docs docs/_build/html"
+  ) in (README.splitlines())
   assert "-m sphinx -W " in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 
 
 def test_readme_links_to_every_docs_page():
   for page in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "docs/api.rst"]:
     if page.stem in ("index", "changelog", "contributing") or (
-        page.stem.startswith("benchmark_")):
+      page.stem.startswith("benchmark_")
+    ):
       continue  # reached from the docs' index and from the guides
     assert f"](docs/{page.name})" in README, page.name
 
 
 def test_api_reference_documents_every_public_name():
   api = (ROOT / "docs" / "api.rst").read_text(encoding="utf-8")
-  documented = set(re.findall(r"^\.\. auto(?:function|class):: (\w+)$", api,
-                              re.M))
+  documented = set(
+    re.findall(r"^\.\. auto(?:function|class):: (\w+)$", api, re.M)
+  )
   missing = sorted(set(optaxclip.__all__) - documented)
   assert not missing, f"docs/api.rst does not document {missing}"
   unknown = sorted(documented - set(optaxclip.__all__))

@@ -55,27 +55,56 @@ def test_every_flag_has_help_with_its_default(name, capsys):
 
 
 BAD = [
-    ("lstm_exploding", ["--steps", "0"],
-     "argument --steps: must be a whole number >= 1; got '0'"),
-    ("lstm_exploding", ["--seq-len", "1"],
-     "argument --seq-len: must be a whole number >= 2; got '1'"),
-    ("lstm_exploding", ["--lr", "nan"],
-     "argument --lr: must be a number > 0; got 'nan'"),
-    ("lstm_exploding", ["--init-scale", "-1"],
-     "argument --init-scale: must be a number > 0; got '-1'"),
-    ("lstm_exploding", ["--seed", "-1"],
-     ("argument --seed: must be a whole number >= 0 and < 4294967296; "
-      "got '-1'")),
-    ("lstm_exploding", ["--variants", "clip_global,nope"],
-     "argument --variants: unknown ['nope']"),
-    ("lstm_exploding", ["--variants", ","],
-     "argument --variants: unknown none given"),
-    ("adaptive_spikes", ["--steps", "ten"],
-     "argument --steps: must be a whole number >= 1; got 'ten'"),
-    ("nnx_quickstart", ["--lr", "0"],
-     "argument --lr: must be a number > 0; got '0'"),
-    ("nnx_quickstart", ["--seq-len", "1.5"],
-     "argument --seq-len: must be a whole number >= 2; got '1.5'"),
+  (
+    "lstm_exploding",
+    ["--steps", "0"],
+    "argument --steps: must be a whole number >= 1; got '0'",
+  ),
+  (
+    "lstm_exploding",
+    ["--seq-len", "1"],
+    "argument --seq-len: must be a whole number >= 2; got '1'",
+  ),
+  (
+    "lstm_exploding",
+    ["--lr", "nan"],
+    "argument --lr: must be a number > 0; got 'nan'",
+  ),
+  (
+    "lstm_exploding",
+    ["--init-scale", "-1"],
+    "argument --init-scale: must be a number > 0; got '-1'",
+  ),
+  (
+    "lstm_exploding",
+    ["--seed", "-1"],
+    ("argument --seed: must be a whole number >= 0 and < 4294967296; got '-1'"),
+  ),
+  (
+    "lstm_exploding",
+    ["--variants", "clip_global,nope"],
+    "argument --variants: unknown ['nope']",
+  ),
+  (
+    "lstm_exploding",
+    ["--variants", ","],
+    "argument --variants: unknown none given",
+  ),
+  (
+    "adaptive_spikes",
+    ["--steps", "ten"],
+    "argument --steps: must be a whole number >= 1; got 'ten'",
+  ),
+  (
+    "nnx_quickstart",
+    ["--lr", "0"],
+    "argument --lr: must be a number > 0; got '0'",
+  ),
+  (
+    "nnx_quickstart",
+    ["--seq-len", "1.5"],
+    "argument --seq-len: must be a whole number >= 2; got '1.5'",
+  ),
 ]
 
 

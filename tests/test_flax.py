@@ -26,14 +26,12 @@ def _data():
 
 
 class _Mlp(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return nn.Dense(1)(nn.tanh(nn.Dense(8)(x)))
 
 
 class _NnxMlp(nnx.Module):
-
   def __init__(self, rngs):
     self.hidden = nnx.Linear(4, 8, rngs=rngs)
     self.out = nnx.Linear(8, 1, rngs=rngs)
@@ -46,20 +44,21 @@ def _check_logs(test, logs, grads):
   true_norm = np_refs.tree_norm([np.asarray(g) for g in jax.tree.leaves(grads)])
   test.assertGreater(true_norm, MAX_NORM)
   np.testing.assert_allclose(logs["clip_global/norm"], true_norm, rtol=1e-5)
-  np.testing.assert_allclose(logs["clip_global/clipped_norm"], MAX_NORM,
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    logs["clip_global/clipped_norm"], MAX_NORM, rtol=1e-5
+  )
   test.assertEqual(float(logs["clip_global/clip_fraction"]), 1.0)
 
 
 class FlaxTest(absltest.TestCase):
-
   def test_linen_train_state(self):
     x, y = _data()
     model = _Mlp()
     params = model.init(jax.random.key(0), x)
     tx = optax.chain(optaxclip.clip_global(MAX_NORM), optax.adam(1e-3))
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                          tx=tx)
+    state = train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=tx
+    )
     traces = []
 
     @jax.jit
@@ -82,8 +81,9 @@ class FlaxTest(absltest.TestCase):
         for k, v in optaxclip.stats(source).items():
           np.testing.assert_array_equal(v, logs[k])
       # adam moved every parameter by about its learning rate.
-      delta = jax.tree.map(lambda a, b: np.max(np.abs(a - b)),
-                           state.params, old_params)
+      delta = jax.tree.map(
+        lambda a, b: np.max(np.abs(a - b)), state.params, old_params
+      )
       self.assertTrue(all(0 < d <= 1.1e-3 for d in jax.tree.leaves(delta)))
     self.assertTrue(np.isfinite(float(loss)))
     self.assertLen(traces, 1)

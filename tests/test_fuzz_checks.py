@@ -27,18 +27,19 @@ MASK = {"w": True, "b": False}
 
 # name -> a transformation and the registered state classes it holds.
 LEAVES = {
-    "clip_value": lambda: optaxclip.clip_value(1.0),
-    "clip_norm": lambda: optaxclip.clip_norm(1.0),
-    "clip_global": lambda: optaxclip.clip_global(1.0),
-    "clip_block_rms": lambda: optaxclip.clip_block_rms(1.0),
-    "clip_unitwise": lambda: optaxclip.clip_unitwise(0.1),
-    "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=1),
-    "clip_percentile": lambda: optaxclip.clip_percentile(history=2),
-    "clip_relative": lambda: optaxclip.clip_relative(warmup_steps=1),
-    "injected": lambda: optax.inject_hyperparams(optaxclip.clip_global)(
-        max_norm=1.0),
-    "sgd": lambda: optax.sgd(0.1),
-    "identity": optax.identity,
+  "clip_value": lambda: optaxclip.clip_value(1.0),
+  "clip_norm": lambda: optaxclip.clip_norm(1.0),
+  "clip_global": lambda: optaxclip.clip_global(1.0),
+  "clip_block_rms": lambda: optaxclip.clip_block_rms(1.0),
+  "clip_unitwise": lambda: optaxclip.clip_unitwise(0.1),
+  "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=1),
+  "clip_percentile": lambda: optaxclip.clip_percentile(history=2),
+  "clip_relative": lambda: optaxclip.clip_relative(warmup_steps=1),
+  "injected": lambda: optax.inject_hyperparams(optaxclip.clip_global)(
+    max_norm=1.0
+  ),
+  "sgd": lambda: optax.sgd(0.1),
+  "identity": optax.identity,
 }
 
 
@@ -49,18 +50,23 @@ def _leaf(name):
 def _extend(children):
   names = st.text(alphabet="ab/%0", min_size=1, max_size=3)
   return st.one_of(
-      st.lists(children, min_size=1, max_size=3).map(
-          lambda txs: optax.chain(*txs)),
-      st.lists(st.tuples(names, children), min_size=1, max_size=3,
-               unique_by=lambda pair: pair[0]).map(
-                   lambda pairs: optax.named_chain(*pairs)),
-      children.map(lambda tx: optax.masked(tx, MASK)),
-      children.map(optaxclip.guard),
+    st.lists(children, min_size=1, max_size=3).map(
+      lambda txs: optax.chain(*txs)
+    ),
+    st.lists(
+      st.tuples(names, children),
+      min_size=1,
+      max_size=3,
+      unique_by=lambda pair: pair[0],
+    ).map(lambda pairs: optax.named_chain(*pairs)),
+    children.map(lambda tx: optax.masked(tx, MASK)),
+    children.map(optaxclip.guard),
   )
 
 
-OPTIMIZERS = st.recursive(st.sampled_from(sorted(LEAVES)).map(_leaf), _extend,
-                          max_leaves=6)
+OPTIMIZERS = st.recursive(
+  st.sampled_from(sorted(LEAVES)).map(_leaf), _extend, max_leaves=6
+)
 
 
 def _registered(tree):
@@ -71,7 +77,8 @@ def _registered(tree):
     if isinstance(node, tuple(_stats._REGISTRY)):
       found.append(node)
     children = jax.tree_util.tree_flatten(
-        node, is_leaf=lambda x: x is not node)[0]
+      node, is_leaf=lambda x: x is not node
+    )[0]
     if not (len(children) == 1 and children[0] is node):
       for child in children:
         visit(child)
@@ -100,15 +107,22 @@ def test_stats_keys_are_unique_and_complete(tx):
 # Names and nestings that render alike unless "/" and "%" are encoded:
 # ("a/0", clipper) beside ("a", chain(clipper)), "a%2F0" beside "a/0".
 ALIKE = st.recursive(
-    st.just(None).map(lambda _: optaxclip.clip_global(1.0)),
-    lambda children: st.one_of(
-        st.lists(children, min_size=1, max_size=2).map(
-            lambda txs: optax.chain(*txs)),
-        st.lists(st.tuples(st.sampled_from(["a", "0", "a/0", "a%2F0", "%",
-                                            "/", "0/0"]), children),
-                 min_size=2, max_size=3, unique_by=lambda pair: pair[0]).map(
-                     lambda pairs: optax.named_chain(*pairs))),
-    max_leaves=5)
+  st.just(None).map(lambda _: optaxclip.clip_global(1.0)),
+  lambda children: st.one_of(
+    st.lists(children, min_size=1, max_size=2).map(
+      lambda txs: optax.chain(*txs)
+    ),
+    st.lists(
+      st.tuples(
+        st.sampled_from(["a", "0", "a/0", "a%2F0", "%", "/", "0/0"]), children
+      ),
+      min_size=2,
+      max_size=3,
+      unique_by=lambda pair: pair[0],
+    ).map(lambda pairs: optax.named_chain(*pairs)),
+  ),
+  max_leaves=5,
+)
 
 
 @hypothesis.given(ALIKE)
@@ -121,35 +135,44 @@ def test_paths_that_look_alike_get_distinct_keys(tx):
 # (clipper, argument, keyword arguments it needs, the smallest valid value,
 # whether that bound is excluded).
 NUMERIC = [
-    ("clip_value", "max_delta", {}, 0.0, False),
-    ("clip_norm", "max_norm", {}, 0.0, False),
-    ("clip_global", "max_norm", {}, 0.0, False),
-    ("clip_block_rms", "threshold", {}, 0.0, False),
-    ("clip_unitwise", "clipping", {}, 0.0, False),
-    ("clip_unitwise", "eps", {}, 0.0, False),
-    ("clip_zscore", "alpha", {}, 0.0, True),
-    ("clip_zscore", "z_thresh", {}, 0.0, True),
-    ("clip_zscore", "eps", {}, 0.0, False),
-    ("clip_zscore", "clip_factor", {}, 0.0, True),
-    ("clip_percentile", "percentile", {}, 0.0, False),
-    ("clip_relative", "factor", {}, 1.0, False),
-    ("clip_relative", "beta", {}, 0.0, True),
-    ("clip_relative", "warmup_max_norm", {}, 0.0, False),
-    ("clip_per_example", "l2_clip", {}, 0.0, False),
-    ("clip_per_example", "noise_multiplier", {"l2_clip": 1.0}, 0.0, False),
-    ("clip_per_example", "quantile_lr", {"l2_clip": 1.0}, 0.0, False),
-    ("guard", "spike_z", {"inner": optax.sgd(0.1)}, 0.0, True),
-    ("guard", "alpha", {"inner": optax.sgd(0.1)}, 0.0, True),
-    ("clipped", "clipnorm", {"inner": optax.sgd(0.1)}, 0.0, False),
+  ("clip_value", "max_delta", {}, 0.0, False),
+  ("clip_norm", "max_norm", {}, 0.0, False),
+  ("clip_global", "max_norm", {}, 0.0, False),
+  ("clip_block_rms", "threshold", {}, 0.0, False),
+  ("clip_unitwise", "clipping", {}, 0.0, False),
+  ("clip_unitwise", "eps", {}, 0.0, False),
+  ("clip_zscore", "alpha", {}, 0.0, True),
+  ("clip_zscore", "z_thresh", {}, 0.0, True),
+  ("clip_zscore", "eps", {}, 0.0, False),
+  ("clip_zscore", "clip_factor", {}, 0.0, True),
+  ("clip_percentile", "percentile", {}, 0.0, False),
+  ("clip_relative", "factor", {}, 1.0, False),
+  ("clip_relative", "beta", {}, 0.0, True),
+  ("clip_relative", "warmup_max_norm", {}, 0.0, False),
+  ("clip_per_example", "l2_clip", {}, 0.0, False),
+  ("clip_per_example", "noise_multiplier", {"l2_clip": 1.0}, 0.0, False),
+  ("clip_per_example", "quantile_lr", {"l2_clip": 1.0}, 0.0, False),
+  ("guard", "spike_z", {"inner": optax.sgd(0.1)}, 0.0, True),
+  ("guard", "alpha", {"inner": optax.sgd(0.1)}, 0.0, True),
+  ("clipped", "clipnorm", {"inner": optax.sgd(0.1)}, 0.0, False),
 ]
 
 
 def _bad_values(low, low_open):
-  below = st.floats(max_value=low, exclude_max=not low_open,
-                    allow_nan=False, allow_infinity=False)
-  return st.one_of(below, st.just(math.nan), st.just(-math.inf),
-                   st.text(max_size=3), st.booleans(),
-                   st.complex_numbers(min_magnitude=1, max_magnitude=2))
+  below = st.floats(
+    max_value=low,
+    exclude_max=not low_open,
+    allow_nan=False,
+    allow_infinity=False,
+  )
+  return st.one_of(
+    below,
+    st.just(math.nan),
+    st.just(-math.inf),
+    st.text(max_size=3),
+    st.booleans(),
+    st.complex_numbers(min_magnitude=1, max_magnitude=2),
+  )
 
 
 @st.composite
@@ -167,13 +190,19 @@ def test_bad_numbers_fail_at_construction_in_the_one_format(drawn):
   assert re.match(pattern, str(caught.value), re.S), str(caught.value)
 
 
-STEP_COUNTS = [("clip_zscore", "warmup_steps"), ("clip_zscore", "patience"),
-               ("clip_relative", "warmup_steps"), ("clip_relative", "patience"),
-               ("clip_percentile", "history"), ("guard", "warmup_steps")]
+STEP_COUNTS = [
+  ("clip_zscore", "warmup_steps"),
+  ("clip_zscore", "patience"),
+  ("clip_relative", "warmup_steps"),
+  ("clip_relative", "patience"),
+  ("clip_percentile", "history"),
+  ("guard", "warmup_steps"),
+]
 
 
-@hypothesis.given(st.sampled_from(STEP_COUNTS),
-                  st.integers(min_value=1, max_value=2 ** 40))
+@hypothesis.given(
+  st.sampled_from(STEP_COUNTS), st.integers(min_value=1, max_value=2**40)
+)
 def test_step_counts_fit_the_int32_counters(where, count):
   name, argument = where
   needed = {"inner": optax.sgd(0.1)} if name == "guard" else {}
@@ -182,14 +211,17 @@ def test_step_counts_fit_the_int32_counters(where, count):
     if argument != "history":  # a long history is memory: not allocated.
       build()
   else:
-    with pytest.raises(ValueError, match=rf"^{name}: {argument} must be <= "
-                       r"2147483647 \(the state"):
+    with pytest.raises(
+      ValueError,
+      match=rf"^{name}: {argument} must be <= "
+      r"2147483647 \(the state",
+    ):
       build()
 
 
-@hypothesis.given(st.integers(min_value=-2 ** 40, max_value=2 ** 40))
+@hypothesis.given(st.integers(min_value=-(2**40), max_value=2**40))
 def test_seeds_map_to_distinct_keys_or_are_rejected(seed):
-  if -2 ** 31 <= seed < 2 ** 32:
+  if -(2**31) <= seed < 2**32:
     tx = optaxclip.clip_per_example(1.0, seed=seed)
     key = tx.init(PARAMS).key
     np.testing.assert_array_equal(key, jax.random.PRNGKey(seed))
@@ -201,8 +233,9 @@ def test_seeds_map_to_distinct_keys_or_are_rejected(seed):
 # A plain clipper compiles once per value (its limit is a constant of the
 # program): a few values keep this cheap.
 @hypothesis.settings(max_examples=3)
-@hypothesis.given(st.sampled_from([0.05, 2.0, 7.5]),
-                  st.sampled_from(["clip_global"]))
+@hypothesis.given(
+  st.sampled_from([0.05, 2.0, 7.5]), st.sampled_from(["clip_global"])
+)
 def test_injected_hyperparameter_updates_like_a_plain_one(limit, name):
   grads = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.array([1.0, -2, 3])}
   factory = getattr(optaxclip, name)

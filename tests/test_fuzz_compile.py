@@ -18,8 +18,10 @@ SHAPES = ((5,), (2, 3), (1,), (3, 1, 2))
 
 
 def _tree(draw_shapes, values):
-  return {f"l{i:02d}": jnp.asarray(v, jnp.float32).reshape(s)
-          for i, (s, v) in enumerate(zip(draw_shapes, values))}
+  return {
+    f"l{i:02d}": jnp.asarray(v, jnp.float32).reshape(s)
+    for i, (s, v) in enumerate(zip(draw_shapes, values))
+  }
 
 
 @st.composite
@@ -28,15 +30,21 @@ def many_leaves(draw):
   shapes = [draw(st.sampled_from(SHAPES)) for _ in range(n)]
   special = st.sampled_from([0.0, 1e-30, 1e30, np.inf, -np.inf, np.nan])
   element = st.one_of(st.floats(-5, 5, width=32), special)
-  values = [draw(st.lists(element, min_size=int(np.prod(s)),
-                          max_size=int(np.prod(s)))) for s in shapes]
+  values = [
+    draw(st.lists(element, min_size=int(np.prod(s)), max_size=int(np.prod(s))))
+    for s in shapes
+  ]
   return _tree(shapes, values)
 
 
 @hypothesis.settings(max_examples=10, deadline=None)
-@hypothesis.given(st.lists(st.sampled_from(
-    [0.0, 1.0, -2.5, 1e38, np.inf, -np.inf, np.nan]), min_size=0,
-    max_size=11))
+@hypothesis.given(
+  st.lists(
+    st.sampled_from([0.0, 1.0, -2.5, 1e38, np.inf, -np.inf, np.nan]),
+    min_size=0,
+    max_size=11,
+  )
+)
 def test_take_each_is_exact_indexing(values):
   v = np.asarray(values, np.float32)
   got = _norms.take_each(jnp.asarray(v))
@@ -45,8 +53,9 @@ def test_take_each_is_exact_indexing(values):
     np.testing.assert_array_equal(np.asarray(g), w)  # NaN == NaN here
   if len(v):
     rows = _norms.take_each(jnp.stack([jnp.asarray(v), -jnp.asarray(v)], 1))
-    np.testing.assert_array_equal(np.stack([np.asarray(r) for r in rows]),
-                                  np.stack([v, -v], 1))
+    np.testing.assert_array_equal(
+      np.stack([np.asarray(r) for r in rows]), np.stack([v, -v], 1)
+    )
 
 
 def _oracle_norm(x):
@@ -70,10 +79,12 @@ def test_clip_norm_many_leaves_matches_per_leaf(tree):
       continue
     factor = min(1.0, 1.0 / norm) if norm > 0 else 1.0
     clipped += factor < 1
-    np.testing.assert_allclose(got, (x64 * factor).astype(np.float32),
-                               rtol=2e-6, atol=0, err_msg=k)
-  np.testing.assert_allclose(float(state.clip_fraction),
-                             clipped / len(tree), rtol=1e-6)
+    np.testing.assert_allclose(
+      got, (x64 * factor).astype(np.float32), rtol=2e-6, atol=0, err_msg=k
+    )
+  np.testing.assert_allclose(
+    float(state.clip_fraction), clipped / len(tree), rtol=1e-6
+  )
 
 
 @hypothesis.settings(max_examples=4, deadline=None)
@@ -87,8 +98,9 @@ def test_unit_norms_packed_match_unpacked(tree):
     if np.isnan(want):
       assert np.isnan(float(g.ravel()[0]))
     else:
-      np.testing.assert_allclose(float(g.ravel()[0]), min(want, np.inf),
-                                 rtol=1e-6)
+      np.testing.assert_allclose(
+        float(g.ravel()[0]), min(want, np.inf), rtol=1e-6
+      )
 
 
 def _kernels(fn, tree) -> int:

@@ -21,13 +21,13 @@ import fuzz_strategies as fz
 SHAPES = {"a": (3,), "b": (2, 3)}
 # (config, uses params): each limit is drawn and passed traced.
 CONFIGS = (
-    fz.Config("clip_value", (("max_delta", 1.0),)),
-    fz.Config("clip_norm", (("max_norm", 1.0), ("ord", None))),
-    fz.Config("clip_norm", (("max_norm", 1.0), ("ord", 1))),
-    fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))),
-    fz.Config("clip_global", (("max_norm", 1.0), ("ord", "inf"))),
-    fz.Config("clip_block_rms", (("threshold", 1.0),)),
-    fz.Config("clip_unitwise", (("clipping", 1.0), ("eps", 1e-3))),
+  fz.Config("clip_value", (("max_delta", 1.0),)),
+  fz.Config("clip_norm", (("max_norm", 1.0), ("ord", None))),
+  fz.Config("clip_norm", (("max_norm", 1.0), ("ord", 1))),
+  fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))),
+  fz.Config("clip_global", (("max_norm", 1.0), ("ord", "inf"))),
+  fz.Config("clip_block_rms", (("threshold", 1.0),)),
+  fz.Config("clip_unitwise", (("clipping", 1.0), ("eps", 1e-3))),
 )
 
 
@@ -42,14 +42,16 @@ def _runner(dtype: str):
       tx = config.make(limit)
       out.append(tx.update(g, tx.init(w), w))
     return out
+
   return jax.jit(run)
 
 
 @st.composite
 def _cases(draw, dtypes, nonfinite=False):
   dtype = draw(st.sampled_from(dtypes))
-  g = {k: draw(fz.arrays(dtype, s, nonfinite=nonfinite))
-       for k, s in SHAPES.items()}
+  g = {
+    k: draw(fz.arrays(dtype, s, nonfinite=nonfinite)) for k, s in SHAPES.items()
+  }
   # Parameters of clip_unitwise: finite, any magnitude.
   w = {k: draw(fz.arrays(dtype, s)) for k, s in SHAPES.items()}
   limits = [draw(fz.limits(zero=True, inf=True)) for _ in CONFIGS]
@@ -58,8 +60,12 @@ def _cases(draw, dtypes, nonfinite=False):
 
 def _run(dtype, g, w, limits):
   with fz.x64([dtype]):
-    return jax.tree.map(np.asarray, _runner(dtype)(
-        fz.to_jax(g), fz.to_jax(w), jnp.asarray(limits, jnp.float32)))
+    return jax.tree.map(
+      np.asarray,
+      _runner(dtype)(
+        fz.to_jax(g), fz.to_jax(w), jnp.asarray(limits, jnp.float32)
+      ),
+    )
 
 
 def _flushed(x, dtype):
@@ -71,9 +77,13 @@ def _flushed(x, dtype):
 
 # No shrinking: a counterexample of these draws is read as it is, and
 # shrinking one takes minutes of recompiles.
-NO_SHRINK = hypothesis.settings(phases=(
-    hypothesis.Phase.explicit, hypothesis.Phase.reuse,
-    hypothesis.Phase.generate))
+NO_SHRINK = hypothesis.settings(
+  phases=(
+    hypothesis.Phase.explicit,
+    hypothesis.Phase.reuse,
+    hypothesis.Phase.generate,
+  )
+)
 
 
 @hypothesis.settings(NO_SHRINK, max_examples=20)
@@ -89,8 +99,10 @@ def test_finite_input_clips_exactly_along_its_direction(case):
   rtol = max(1e-5, 2 * fz.round_tol(dtype))
   for config, limit, (out, state) in zip(CONFIGS, limits, results):
     oracle = fz.oracle_static(config, leaves, limit, params)
-    if not (all(np.all(~np.isnan(lim)) for lim in oracle.limits) and
-            all(np.all(np.isfinite(m)) for m in oracle.measures)):
+    if not (
+      all(np.all(~np.isnan(lim)) for lim in oracle.limits)
+      and all(np.all(np.isfinite(m)) for m in oracle.measures)
+    ):
       # The float64 oracle overflows (a norm above 1.8e308, 0 * inf of a
       # zero clipping and overflowing params) where the clipper does not.
       continue
@@ -98,23 +110,34 @@ def test_finite_input_clips_exactly_along_its_direction(case):
     for x, want, k in zip(got, oracle.out, keys):
       assert not np.any(np.isnan(x)), (config, k)
       # The clipped values, hence the direction and every unit's measure.
-      atol = 4 * fz.flush_atol(dtype) + rtol * float(np.max(
-          np.abs(want), initial=0.0)) * (config.name != "clip_value")
-      np.testing.assert_allclose(x, want, rtol=rtol, atol=atol,
-                                 err_msg=f"{config!r} {k} limit={limit}")
+      atol = 4 * fz.flush_atol(dtype) + rtol * float(
+        np.max(np.abs(want), initial=0.0)
+      ) * (config.name != "clip_value")
+      np.testing.assert_allclose(
+        x, want, rtol=rtol, atol=atol, err_msg=f"{config!r} {k} limit={limit}"
+      )
     for measure, lim in zip(oracle.unit_measure(got), oracle.limits):
       assert np.all(measure <= lim * (1 + rtol) + 4 * fz.flush_atol(dtype)), (
-          config, limit)
+        config,
+        limit,
+      )
     stats = oracle.stats
     for name in ("norm", "clipped_norm"):
       want = stats[name]
       want = math.inf if want > float(np.finfo(np.float32).max) else want
-      np.testing.assert_allclose(float(getattr(state, name)), want,
-                                 rtol=1e-5, atol=1e-37,
-                                 err_msg=f"{config!r} {name}")
-    np.testing.assert_allclose(float(state.clip_fraction),
-                               stats["clip_fraction"], atol=1e-6,
-                               err_msg=f"{config!r} clip_fraction")
+      np.testing.assert_allclose(
+        float(getattr(state, name)),
+        want,
+        rtol=1e-5,
+        atol=1e-37,
+        err_msg=f"{config!r} {name}",
+      )
+    np.testing.assert_allclose(
+      float(state.clip_fraction),
+      stats["clip_fraction"],
+      atol=1e-6,
+      err_msg=f"{config!r} clip_fraction",
+    )
 
 
 @NO_SHRINK
@@ -130,8 +153,12 @@ def test_nonfinite_units_come_out_nan_and_the_rest_as_without_them(case):
     oracle = fz.oracle_static(config, leaves, limit, params)
     assert np.isnan(float(state.clipped_norm)), config
     for x, want, measure, k, leaf in zip(
-        [np.asarray(out[k], np.float64) for k in keys], oracle.out,
-        oracle.measures, keys, leaves):
+      [np.asarray(out[k], np.float64) for k in keys],
+      oracle.out,
+      oracle.measures,
+      keys,
+      leaves,
+    ):
       if config.name == "clip_value":
         bad = np.full(x.shape, not np.all(np.isfinite(leaf)))
       else:
@@ -139,10 +166,13 @@ def test_nonfinite_units_come_out_nan_and_the_rest_as_without_them(case):
       assert np.all(np.isnan(x[bad])), (config, k)
       rtol = max(1e-5, 2 * fz.round_tol(dtype))
       np.testing.assert_allclose(
-          x[~bad], want[~bad], rtol=rtol,
-          atol=4 * fz.flush_atol(dtype) + rtol * float(np.max(
-              np.abs(want[~bad]), initial=0.0)),
-          err_msg=f"{config!r} {k}")
+        x[~bad],
+        want[~bad],
+        rtol=rtol,
+        atol=4 * fz.flush_atol(dtype)
+        + rtol * float(np.max(np.abs(want[~bad]), initial=0.0)),
+        err_msg=f"{config!r} {k}",
+      )
 
 
 @functools.cache
@@ -160,6 +190,7 @@ def _derivative_runner():
     grad = jax.grad(loss)(v, limits)
     hvp = jax.jvp(lambda u: jax.grad(loss)(u, limits), (v,), (direction,))[1]
     return loss(v, limits), grad, hvp
+
   return jax.jit(run)
 
 
@@ -169,6 +200,7 @@ def test_derivatives_of_order_0_to_2_have_no_nan_on_finite_input(case):
   _, g, _, limits = case
   v = np.concatenate([np.ravel(g[k]) for k in SHAPES]).astype(np.float32)
   value, grad, hvp = _derivative_runner()(
-      jnp.asarray(v), jnp.asarray(limits, jnp.float32), jnp.ones(9))
+    jnp.asarray(v), jnp.asarray(limits, jnp.float32), jnp.ones(9)
+  )
   for name, x in (("value", value), ("grad", grad), ("hvp", hvp)):
     assert not np.any(np.isnan(np.asarray(x))), name

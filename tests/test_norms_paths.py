@@ -23,7 +23,7 @@ def _np_unit_norms(x, p, axes):
   a = np.abs(np.asarray(x, np.float64))
   if math.isinf(p):
     return np.max(a, axis=axes, keepdims=True)
-  return np.sum(a ** p, axis=axes, keepdims=True) ** (1 / p)
+  return np.sum(a**p, axis=axes, keepdims=True) ** (1 / p)
 
 
 def _np_global_norm(leaves, p):
@@ -38,13 +38,13 @@ def _leaves(scale, dtype=jnp.float32, seed=0):
 
 
 class NormPathsTest(parameterized.TestCase):
-
   @parameterized.product(scale=[1.0, 1e30, 1e-30], p=[1.0, 2.0, 3.0, math.inf])
   def test_global_and_unit_norms_match_numpy(self, scale, p):
     leaves = _leaves(scale)
     axes = [None, None, (0,), (1,)]
-    glob, units = jax.jit(lambda xs: (
-        _norms.global_norm(xs, p), _norms.unit_norms(xs, p, axes)))(leaves)
+    glob, units = jax.jit(
+      lambda xs: (_norms.global_norm(xs, p), _norms.unit_norms(xs, p, axes))
+    )(leaves)
     np.testing.assert_allclose(glob, _np_global_norm(leaves, p), rtol=1e-5)
     for x, ax, got in zip(leaves, axes, units):
       np.testing.assert_allclose(got, _np_unit_norms(x, p, ax), rtol=1e-5)
@@ -52,8 +52,8 @@ class NormPathsTest(parameterized.TestCase):
   @parameterized.parameters(jnp.float32, jnp.bfloat16)
   def test_zero_and_tiny_units_are_settled_exactly(self, dtype):
     x = np.random.default_rng(1).normal(size=(4, 5))
-    x[:, 2] = 0.0             # a zero unit: settled by the max pass
-    x[:, 3] = 1e-30           # every square underflows: exact recompute
+    x[:, 2] = 0.0  # a zero unit: settled by the max pass
+    x[:, 3] = 1e-30  # every square underflows: exact recompute
     zeros = np.zeros((3, 5))  # a zero leaf
     leaves = [jnp.asarray(x, dtype), jnp.asarray(zeros, dtype)]
     got = jax.jit(lambda xs: _norms.unit_norms(xs, 2.0, [(0,), (0,)]))(leaves)
@@ -68,8 +68,9 @@ class NormPathsTest(parameterized.TestCase):
 
   def test_bfloat16_over_1000_leaves_is_accurate(self):
     rng = np.random.default_rng(2)
-    leaves = [jnp.asarray(rng.normal(size=100), jnp.bfloat16)
-              for _ in range(1000)]
+    leaves = [
+      jnp.asarray(rng.normal(size=100), jnp.bfloat16) for _ in range(1000)
+    ]
     leaves.append(jnp.asarray(rng.normal(size=(300, 300)), jnp.bfloat16))
     got = jax.jit(_norms.global_norm)(leaves)
     self.assertEqual(got.dtype, jnp.float32)
@@ -82,10 +83,12 @@ class NormPathsTest(parameterized.TestCase):
     self.assertEqual(float(_norms.unit_norms([inf])[0][0]), math.inf)
     self.assertTrue(math.isnan(float(_norms.unit_norms([nan])[0][0])))
 
-  @parameterized.product(scale=[1.0, 1e30, 1e-30], dtype=["float32"],
-                         which=["global", "unit"])
+  @parameterized.product(
+    scale=[1.0, 1e30, 1e-30], dtype=["float32"], which=["global", "unit"]
+  )
   def test_derivative_is_x_over_norm_on_every_path(self, scale, dtype, which):
     x = jnp.asarray([3.0 * scale, 4.0 * scale], dtype)
+
     def norm(v):
       if which == "global":
         return _norms.global_norm([v])
@@ -99,8 +102,9 @@ class NormPathsTest(parameterized.TestCase):
   def test_bfloat16_derivative(self):
     x = jnp.asarray([3.0, 4.0], jnp.bfloat16)
     grad = jax.grad(lambda x: _norms.global_norm([x]))(x)
-    np.testing.assert_allclose(np.asarray(grad, np.float32), [0.6, 0.8],
-                               rtol=1e-2)
+    np.testing.assert_allclose(
+      np.asarray(grad, np.float32), [0.6, 0.8], rtol=1e-2
+    )
 
   def test_largest_and_count_above(self):
     x = jnp.asarray([[-3.0, 0.5], [2.0, -1.0]])
@@ -117,14 +121,16 @@ def _leaves_for_memory(dtype):
   # Leaves above SMALL_LEAF_SIZE: nothing is concatenated.
   n = 2 * _norms.SMALL_LEAF_SIZE
   rng = np.random.default_rng(0)
-  return [jnp.asarray(rng.normal(size=(n // 256, 256)), dtype)
-          for _ in range(2)]
+  return [
+    jnp.asarray(rng.normal(size=(n // 256, 256)), dtype) for _ in range(2)
+  ]
 
 
 @functools.cache
 def _scale_floor_bytes(dtype):
-  return _temp_bytes(optax.chain(_scale_by_state(), optax.adam(1e-3)),
-                     _leaves_for_memory(dtype))
+  return _temp_bytes(
+    optax.chain(_scale_by_state(), optax.adam(1e-3)), _leaves_for_memory(dtype)
+  )
 
 
 def _temp_bytes(tx, leaves):
@@ -134,14 +140,16 @@ def _temp_bytes(tx, leaves):
     updates, s = tx.update(g, s, p)
     return optax.apply_updates(p, updates), s
 
-  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(grads, tx.init(grads),
-                                                        grads)
+  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(
+    grads, tx.init(grads), grads
+  )
   compiled = lowered.compile({"xla_backend_optimization_level": 0})
   return compiled.memory_analysis().temp_size_in_bytes
 
 
 def _scale_by_state():
   """Every leaf times a factor kept in the state: no norm, no statistics."""
+
   def init_fn(params):
     del params
     return jnp.ones((), jnp.float32)
@@ -163,23 +171,30 @@ class TemporaryMemoryTest(parameterized.TestCase):
   """
 
   @parameterized.product(
-      clipper=["clip_global", "clip_norm", "clip_value", "clip_block_rms",
-               "clip_unitwise"],
-      dtype=["float32", "bfloat16"])
+    clipper=[
+      "clip_global",
+      "clip_norm",
+      "clip_value",
+      "clip_block_rms",
+      "clip_unitwise",
+    ],
+    dtype=["float32", "bfloat16"],
+  )
   def test_no_leaf_sized_temporary(self, clipper, dtype):
     leaves = _leaves_for_memory(dtype)
     adam = optax.adam(1e-3)
     tx = {
-        "clip_global": lambda: optax.chain(optaxclip.clip_global(1.0), adam),
-        "clip_norm": lambda: optax.chain(optaxclip.clip_norm(1.0), adam),
-        "clip_value": lambda: optax.chain(optaxclip.clip_value(0.1), adam),
-        "clip_block_rms": lambda: optax.chain(
-            optaxclip.clip_block_rms(0.1), adam),
-        "clip_unitwise": lambda: optax.chain(
-            optaxclip.clip_unitwise(0.01), adam),
+      "clip_global": lambda: optax.chain(optaxclip.clip_global(1.0), adam),
+      "clip_norm": lambda: optax.chain(optaxclip.clip_norm(1.0), adam),
+      "clip_value": lambda: optax.chain(optaxclip.clip_value(0.1), adam),
+      "clip_block_rms": lambda: optax.chain(
+        optaxclip.clip_block_rms(0.1), adam
+      ),
+      "clip_unitwise": lambda: optax.chain(optaxclip.clip_unitwise(0.01), adam),
     }[clipper]()
-    self.assertLess(_temp_bytes(tx, leaves),
-                    _scale_floor_bytes(dtype) + leaves[0].nbytes // 4)
+    self.assertLess(
+      _temp_bytes(tx, leaves), _scale_floor_bytes(dtype) + leaves[0].nbytes // 4
+    )
 
   def test_raw_gradient_norm_is_not_merged_with_adams_square(self):
     # A norm of the raw gradient next to adam's own g * g (as guard does).
@@ -195,7 +210,9 @@ class TemporaryMemoryTest(parameterized.TestCase):
         norm = _norms.global_norm(jax.tree.leaves(updates))
         out, state = adam.update(updates, state, params)
         return jax.tree.map(lambda u: u * (norm > 0), out), state
+
       return optax.GradientTransformation(init_fn, update_fn)
 
-    self.assertLess(_temp_bytes(norm_then_adam(), leaves),
-                    leaves[0].nbytes // 4)
+    self.assertLess(
+      _temp_bytes(norm_then_adam(), leaves), leaves[0].nbytes // 4
+    )

@@ -43,7 +43,7 @@ def _pnorm_units(x, p, axes):
   axes = _keep(x, axes)
   if math.isinf(p):
     return np.max(a, axis=axes, keepdims=True, initial=0.0)
-  return np.sum(a ** p, axis=axes, keepdims=True) ** (1 / p)
+  return np.sum(a**p, axis=axes, keepdims=True) ** (1 / p)
 
 
 def _value_units(leaves, limit, params):
@@ -55,6 +55,7 @@ def _norm_units(p, axis):
   def units(leaves, limit, params):
     del params
     return [_pnorm_units(x, p, axis) for x in leaves], [limit] * len(leaves)
+
   return units
 
 
@@ -63,14 +64,21 @@ def _global_units(p):
     del params
     total = np_refs.tree_norm(leaves, p)
     return [np.full((1,) * np.ndim(x), total) for x in leaves], [limit] * len(
-        leaves)
+      leaves
+    )
+
   return units
 
 
 def _rms_units(leaves, limit, params):
   del params
-  return ([np.sqrt(np.mean(np.abs(np_refs.f64(x)) ** 2, keepdims=True))
-           for x in leaves], [limit] * len(leaves))
+  return (
+    [
+      np.sqrt(np.mean(np.abs(np_refs.f64(x)) ** 2, keepdims=True))
+      for x in leaves
+    ],
+    [limit] * len(leaves),
+  )
 
 
 def _unitwise_units(leaves, limit, params):
@@ -83,22 +91,31 @@ def _unitwise_units(leaves, limit, params):
 
 
 CONFIGS = {
-    "clip_value": (optaxclip.clip_value, _value_units),
-    "clip_norm": (optaxclip.clip_norm, _norm_units(2.0, None)),
-    "clip_norm_axis": (functools.partial(optaxclip.clip_norm, axis=-1),
-                       _norm_units(2.0, (-1,))),
-    "clip_norm_ord_inf": (functools.partial(optaxclip.clip_norm, ord="inf"),
-                          _norm_units(math.inf, None)),
-    "clip_global": (optaxclip.clip_global, _global_units(2.0)),
-    "clip_global_ord1": (functools.partial(optaxclip.clip_global, ord=1),
-                         _global_units(1.0)),
-    "clip_global_ord3": (functools.partial(optaxclip.clip_global, ord=3),
-                         _global_units(3.0)),
-    "clip_global_ord_inf": (functools.partial(optaxclip.clip_global,
-                                              ord=math.inf),
-                            _global_units(math.inf)),
-    "clip_block_rms": (optaxclip.clip_block_rms, _rms_units),
-    "clip_unitwise": (optaxclip.clip_unitwise, _unitwise_units),
+  "clip_value": (optaxclip.clip_value, _value_units),
+  "clip_norm": (optaxclip.clip_norm, _norm_units(2.0, None)),
+  "clip_norm_axis": (
+    functools.partial(optaxclip.clip_norm, axis=-1),
+    _norm_units(2.0, (-1,)),
+  ),
+  "clip_norm_ord_inf": (
+    functools.partial(optaxclip.clip_norm, ord="inf"),
+    _norm_units(math.inf, None),
+  ),
+  "clip_global": (optaxclip.clip_global, _global_units(2.0)),
+  "clip_global_ord1": (
+    functools.partial(optaxclip.clip_global, ord=1),
+    _global_units(1.0),
+  ),
+  "clip_global_ord3": (
+    functools.partial(optaxclip.clip_global, ord=3),
+    _global_units(3.0),
+  ),
+  "clip_global_ord_inf": (
+    functools.partial(optaxclip.clip_global, ord=math.inf),
+    _global_units(math.inf),
+  ),
+  "clip_block_rms": (optaxclip.clip_block_rms, _rms_units),
+  "clip_unitwise": (optaxclip.clip_unitwise, _unitwise_units),
 }
 
 
@@ -119,9 +136,10 @@ def _clip_twice(name):
 
 
 _MAGNITUDES = st.one_of(
-    st.just(0.0),
-    st.floats(1 / 1024, 1024, width=32),
-    st.floats(-1024, -1 / 1024, width=32))
+  st.just(0.0),
+  st.floats(1 / 1024, 1024, width=32),
+  st.floats(-1024, -1 / 1024, width=32),
+)
 
 
 @st.composite
@@ -134,7 +152,7 @@ def _trees(draw):
   for key, shape in SHAPES.items():
     x = draw(hnp.arrays(np.float32, shape, elements=_MAGNITUDES))
     exponent = scale + draw(st.integers(-2, 2))
-    tree[key] = x * np.float32(10.0 ** exponent)
+    tree[key] = x * np.float32(10.0**exponent)
   return tree
 
 
@@ -143,7 +161,6 @@ def _leaves(tree):
 
 
 class PropertyTest(parameterized.TestCase):
-
   @parameterized.named_parameters((name, name) for name in CONFIGS)
   # Each example checks all eight limits, so 20 examples cover 160 cases.
   @hypothesis.settings(max_examples=20)
@@ -162,34 +179,45 @@ class PropertyTest(parameterized.TestCase):
       limits = np.array([r * size for r in RATIOS], np.float32)
     # No limit is subnormal, which XLA on CPU would flush to zero.
     self.assertTrue(
-        np.all((limits == 0) | (limits >= np.finfo(np.float32).tiny)))
+      np.all((limits == 0) | (limits >= np.finfo(np.float32).tiny))
+    )
     onces, twices = _clip_twice(name)(
-        g, limits, params if name == "clip_unitwise" else None)
+      g, limits, params if name == "clip_unitwise" else None
+    )
     onces, twices = jax.tree.map(np.asarray, (onces, twices))
     for i, limit in enumerate(limits.astype(np.float64)):
       once = {k: v[i] for k, v in onces.items()}
       twice = {k: v[i] for k, v in twices.items()}
       measures, lims = units(g_leaves, limit, p_leaves)
       out_measures, _ = units(_leaves(once), limit, p_leaves)
-      for key, x, out, m, lim, om in zip(sorted(g), g_leaves, _leaves(once),
-                                         measures, lims, out_measures):
+      for key, x, out, m, lim, om in zip(
+        sorted(g), g_leaves, _leaves(once), measures, lims, out_measures
+      ):
         msg = f"{key}, limit {limit}"
         lim = np.broadcast_to(lim, m.shape)
         # 1. The result is within the limit.
-        self.assertTrue(np.all(om <= lim * (1 + TOL)),
-                        f"{msg}: {om.max()} > {np.max(lim)}")
+        self.assertTrue(
+          np.all(om <= lim * (1 + TOL)), f"{msg}: {om.max()} > {np.max(lim)}"
+        )
         # 2. Each unit is the gradient times min(1, limit / measure): the
         # direction is kept.
         factor = np.where(m > lim, lim / np.where(m > 0, m, 1), 1.0)
         expected = np_refs.f64(x) * factor
         np.testing.assert_allclose(
-            out, expected, rtol=TOL,
-            atol=1e-6 * np.max(np.abs(expected), initial=0) + 1e-37,
-            err_msg=msg)
+          out,
+          expected,
+          rtol=TOL,
+          atol=1e-6 * np.max(np.abs(expected), initial=0) + 1e-37,
+          err_msg=msg,
+        )
         # 3. Units below the limit pass through bit for bit.
         below = np.broadcast_to(m < lim * (1 - TOL), x.shape)
         np.testing.assert_array_equal(out[below], x[below], err_msg=msg)
         # 4. Clipping twice is clipping once.
         np.testing.assert_allclose(
-            twice[key], out, rtol=TOL,
-            atol=1e-6 * np.max(np.abs(out), initial=0) + 1e-37, err_msg=msg)
+          twice[key],
+          out,
+          rtol=TOL,
+          atol=1e-6 * np.max(np.abs(out), initial=0) + 1e-37,
+          err_msg=msg,
+        )

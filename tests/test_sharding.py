@@ -26,33 +26,37 @@ import optaxclip
 # Every clipper checked on sharded trees, by name: a factory of the clipper
 # that is chained before adam. A new clipper is checked by adding it here.
 CLIPPERS = {
-    "clip_value": lambda: optaxclip.clip_value(0.5),
-    "clip_norm": lambda: optaxclip.clip_norm(1.0),
-    "clip_norm_axis0": lambda: optaxclip.clip_norm(1.0, axis=0),
-    "clip_global": lambda: optaxclip.clip_global(2.0),
-    "clip_global_inf": lambda: optaxclip.clip_global(0.5, ord="inf"),
-    "clip_block_rms": lambda: optaxclip.clip_block_rms(0.5),
-    "clip_unitwise": lambda: optaxclip.clip_unitwise(0.1),
-    "clipped": lambda: optaxclip.clipped(optax.identity(), clipnorm=1.0),
-    # Adaptive: short warm-ups so that three steps exercise the adaptation.
-    "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=1),
-    "clip_zscore_leaf": lambda: optaxclip.clip_zscore(warmup_steps=1,
-                                                      scope="leaf"),
-    "clip_percentile": lambda: optaxclip.clip_percentile(50.0, history=4),
-    "clip_percentile_leaf": lambda: optaxclip.clip_percentile(
-        50.0, history=4, scope="leaf"),
-    "clip_relative": lambda: optaxclip.clip_relative(warmup_steps=1,
-                                                     warmup_max_norm=2.0),
-    "guard": lambda: optaxclip.guard(optaxclip.clip_global(2.0), spike_z=1.0,
-                                     warmup_steps=1),
+  "clip_value": lambda: optaxclip.clip_value(0.5),
+  "clip_norm": lambda: optaxclip.clip_norm(1.0),
+  "clip_norm_axis0": lambda: optaxclip.clip_norm(1.0, axis=0),
+  "clip_global": lambda: optaxclip.clip_global(2.0),
+  "clip_global_inf": lambda: optaxclip.clip_global(0.5, ord="inf"),
+  "clip_block_rms": lambda: optaxclip.clip_block_rms(0.5),
+  "clip_unitwise": lambda: optaxclip.clip_unitwise(0.1),
+  "clipped": lambda: optaxclip.clipped(optax.identity(), clipnorm=1.0),
+  # Adaptive: short warm-ups so that three steps exercise the adaptation.
+  "clip_zscore": lambda: optaxclip.clip_zscore(warmup_steps=1),
+  "clip_zscore_leaf": lambda: optaxclip.clip_zscore(
+    warmup_steps=1, scope="leaf"
+  ),
+  "clip_percentile": lambda: optaxclip.clip_percentile(50.0, history=4),
+  "clip_percentile_leaf": lambda: optaxclip.clip_percentile(
+    50.0, history=4, scope="leaf"
+  ),
+  "clip_relative": lambda: optaxclip.clip_relative(
+    warmup_steps=1, warmup_max_norm=2.0
+  ),
+  "guard": lambda: optaxclip.guard(
+    optaxclip.clip_global(2.0), spike_z=1.0, warmup_steps=1
+  ),
 }
 
 # A small FSDP-style layout: kernels split along one axis or the other, and a
 # replicated bias. Every leaf is a matrix so that clip_norm's axis=0 fits all.
 LAYOUT = {
-    "kernel_in": ((16, 8), P("d", None)),
-    "kernel_out": ((8, 24), P(None, "d")),
-    "bias": ((1, 3), P()),
+  "kernel_in": ((16, 8), P("d", None)),
+  "kernel_out": ((8, 24), P(None, "d")),
+  "bias": ((1, 3), P()),
 }
 STEP_SCALES = (1.0, 5.0, 0.2)  # three steps: the adaptive clippers move.
 TOL = 1e-5
@@ -65,8 +69,10 @@ def _is_layout_leaf(x):
 def _tree(seed, scale=1.0):
   rng = np.random.default_rng(seed)
   return jax.tree.map(
-      lambda leaf: (scale * rng.normal(size=leaf[0])).astype(np.float32),
-      LAYOUT, is_leaf=_is_layout_leaf)
+    lambda leaf: (scale * rng.normal(size=leaf[0])).astype(np.float32),
+    LAYOUT,
+    is_leaf=_is_layout_leaf,
+  )
 
 
 def _specs():
@@ -81,8 +87,9 @@ def _mesh(kind):
 
 
 def _put(tree, mesh):
-  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
-                      tree, _specs())
+  return jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, _specs()
+  )
 
 
 def collectives(hlo_text):
@@ -92,8 +99,10 @@ def collectives(hlo_text):
 
 
 def _optimizers():
-  return {name: optax.chain(make(), optax.adam(1e-2))
-          for name, make in CLIPPERS.items()}
+  return {
+    name: optax.chain(make(), optax.adam(1e-2))
+    for name, make in CLIPPERS.items()
+  }
 
 
 def _run(params, grads_per_step):
@@ -111,6 +120,7 @@ def _run(params, grads_per_step):
         updates, state = tx.update(grads, states[name], params)
         outs[name] = (updates, optax.apply_updates(params, updates), state)
       return {name: out[2] for name, out in outs.items()}, outs
+
     states = {name: tx.init(params) for name, tx in txs.items()}
     _, outs = jax.lax.scan(step, states, stacked_grads)
     return jax.tree.map(lambda x: x[-1], outs)
@@ -141,18 +151,25 @@ def test_every_clipper_on_an_fsdp_tree(kind):
   for name, (updates, new_params, state) in outs.items():
     ref_updates, _, ref_state = reference[name]
     np.testing.assert_allclose(
-        np.concatenate([np.ravel(x) for x in jax.tree.leaves(updates)]),
-        np.concatenate([np.ravel(x) for x in jax.tree.leaves(ref_updates)]),
-        rtol=TOL, atol=TOL, err_msg=name)
+      np.concatenate([np.ravel(x) for x in jax.tree.leaves(updates)]),
+      np.concatenate([np.ravel(x) for x in jax.tree.leaves(ref_updates)]),
+      rtol=TOL,
+      atol=TOL,
+      err_msg=name,
+    )
     got, want = optaxclip.stats(state), optaxclip.stats(ref_state)
     assert got.keys() == want.keys() and got, name
     for key in got:
-      np.testing.assert_allclose(got[key], want[key], rtol=TOL, atol=TOL,
-                                 err_msg=f"{name}: {key}")
+      np.testing.assert_allclose(
+        got[key], want[key], rtol=TOL, atol=TOL, err_msg=f"{name}: {key}"
+      )
     for tree in (updates, new_params):
       for out, inp in zip(jax.tree.leaves(tree), jax.tree.leaves(params)):
         assert out.sharding.is_equivalent_to(inp.sharding, inp.ndim), (
-            name, out.sharding, inp.sharding)
+          name,
+          out.sharding,
+          inp.sharding,
+        )
 
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
@@ -168,8 +185,8 @@ def test_clip_global_sends_scalars_only(kind):
   assert all(re.fullmatch(r"\(?(f32\[\](, )?)+\)?", t) for t in types), types
   # The ordinary step runs the entry computation; the rescaling fallback,
   # taken only on overflow or underflow, lives in a conditional branch.
-  entry = hlo[hlo.index("\nENTRY"):]
-  entry = entry[:entry.index("\n}")]
+  entry = hlo[hlo.index("\nENTRY") :]
+  entry = entry[: entry.index("\n}")]
   assert collectives(entry)[0] == 1, entry
   assert n_reduce >= 1
 
@@ -188,30 +205,41 @@ def _shard_map_cases():
     return path[0].key != "b"
 
   return {
-      "clip_global": (lambda **kw: optaxclip.clip_global(2.0, **kw),
-                      {"sharded": {"w_in": True, "w_out": True, "b": False}}),
-      "clip_global_inf": (
-          lambda **kw: optaxclip.clip_global(0.5, ord="inf", **kw),
-          {"sharded": by_path}),
-      "clip_norm": (lambda **kw: optaxclip.clip_norm(1.0, **kw),
-                    {"sharded": by_path}),
-      "clip_norm_axis0": (lambda **kw: optaxclip.clip_norm(1.0, axis=0, **kw),
-                          {"sharded": {"w_in": True, "w_out": False,
-                                       "b": False}}),
-      "clip_block_rms": (lambda **kw: optaxclip.clip_block_rms(0.5, **kw),
-                         {"sharded": by_path}),
-      # Dense kernels: units span axis 0, so w_out holds whole units.
-      "clip_unitwise": (lambda **kw: optaxclip.clip_unitwise(0.1, **kw),
-                        {"sharded": {"w_in": True, "w_out": False,
-                                     "b": False}}),
+    "clip_global": (
+      lambda **kw: optaxclip.clip_global(2.0, **kw),
+      {"sharded": {"w_in": True, "w_out": True, "b": False}},
+    ),
+    "clip_global_inf": (
+      lambda **kw: optaxclip.clip_global(0.5, ord="inf", **kw),
+      {"sharded": by_path},
+    ),
+    "clip_norm": (
+      lambda **kw: optaxclip.clip_norm(1.0, **kw),
+      {"sharded": by_path},
+    ),
+    "clip_norm_axis0": (
+      lambda **kw: optaxclip.clip_norm(1.0, axis=0, **kw),
+      {"sharded": {"w_in": True, "w_out": False, "b": False}},
+    ),
+    "clip_block_rms": (
+      lambda **kw: optaxclip.clip_block_rms(0.5, **kw),
+      {"sharded": by_path},
+    ),
+    # Dense kernels: units span axis 0, so w_out holds whole units.
+    "clip_unitwise": (
+      lambda **kw: optaxclip.clip_unitwise(0.1, **kw),
+      {"sharded": {"w_in": True, "w_out": False, "b": False}},
+    ),
   }
 
 
 def _shard_tree(seed, scale=1.0):
   rng = np.random.default_rng(seed)
   shapes = {"w_in": (16, 4), "w_out": (4, 16), "b": (1, 3)}
-  return {k: (scale * rng.normal(size=s)).astype(np.float32)
-          for k, s in shapes.items()}
+  return {
+    k: (scale * rng.normal(size=s)).astype(np.float32)
+    for k, s in shapes.items()
+  }
 
 
 def test_axis_name_inside_shard_map_matches_one_device():
@@ -232,25 +260,40 @@ def test_axis_name_inside_shard_map_matches_one_device():
     return out
 
   want = run_fast(functools.partial(run, mapped=False), grads, params)
-  out_specs = {name: (SHARD_SPECS, None if name in local_stats else P())
-               for name in cases}
+  out_specs = {
+    name: (SHARD_SPECS, None if name in local_stats else P()) for name in cases
+  }
   mapped = jax.shard_map(
-      functools.partial(run, mapped=True), mesh=mesh,
-      in_specs=(SHARD_SPECS, SHARD_SPECS), out_specs=out_specs)
+    functools.partial(run, mapped=True),
+    mesh=mesh,
+    in_specs=(SHARD_SPECS, SHARD_SPECS),
+    out_specs=out_specs,
+  )
+
   def put(t):
     return jax.tree.map(
-        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, SHARD_SPECS)
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, SHARD_SPECS
+    )
 
   got = run_fast(mapped, put(grads), put(params))
   for name in cases:
     for key in grads:
-      np.testing.assert_allclose(got[name][0][key], want[name][0][key],
-                                 rtol=TOL, atol=TOL, err_msg=f"{name}: {key}")
+      np.testing.assert_allclose(
+        got[name][0][key],
+        want[name][0][key],
+        rtol=TOL,
+        atol=TOL,
+        err_msg=f"{name}: {key}",
+      )
     if name not in local_stats:
       for field in ("norm", "clipped_norm", "clip_fraction"):
         np.testing.assert_allclose(
-            getattr(got[name][1], field), getattr(want[name][1], field),
-            rtol=TOL, atol=TOL, err_msg=f"{name}: {field}")
+          getattr(got[name][1], field),
+          getattr(want[name][1], field),
+          rtol=TOL,
+          atol=TOL,
+          err_msg=f"{name}: {field}",
+        )
     # The clipping changes something in every case (not a vacuous check).
     assert not np.allclose(want[name][0]["w_in"], grads["w_in"]), name
 
@@ -261,8 +304,13 @@ def test_replicated_leaves_are_counted_once():
 
   def norm(sharded):
     tx = optaxclip.clip_global(1.0, axis_name="d", sharded=sharded)
-    f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[1].norm, mesh=mesh,
-                      in_specs=(P(),), out_specs=P(), check_vma=False)
+    f = jax.shard_map(
+      lambda g: tx.update(g, tx.init(g))[1].norm,
+      mesh=mesh,
+      in_specs=(P(),),
+      out_specs=P(),
+      check_vma=False,
+    )
     return float(jax.jit(f)({"b": b}))
 
   np.testing.assert_allclose(norm(False), math.sqrt(48), rtol=TOL)
@@ -271,32 +319,48 @@ def test_replicated_leaves_are_counted_once():
 
 def test_tuple_axis_name_and_pmap():
   g = _shard_tree(1, 3.0)
-  want, want_state = run_fast(optaxclip.clip_global(2.0).update, g,
-                              optaxclip.clip_global(2.0).init(g))
+  want, want_state = run_fast(
+    optaxclip.clip_global(2.0).update, g, optaxclip.clip_global(2.0).init(g)
+  )
   # A 2x4 mesh, the kernel split over both axes at once.
   mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
   specs = {"w_in": P(("a", "b"), None), "w_out": P(None, ("a", "b")), "b": P()}
-  tx = optaxclip.clip_global(2.0, axis_name=("a", "b"),
-                             sharded={"w_in": True, "w_out": True, "b": False})
-  f = jax.shard_map(lambda g: tx.update(g, tx.init(g)), mesh=mesh,
-                    in_specs=(specs,), out_specs=(specs, P()))
-  got, state = run_fast(f, jax.tree.map(
-      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), g, specs))
+  tx = optaxclip.clip_global(
+    2.0, axis_name=("a", "b"), sharded={"w_in": True, "w_out": True, "b": False}
+  )
+  f = jax.shard_map(
+    lambda g: tx.update(g, tx.init(g)),
+    mesh=mesh,
+    in_specs=(specs,),
+    out_specs=(specs, P()),
+  )
+  got, state = run_fast(
+    f,
+    jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), g, specs
+    ),
+  )
   for key in g:
     np.testing.assert_allclose(got[key], want[key], rtol=TOL, atol=TOL)
   np.testing.assert_allclose(state.norm, want_state.norm, rtol=TOL)
   # pmap: the leading axis of w_in split over 8 devices, b replicated.
-  tx = optaxclip.clip_global(2.0, axis_name="i",
-                             sharded={"w_in": True, "b": False})
-  local = {"w_in": g["w_in"].reshape(8, 2, 4),
-           "b": np.broadcast_to(g["b"], (8, 1, 3))}
-  out, state = jax.pmap(lambda g: tx.update(g, tx.init(g)),
-                        axis_name="i")(local)
+  tx = optaxclip.clip_global(
+    2.0, axis_name="i", sharded={"w_in": True, "b": False}
+  )
+  local = {
+    "w_in": g["w_in"].reshape(8, 2, 4),
+    "b": np.broadcast_to(g["b"], (8, 1, 3)),
+  }
+  out, state = jax.pmap(lambda g: tx.update(g, tx.init(g)), axis_name="i")(
+    local
+  )
   ref_tx = optaxclip.clip_global(2.0)
-  ref, ref_state = ref_tx.update({"w_in": g["w_in"], "b": g["b"]},
-                                 ref_tx.init(g))
-  np.testing.assert_allclose(out["w_in"].reshape(16, 4), ref["w_in"],
-                             rtol=TOL, atol=TOL)
+  ref, ref_state = ref_tx.update(
+    {"w_in": g["w_in"], "b": g["b"]}, ref_tx.init(g)
+  )
+  np.testing.assert_allclose(
+    out["w_in"].reshape(16, 4), ref["w_in"], rtol=TOL, atol=TOL
+  )
   np.testing.assert_allclose(out["b"][3], ref["b"], rtol=TOL, atol=TOL)
   np.testing.assert_allclose(state.norm, np.full(8, ref_state.norm), rtol=TOL)
 
@@ -313,17 +377,22 @@ def test_axis_name_is_checked():
 # Each judges a norm: with axis_name every device must see the global one,
 # take the same decision and hold the same state as one device.
 ADAPTIVE_CASES = {
-    "clip_zscore": lambda **kw: optaxclip.clip_zscore(warmup_steps=2, **kw),
-    "clip_zscore_leaf": lambda **kw: optaxclip.clip_zscore(
-        warmup_steps=2, scope="leaf", **kw),
-    "clip_percentile": lambda **kw: optaxclip.clip_percentile(
-        50.0, history=3, **kw),
-    "clip_percentile_leaf": lambda **kw: optaxclip.clip_percentile(
-        50.0, history=3, scope="leaf", **kw),
-    "clip_relative": lambda **kw: optaxclip.clip_relative(
-        warmup_steps=1, warmup_max_norm=20.0, **kw),
-    "guard": lambda **kw: optaxclip.guard(
-        optax.sgd(1.0), max_norm=25.0, spike_z=1.0, warmup_steps=2, **kw),
+  "clip_zscore": lambda **kw: optaxclip.clip_zscore(warmup_steps=2, **kw),
+  "clip_zscore_leaf": lambda **kw: optaxclip.clip_zscore(
+    warmup_steps=2, scope="leaf", **kw
+  ),
+  "clip_percentile": lambda **kw: optaxclip.clip_percentile(
+    50.0, history=3, **kw
+  ),
+  "clip_percentile_leaf": lambda **kw: optaxclip.clip_percentile(
+    50.0, history=3, scope="leaf", **kw
+  ),
+  "clip_relative": lambda **kw: optaxclip.clip_relative(
+    warmup_steps=1, warmup_max_norm=20.0, **kw
+  ),
+  "guard": lambda **kw: optaxclip.guard(
+    optax.sgd(1.0), max_norm=25.0, spike_z=1.0, warmup_steps=2, **kw
+  ),
 }
 # Norm scales of the steps: warm-up, ordinary, a spike the clippers cut and
 # guard skips (global norm above 25), then ordinary again.
@@ -332,16 +401,20 @@ ADAPTIVE_SCALES = (1.0, 1.2, 9.0, 1.1)
 
 def _adaptive_run(grads_per_step, mapped_kwargs=None):
   """Every adaptive case, all steps: the last updates and every stats()."""
+
   def run(stacked, params):
     out = {}
     for name, make in ADAPTIVE_CASES.items():
       tx = make(**(mapped_kwargs or {}))
+
       def step(state, g, tx=tx):
         updates, state = tx.update(g, state, params)
         return state, (updates, optaxclip.stats(state))
+
       _, (updates, stats) = jax.lax.scan(step, tx.init(params), stacked)
       out[name] = (updates, stats)
     return out
+
   return run
 
 
@@ -353,17 +426,26 @@ def _check_adaptive(got, want, leaf_view=lambda x: x):
   for name in ADAPTIVE_CASES:
     (g_updates, g_stats), (w_updates, w_stats) = got[name], want[name]
     for key in w_updates:
-      np.testing.assert_allclose(leaf_view(g_updates[key]), w_updates[key],
-                                 rtol=TOL, atol=TOL, err_msg=f"{name}: {key}")
+      np.testing.assert_allclose(
+        leaf_view(g_updates[key]),
+        w_updates[key],
+        rtol=TOL,
+        atol=TOL,
+        err_msg=f"{name}: {key}",
+      )
     assert g_stats.keys() == w_stats.keys(), name
     for key in w_stats:
-      np.testing.assert_allclose(g_stats[key], w_stats[key], rtol=TOL,
-                                 atol=TOL, err_msg=f"{name}: {key}")
+      np.testing.assert_allclose(
+        g_stats[key], w_stats[key], rtol=TOL, atol=TOL, err_msg=f"{name}: {key}"
+      )
   # Not vacuous: the spike was cut or skipped everywhere.
   for name in ADAPTIVE_CASES:
     stats = want[name][1]
-    acted = (stats["guard/skipped"] if name == "guard"
-             else stats[f"{name.replace('_leaf', '')}/clip_fraction"])
+    acted = (
+      stats["guard/skipped"]
+      if name == "guard"
+      else stats[f"{name.replace('_leaf', '')}/clip_fraction"]
+    )
     assert np.max(acted) > 0, name
 
 
@@ -380,17 +462,24 @@ def test_adaptive_clippers_inside_shard_map_match_one_device(mesh_shape):
   names = ("d",) if len(mesh_shape) == 1 else ("a", "b")
   axis = names[0] if len(names) == 1 else names
   mesh = jax.sharding.Mesh(
-      np.array(jax.devices()[:8]).reshape(mesh_shape), names)
+    np.array(jax.devices()[:8]).reshape(mesh_shape), names
+  )
   specs = {"w_in": P(axis, None), "w_out": P(None, axis), "b": P()}
   stacked_specs = {k: P(None, *s) for k, s in specs.items()}
-  kwargs = dict(axis_name=axis,
-                sharded={"w_in": True, "w_out": True, "b": False})
+  kwargs = dict(
+    axis_name=axis, sharded={"w_in": True, "w_out": True, "b": False}
+  )
   out_specs = {name: (stacked_specs, P()) for name in ADAPTIVE_CASES}
   # Default check_vma=True: guard's cond branches must agree on their types.
-  mapped = jax.shard_map(_adaptive_run(None, kwargs), mesh=mesh,
-                         in_specs=(stacked_specs, specs), out_specs=out_specs)
+  mapped = jax.shard_map(
+    _adaptive_run(None, kwargs),
+    mesh=mesh,
+    in_specs=(stacked_specs, specs),
+    out_specs=out_specs,
+  )
   put = lambda t, s: jax.tree.map(
-      lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), t, s)
+    lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), t, s
+  )
   got = run_fast(mapped, put(stacked, stacked_specs), put(params, specs))
   _check_adaptive(got, want)
 
@@ -400,28 +489,41 @@ def test_adaptive_clippers_under_pmap_match_one_device():
   # pmap: w_in split along its rows over 8 devices, w_out along its
   # columns, b replicated (the device axis leads every local array).
   local = lambda t: {
-      "w_in": np.moveaxis(t["w_in"].reshape(t["w_in"].shape[:-2]
-                                            + (8, 2, 4)), -3, 0),
-      "w_out": np.moveaxis(t["w_out"].reshape(t["w_out"].shape[:-1]
-                                              + (8, 2)), -2, 0),
-      "b": np.broadcast_to(t["b"], (8,) + t["b"].shape)}
-  kwargs = dict(axis_name="i",
-                sharded={"w_in": True, "w_out": True, "b": False})
+    "w_in": np.moveaxis(
+      t["w_in"].reshape(t["w_in"].shape[:-2] + (8, 2, 4)), -3, 0
+    ),
+    "w_out": np.moveaxis(
+      t["w_out"].reshape(t["w_out"].shape[:-1] + (8, 2)), -2, 0
+    ),
+    "b": np.broadcast_to(t["b"], (8,) + t["b"].shape),
+  }
+  kwargs = dict(
+    axis_name="i", sharded={"w_in": True, "w_out": True, "b": False}
+  )
   got = jax.pmap(_adaptive_run(None, kwargs), axis_name="i")(
-      local(stacked), local(params))
+    local(stacked), local(params)
+  )
   for name in ADAPTIVE_CASES:  # every device holds the same statistics
     for key, value in got[name][1].items():
-      np.testing.assert_array_equal(value, np.broadcast_to(value[:1],
-                                                           value.shape), key)
+      np.testing.assert_array_equal(
+        value, np.broadcast_to(value[:1], value.shape), key
+      )
   # (device, step, ...) -> (step, whole leaf)
   merge = lambda x, axis, shape: np.moveaxis(x, 0, axis).reshape(
-      (x.shape[1],) + shape)
-  unlocal = {"w_in": lambda x: merge(x, -3, (16, 4)),
-             "w_out": lambda x: merge(x, -2, (4, 16)),
-             "b": lambda x: x[3]}
-  got = {name: ({k: unlocal[k](np.asarray(v)) for k, v in u.items()},
-                {k: np.asarray(v)[0] for k, v in s.items()})
-         for name, (u, s) in got.items()}
+    (x.shape[1],) + shape
+  )
+  unlocal = {
+    "w_in": lambda x: merge(x, -3, (16, 4)),
+    "w_out": lambda x: merge(x, -2, (4, 16)),
+    "b": lambda x: x[3],
+  }
+  got = {
+    name: (
+      {k: unlocal[k](np.asarray(v)) for k, v in u.items()},
+      {k: np.asarray(v)[0] for k, v in s.items()},
+    )
+    for name, (u, s) in got.items()
+  }
   _check_adaptive(got, want)
 
 
@@ -429,8 +531,9 @@ def test_guard_takes_one_decision_for_all_devices_under_pmap():
   # An FSDP-split kernel (8, 2), global norm 13.4: the rows' norms straddle
   # max_norm, so decisions from local norms would differ between devices.
   rows = np.linspace(0.5, 8.0, 8)
-  kernel = (np.stack([rows, np.zeros(8)], axis=1)
-            * 13.4 / np.linalg.norm(rows)).astype(np.float32)
+  kernel = (
+    np.stack([rows, np.zeros(8)], axis=1) * 13.4 / np.linalg.norm(rows)
+  ).astype(np.float32)
   local_norms = np.linalg.norm(kernel, axis=1)
   assert local_norms.min() < 5.0 < local_norms.max()
 
@@ -440,19 +543,23 @@ def test_guard_takes_one_decision_for_all_devices_under_pmap():
       _, state = tx.update(g, state, g)  # norm 13.4: skipped
       _, state = tx.update(g / 10, state, g)  # norm 1.34: applied
       return state.inner_state[0].count, state.skipped
+
     return jax.pmap(run, axis_name="i")(kernel.reshape(8, 1, 2))
 
-  counts, skipped = steps(optaxclip.guard(optax.adam(1e-3), max_norm=5.0,
-                                          axis_name="i"))
+  counts, skipped = steps(
+    optaxclip.guard(optax.adam(1e-3), max_norm=5.0, axis_name="i")
+  )
   np.testing.assert_array_equal(counts, np.ones(8))
   np.testing.assert_array_equal(skipped, np.ones(8))
 
 
 def test_adaptive_axis_name_is_checked():
-  for make in (lambda: optaxclip.clip_zscore(axis_name=3),
-               lambda: optaxclip.clip_percentile(axis_name=("a", 1)),
-               lambda: optaxclip.clip_relative(axis_name=1.0),
-               lambda: optaxclip.guard(optax.sgd(1.0), axis_name=2)):
+  for make in (
+    lambda: optaxclip.clip_zscore(axis_name=3),
+    lambda: optaxclip.clip_percentile(axis_name=("a", 1)),
+    lambda: optaxclip.clip_relative(axis_name=1.0),
+    lambda: optaxclip.guard(optax.sgd(1.0), axis_name=2),
+  ):
     with pytest.raises(TypeError, match="axis_name"):
       make()
 
@@ -462,16 +569,23 @@ def test_adaptive_axis_name_is_checked():
     optaxclip.clip_global(1.0, axis_name=("a", "a"))
 
 
-@pytest.mark.parametrize("bad, error", [
+@pytest.mark.parametrize(
+  "bad, error",
+  [
     ("no", TypeError),  # a truthy string is not True
     ({"w": "yes"}, TypeError),
     ({"w": 1}, TypeError),
     (("fsdp",), ValueError),  # not an axis of axis_name
     (P("d", "d"), ValueError),
-])
+  ],
+)
 def test_sharded_is_checked_when_built(bad, error):
-  for make in (optaxclip.clip_global, optaxclip.clip_norm,
-               optaxclip.clip_block_rms, optaxclip.clip_unitwise):
+  for make in (
+    optaxclip.clip_global,
+    optaxclip.clip_norm,
+    optaxclip.clip_block_rms,
+    optaxclip.clip_unitwise,
+  ):
     with pytest.raises(error, match=f"{make.__name__}: sharded"):
       make(1.0, axis_name="d", sharded=bad)
 
@@ -482,48 +596,68 @@ def test_sharded_is_checked_when_built(bad, error):
 # or on two), over fsdp only (replicated over data), along a kernel's output
 # axis, and replicated.
 MESH_2D_SPECS = {
-    "both": P(("data", "fsdp"), None),
-    "both_2d": P("data", "fsdp"),
-    "fsdp": P("fsdp", None),
-    "out": P(None, "fsdp"),
-    "rep": P(),
+  "both": P(("data", "fsdp"), None),
+  "both_2d": P("data", "fsdp"),
+  "fsdp": P("fsdp", None),
+  "out": P(None, "fsdp"),
+  "rep": P(),
 }
-MESH_2D_AXES = {"both": ("data", "fsdp"), "both_2d": ("data", "fsdp"),
-                "fsdp": ("fsdp",), "out": ("fsdp",), "rep": False}
+MESH_2D_AXES = {
+  "both": ("data", "fsdp"),
+  "both_2d": ("data", "fsdp"),
+  "fsdp": ("fsdp",),
+  "out": ("fsdp",),
+  "rep": False,
+}
 
 
 def _tree_2d(seed, scale=1.0):
   rng = np.random.default_rng(seed)
-  shapes = {"both": (16, 6), "both_2d": (8, 8), "fsdp": (8, 6),
-            "out": (6, 8), "rep": (1, 3)}
-  return {k: (scale * rng.normal(size=s)).astype(np.float32)
-          for k, s in shapes.items()}
+  shapes = {
+    "both": (16, 6),
+    "both_2d": (8, 8),
+    "fsdp": (8, 6),
+    "out": (6, 8),
+    "rep": (1, 3),
+  }
+  return {
+    k: (scale * rng.normal(size=s)).astype(np.float32)
+    for k, s in shapes.items()
+  }
 
 
 def _cases_2d():
   names = ("data", "fsdp")
   specs, axes = MESH_2D_SPECS, MESH_2D_AXES
   return {
-      "clip_global/spec": lambda m: optaxclip.clip_global(
-          2.0, **({"axis_name": names, "sharded": specs} if m else {})),
-      "clip_global/axes": lambda m: optaxclip.clip_global(
-          2.0, **({"axis_name": names, "sharded": axes} if m else {})),
-      "clip_norm/spec": lambda m: optaxclip.clip_norm(
-          1.0, **({"axis_name": names, "sharded": specs} if m else {})),
-      "clip_norm/axes": lambda m: optaxclip.clip_norm(
-          1.0, **({"axis_name": names, "sharded": axes} if m else {})),
-      "clip_norm_axis0/spec": lambda m: optaxclip.clip_norm(
-          1.0, axis=0, **({"axis_name": names, "sharded": specs} if m else {})),
-      "clip_block_rms/axes": lambda m: optaxclip.clip_block_rms(
-          0.3, **({"axis_name": names, "sharded": axes} if m else {})),
-      "clip_unitwise/spec": lambda m: optaxclip.clip_unitwise(
-          0.1, **({"axis_name": names, "sharded": specs} if m else {})),
+    "clip_global/spec": lambda m: optaxclip.clip_global(
+      2.0, **({"axis_name": names, "sharded": specs} if m else {})
+    ),
+    "clip_global/axes": lambda m: optaxclip.clip_global(
+      2.0, **({"axis_name": names, "sharded": axes} if m else {})
+    ),
+    "clip_norm/spec": lambda m: optaxclip.clip_norm(
+      1.0, **({"axis_name": names, "sharded": specs} if m else {})
+    ),
+    "clip_norm/axes": lambda m: optaxclip.clip_norm(
+      1.0, **({"axis_name": names, "sharded": axes} if m else {})
+    ),
+    "clip_norm_axis0/spec": lambda m: optaxclip.clip_norm(
+      1.0, axis=0, **({"axis_name": names, "sharded": specs} if m else {})
+    ),
+    "clip_block_rms/axes": lambda m: optaxclip.clip_block_rms(
+      0.3, **({"axis_name": names, "sharded": axes} if m else {})
+    ),
+    "clip_unitwise/spec": lambda m: optaxclip.clip_unitwise(
+      0.1, **({"axis_name": names, "sharded": specs} if m else {})
+    ),
   }
 
 
 def test_per_leaf_axes_on_a_2d_mesh_match_one_device():
-  mesh = jax.make_mesh((2, 4), ("data", "fsdp"),
-                       axis_types=(AxisType.Explicit,) * 2)
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2
+  )
   cases = _cases_2d()
   params, grads = _tree_2d(0), _tree_2d(1, 3.0)
 
@@ -536,58 +670,88 @@ def test_per_leaf_axes_on_a_2d_mesh_match_one_device():
 
   want = run_fast(functools.partial(run, mapped=False), grads, params)
   mapped = jax.shard_map(
-      functools.partial(run, mapped=True), mesh=mesh,
-      in_specs=(MESH_2D_SPECS, MESH_2D_SPECS),
-      out_specs={name: (MESH_2D_SPECS, P()) for name in cases})
+    functools.partial(run, mapped=True),
+    mesh=mesh,
+    in_specs=(MESH_2D_SPECS, MESH_2D_SPECS),
+    out_specs={name: (MESH_2D_SPECS, P()) for name in cases},
+  )
   put = lambda t: jax.tree.map(
-      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t,
-      MESH_2D_SPECS)
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, MESH_2D_SPECS
+  )
   got = run_fast(mapped, put(grads), put(params))
   for name in cases:
     for key in grads:
-      np.testing.assert_allclose(got[name][0][key], want[name][0][key],
-                                 rtol=TOL, atol=TOL, err_msg=f"{name}: {key}")
-    got_stats, want_stats = optaxclip.stats(got[name][1]), optaxclip.stats(
-        want[name][1])
+      np.testing.assert_allclose(
+        got[name][0][key],
+        want[name][0][key],
+        rtol=TOL,
+        atol=TOL,
+        err_msg=f"{name}: {key}",
+      )
+    got_stats, want_stats = (
+      optaxclip.stats(got[name][1]),
+      optaxclip.stats(want[name][1]),
+    )
     for key in want_stats:
-      np.testing.assert_allclose(got_stats[key], want_stats[key], rtol=TOL,
-                                 atol=TOL, err_msg=f"{name}: {key}")
-    assert want_stats[f"{name.split('/')[0].replace('_axis0', '')}"
-                          "/clip_fraction"] > 0, name  # something is clipped
+      np.testing.assert_allclose(
+        got_stats[key],
+        want_stats[key],
+        rtol=TOL,
+        atol=TOL,
+        err_msg=f"{name}: {key}",
+      )
+    assert (
+      want_stats[f"{name.split('/')[0].replace('_axis0', '')}/clip_fraction"]
+      > 0
+    ), name  # something is clipped
 
 
 def test_global_norm_with_leaves_on_different_axes():
   """One kernel split over both axes, one over fsdp only, a replicated bias:
   of the four single-bool settings none is right; per-leaf axes are.
   """
-  mesh = jax.make_mesh((2, 4), ("data", "fsdp"),
-                       axis_types=(AxisType.Explicit,) * 2)
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2
+  )
   rng = np.random.default_rng(3)
-  g = {"a": np.float32(rng.normal(size=(8, 4))),
-       "b": np.float32(rng.normal(size=(4, 4))),
-       "c": np.float32(rng.normal(size=(3,)))}
+  g = {
+    "a": np.float32(rng.normal(size=(8, 4))),
+    "b": np.float32(rng.normal(size=(4, 4))),
+    "c": np.float32(rng.normal(size=(3,))),
+  }
   specs = {"a": P(("data", "fsdp")), "b": P("fsdp"), "c": P()}
   want = np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in g.values()))
 
   def norm(sharded):
-    tx = optaxclip.clip_global(1.0, axis_name=("data", "fsdp"),
-                               sharded=sharded)
+    tx = optaxclip.clip_global(1.0, axis_name=("data", "fsdp"), sharded=sharded)
     # Wrong settings give a different norm per device: no vma check.
-    f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[1].norm, mesh=mesh,
-                      in_specs=(specs,), out_specs=P(), check_vma=False)
-    return float(jax.jit(f)(jax.tree.map(
-        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), g, specs)))
+    f = jax.shard_map(
+      lambda g: tx.update(g, tx.init(g))[1].norm,
+      mesh=mesh,
+      in_specs=(specs,),
+      out_specs=P(),
+      check_vma=False,
+    )
+    return float(
+      jax.jit(f)(
+        jax.tree.map(
+          lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), g, specs
+        )
+      )
+    )
 
   np.testing.assert_allclose(norm(specs), want, rtol=TOL)
   np.testing.assert_allclose(
-      norm({"a": ("data", "fsdp"), "b": ("fsdp",), "c": None}), want,
-      rtol=TOL)
+    norm({"a": ("data", "fsdp"), "b": ("fsdp",), "c": None}), want, rtol=TOL
+  )
   np.testing.assert_allclose(
-      norm(lambda path, leaf: specs[path[0].key]), want, rtol=TOL)
+    norm(lambda path, leaf: specs[path[0].key]), want, rtol=TOL
+  )
   for a in (False, True):
     for b in (False, True):
-      assert not np.isclose(norm({"a": a, "b": b, "c": False}), want,
-                            rtol=1e-3), (a, b)
+      assert not np.isclose(
+        norm({"a": a, "b": b, "c": False}), want, rtol=1e-3
+      ), (a, b)
 
 
 def test_unitwise_units_come_from_the_global_shape():
@@ -603,57 +767,85 @@ def test_unitwise_units_come_from_the_global_shape():
   specs = {"k": P("d", None)}
 
   def mapped(tx):
-    return jax.shard_map(lambda g, w: tx.update(g, tx.init(w), w), mesh=mesh,
-                         in_specs=(specs, specs), out_specs=(specs, P()))
+    return jax.shard_map(
+      lambda g, w: tx.update(g, tx.init(w), w),
+      mesh=mesh,
+      in_specs=(specs, specs),
+      out_specs=(specs, P()),
+    )
 
-  for tx in (optaxclip.clip_unitwise(0.1, axis_name="d", sharded=specs),
-             optaxclip.clip_unitwise(0.1, axis_name="d", axis=0)):
+  for tx in (
+    optaxclip.clip_unitwise(0.1, axis_name="d", sharded=specs),
+    optaxclip.clip_unitwise(0.1, axis_name="d", axis=0),
+  ):
     got, state = run_fast(mapped(tx), g, w)
     np.testing.assert_allclose(got["k"], want["k"], rtol=TOL, atol=TOL)
     np.testing.assert_allclose(state.clip_fraction, want_state.clip_fraction)
   assert want_state.clip_fraction == 0.5  # one column clipped, one not
   tx = optaxclip.clip_unitwise(0.1, axis_name="d", sharded=True)
-  with pytest.raises(ValueError, match=r"clip_unitwise: sharded must give "
-                     r"the leaf \['k'\] as a PartitionSpec"):
+  with pytest.raises(
+    ValueError,
+    match=r"clip_unitwise: sharded must give "
+    r"the leaf \['k'\] as a PartitionSpec",
+  ):
     jax.jit(mapped(tx))(g, w)
   # pmap: the same kernel, one row per device.
   local_g, local_w = g["k"].reshape(8, 1, 2), w["k"].reshape(8, 1, 2)
   tx = optaxclip.clip_unitwise(0.1, axis_name="i", sharded={"k": P("i")})
-  out, state = jax.pmap(lambda g, w: tx.update(g, tx.init(w), w),
-                        axis_name="i")({"k": local_g}, {"k": local_w})
-  np.testing.assert_allclose(out["k"].reshape(8, 2), want["k"], rtol=TOL,
-                             atol=TOL)
+  out, state = jax.pmap(
+    lambda g, w: tx.update(g, tx.init(w), w), axis_name="i"
+  )({"k": local_g}, {"k": local_w})
+  np.testing.assert_allclose(
+    out["k"].reshape(8, 2), want["k"], rtol=TOL, atol=TOL
+  )
   np.testing.assert_allclose(state.clip_fraction, np.full(8, 0.5))
 
 
 def test_sharded_prefix_survives_masked_and_frozen_dict():
   from flax.core import FrozenDict
+
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
   rng = np.random.default_rng(7)
-  g = {"enc": {"k": np.float32(rng.normal(size=(16, 2)))},
-       "dec": {"k": np.float32(rng.normal(size=(8, 4))),
-               "b": np.float32(rng.normal(size=(4,)))}}
+  g = {
+    "enc": {"k": np.float32(rng.normal(size=(16, 2)))},
+    "dec": {
+      "k": np.float32(rng.normal(size=(8, 4))),
+      "b": np.float32(rng.normal(size=(4,))),
+    },
+  }
   specs = {"enc": {"k": P("d")}, "dec": {"k": P("d"), "b": P()}}
   put = lambda t: jax.tree.map(
-      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs)
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs
+  )
   mask = {"enc": False, "dec": True}  # the whole "enc" subtree masked out
   inner = lambda **kw: optaxclip.clip_global(1.0, **kw)
   ref = optax.masked(inner(), mask)
   want, _ = ref.update(g, ref.init(g))
   sharded = {"enc": {"k": True}, "dec": {"k": True, "b": False}}
   tx = optax.masked(inner(axis_name="d", sharded=sharded), mask)
-  f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
-                    in_specs=(specs,), out_specs=specs)
+  f = jax.shard_map(
+    lambda g: tx.update(g, tx.init(g))[0],
+    mesh=mesh,
+    in_specs=(specs,),
+    out_specs=specs,
+  )
   got = jax.jit(f)(put(g))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
   # FrozenDict updates with a plain-dict prefix.
   tx = inner(axis_name="d", sharded=sharded)
-  f = jax.shard_map(lambda g: tx.update(FrozenDict(g), tx.init(g))[1].norm,
-                    mesh=mesh, in_specs=(specs,), out_specs=P())
-  want_norm = np.sqrt(sum(np.sum(x ** 2) for x in jax.tree.leaves(g)))
+  f = jax.shard_map(
+    lambda g: tx.update(FrozenDict(g), tx.init(g))[1].norm,
+    mesh=mesh,
+    in_specs=(specs,),
+    out_specs=P(),
+  )
+  want_norm = np.sqrt(sum(np.sum(x**2) for x in jax.tree.leaves(g)))
   np.testing.assert_allclose(jax.jit(f)(put(g)), want_norm, rtol=TOL)
-  with pytest.raises(ValueError, match=r"clip_global: sharded must be a "
-                     r"pytree prefix .* \['dec'\]\['b'\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"clip_global: sharded must be a "
+    r"pytree prefix .* \['dec'\]\['b'\]",
+  ):
     bad = inner(axis_name="d", sharded={"enc": True, "dec": {"k": True}})
     jax.eval_shape(lambda g: bad.update(g, bad.init(g)), g)

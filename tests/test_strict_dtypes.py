@@ -21,31 +21,34 @@ import optaxclip
 def _tree(dtypes, seed=0):
   rng = np.random.default_rng(seed)
   shapes = ((3, 4), (5,), (2, 2), ())
-  return {f"x{i}": jnp.asarray(rng.normal(size=shapes[i % len(shapes)]) * 3,
-                               dtype)
-          for i, dtype in enumerate(dtypes)}
+  return {
+    f"x{i}": jnp.asarray(rng.normal(size=shapes[i % len(shapes)]) * 3, dtype)
+    for i, dtype in enumerate(dtypes)
+  }
 
 
 REAL = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float32)
 COMPLEX = (jnp.complex64, jnp.float32)
 
 CLIPPERS = {
-    "clip_value": lambda: optaxclip.clip_value(0.5),
-    "clip_norm": lambda: optaxclip.clip_norm(0.5),
-    "clip_norm_l1": lambda: optaxclip.clip_norm(0.5, ord=1),
-    "clip_global": lambda: optaxclip.clip_global(0.5),
-    "clip_global_inf": lambda: optaxclip.clip_global(0.5, ord="inf"),
-    "clip_block_rms": lambda: optaxclip.clip_block_rms(0.5),
-    "clip_unitwise": lambda: optaxclip.clip_unitwise(0.01),
-    "clip_zscore": optaxclip.clip_zscore,
-    "clip_zscore_leaf": lambda: optaxclip.clip_zscore(scope="leaf"),
-    "clip_percentile": lambda: optaxclip.clip_percentile(history=8),
-    "clip_percentile_leaf": lambda: optaxclip.clip_percentile(
-        history=8, scope="leaf"),
-    "clip_relative": lambda: optaxclip.clip_relative(warmup_steps=1),
-    "guard": lambda: optaxclip.guard(optax.identity(), spike_z=3.0,
-                                     max_norm=100.0),
-    "clipped": lambda: optaxclip.clipped(optax.sgd(0.1), clipnorm=0.5),
+  "clip_value": lambda: optaxclip.clip_value(0.5),
+  "clip_norm": lambda: optaxclip.clip_norm(0.5),
+  "clip_norm_l1": lambda: optaxclip.clip_norm(0.5, ord=1),
+  "clip_global": lambda: optaxclip.clip_global(0.5),
+  "clip_global_inf": lambda: optaxclip.clip_global(0.5, ord="inf"),
+  "clip_block_rms": lambda: optaxclip.clip_block_rms(0.5),
+  "clip_unitwise": lambda: optaxclip.clip_unitwise(0.01),
+  "clip_zscore": optaxclip.clip_zscore,
+  "clip_zscore_leaf": lambda: optaxclip.clip_zscore(scope="leaf"),
+  "clip_percentile": lambda: optaxclip.clip_percentile(history=8),
+  "clip_percentile_leaf": lambda: optaxclip.clip_percentile(
+    history=8, scope="leaf"
+  ),
+  "clip_relative": lambda: optaxclip.clip_relative(warmup_steps=1),
+  "guard": lambda: optaxclip.guard(
+    optax.identity(), spike_z=3.0, max_norm=100.0
+  ),
+  "clipped": lambda: optaxclip.clipped(optax.sgd(0.1), clipnorm=0.5),
 }
 COMPLEX_OK = ("clip_value", "clip_norm", "clip_global", "clip_block_rms")
 
@@ -81,13 +84,18 @@ def test_complex_leaves(name):
 
 
 def test_per_example_clipping():
-  tx = optaxclip.clip_per_example(1.0, noise_multiplier=0.5,
-                                  target_quantile=0.5)
+  tx = optaxclip.clip_per_example(
+    1.0, noise_multiplier=0.5, target_quantile=0.5
+  )
   rng = np.random.default_rng(0)
-  grads = {"w": jnp.asarray(rng.normal(size=(12, 3, 2)), jnp.bfloat16),
-           "b": jnp.asarray(rng.normal(size=(12, 2)), jnp.float32)}
-  params = {"w": jnp.zeros((3, 2), jnp.bfloat16),
-            "b": jnp.zeros((2,), jnp.float32)}
+  grads = {
+    "w": jnp.asarray(rng.normal(size=(12, 3, 2)), jnp.bfloat16),
+    "b": jnp.asarray(rng.normal(size=(12, 2)), jnp.float32),
+  }
+  params = {
+    "w": jnp.zeros((3, 2), jnp.bfloat16),
+    "b": jnp.zeros((2,), jnp.float32),
+  }
   with jax.numpy_dtype_promotion("strict"):
     state = tx.init(params)
     updates, state = tx.update(grads, state, params)

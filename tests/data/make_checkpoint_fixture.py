@@ -44,17 +44,24 @@ def optimizers():
   (its input has a batch axis).
   """
   chained = optaxclip.guard(
-      optax.chain(
-          optaxclip.clip_value(2.0), optaxclip.clip_norm(3.0),
-          optaxclip.clip_global(4.0), optaxclip.clip_block_rms(1.5),
-          optaxclip.clip_unitwise(0.5, eps=1.0),
-          optaxclip.clip_zscore(warmup_steps=2, scope="leaf"),
-          optaxclip.clip_percentile(50.0, history=4),
-          optaxclip.clip_relative(1.5, warmup_steps=2),
-          optax.sgd(0.1)),
-      spike_z=4.0, max_norm=40.0, warmup_steps=2)
+    optax.chain(
+      optaxclip.clip_value(2.0),
+      optaxclip.clip_norm(3.0),
+      optaxclip.clip_global(4.0),
+      optaxclip.clip_block_rms(1.5),
+      optaxclip.clip_unitwise(0.5, eps=1.0),
+      optaxclip.clip_zscore(warmup_steps=2, scope="leaf"),
+      optaxclip.clip_percentile(50.0, history=4),
+      optaxclip.clip_relative(1.5, warmup_steps=2),
+      optax.sgd(0.1),
+    ),
+    spike_z=4.0,
+    max_norm=40.0,
+    warmup_steps=2,
+  )
   per_example = optaxclip.clip_per_example(
-      1.0, noise_multiplier=0.5, seed=3, target_quantile=0.5)
+    1.0, noise_multiplier=0.5, seed=3, target_quantile=0.5
+  )
   return chained, per_example
 
 
@@ -67,8 +74,10 @@ def gradients(step):
   g = {"w": rng.standard_normal((2, 3)) * scale, "b": rng.standard_normal(3)}
   if step == 4:
     g["b"][1] = np.nan
-  batch = {k: rng.standard_normal((BATCH,) + v.shape) * (1 + step % 3)
-           for k, v in g.items()}
+  batch = {
+    k: rng.standard_normal((BATCH,) + v.shape) * (1 + step % 3)
+    for k, v in g.items()
+  }
   as_f32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
   return as_f32(g), as_f32(batch)
 
@@ -112,8 +121,7 @@ def main(out_dir):
   out_dir.mkdir(parents=True, exist_ok=True)
   chained, per_example = optimizers()
   p = params()
-  p, state, pe_state = run(SAVE_AFTER, p, chained.init(p),
-                           per_example.init(p))
+  p, state, pe_state = run(SAVE_AFTER, p, chained.init(p), per_example.init(p))
   tree = {"params": p, "opt_state": state, "per_example_state": pe_state}
   with tempfile.TemporaryDirectory() as tmp:
     checkpointer = ocp.StandardCheckpointer()
@@ -121,18 +129,22 @@ def main(out_dir):
     checkpointer.wait_until_finished()
     checkpointer.close()
     with tarfile.open(out_dir / "checkpoint.tar.xz", "w:xz") as archive:
-      archive.add(pathlib.Path(tmp) / "checkpoint", "checkpoint",
-                  filter=_reproducible)
+      archive.add(
+        pathlib.Path(tmp) / "checkpoint", "checkpoint", filter=_reproducible
+      )
   logs = {**optaxclip.stats(state), **optaxclip.stats(pe_state)}
   record = {
-      "version": getattr(optaxclip, "__version__", "unknown"),
-      "steps": SAVE_AFTER,
-      "stats": {k: np.asarray(v).item() for k, v in logs.items()},
-      "per_example_key": np.asarray(pe_state.key).tolist(),
+    "version": getattr(optaxclip, "__version__", "unknown"),
+    "steps": SAVE_AFTER,
+    "stats": {k: np.asarray(v).item() for k, v in logs.items()},
+    "per_example_key": np.asarray(pe_state.key).tolist(),
   }
   (out_dir / "stats.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-  main(sys.argv[1] if len(sys.argv) > 1 else
-       pathlib.Path(__file__).parent / "checkpoint_0_1_0")
+  main(
+    sys.argv[1]
+    if len(sys.argv) > 1
+    else pathlib.Path(__file__).parent / "checkpoint_0_1_0"
+  )
