@@ -12,10 +12,12 @@ from optaxclip import _adaptive
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _schedules
 from optaxclip import _static
 from optaxclip import _stats
 from optaxclip._typing import AxisName
 from optaxclip._typing import Scalar
+from optaxclip._typing import ScalarOrSchedule
 
 
 @_stats.register(
@@ -49,6 +51,8 @@ class GuardState(NamedTuple):
     inner_state: the state of the guarded transformation.
     consecutive_spikes: spikes in a row skipped so far.
     restarts: how often the statistics restarted at a new level.
+    step: updates so far, skipped ones included (int32, saturating): the
+      step at which a schedule of ``max_norm`` or ``spike_z`` is evaluated.
   """
 
   norm: jax.Array  # float scalar
@@ -62,6 +66,7 @@ class GuardState(NamedTuple):
   inner_state: Any
   consecutive_spikes: jax.Array  # int32 scalar
   restarts: jax.Array  # int32 scalar
+  step: jax.Array  # int32 scalar
 
 
 def _varying_axes(x: Any) -> frozenset:
@@ -102,8 +107,8 @@ def guard(
   inner: optax.GradientTransformation,
   *,
   skip_nonfinite: bool = True,
-  spike_z: Optional[Scalar] = None,
-  max_norm: Optional[Scalar] = None,
+  spike_z: Optional[ScalarOrSchedule] = None,
+  max_norm: Optional[ScalarOrSchedule] = None,
   alpha: Scalar = 0.97,
   warmup_steps: Scalar = 25,
   patience: Scalar = 25,
@@ -160,8 +165,13 @@ def guard(
     inner: the transformation to guard (usually the whole optimizer chain).
     skip_nonfinite: skip steps whose gradient norm is NaN or infinite.
     spike_z: skip steps more than this many standard deviations above the
-      EMA mean of the norm (> 0); ``None`` to skip no spikes.
-    max_norm: skip steps whose norm is above it (>= 0); ``None`` for none.
+      EMA mean of the norm (> 0): a number or a schedule (``step ->
+      value``; values below 0 count as 0), evaluated at the guard's step
+      count (0 on the first update); ``None`` to skip no spikes.
+    max_norm: skip steps whose norm is above it (>= 0): a number or a
+      schedule, likewise; ``None`` for none. A bound of 0 skips every step
+      (a schedule that reaches 0 stops training: zero updates). A NaN from
+      a schedule skips the step.
     alpha: EMA smoothing of the norm's mean and variance, in (0, 1).
     warmup_steps: finite norms to gather before spikes are detected (>= 1).
     patience: spikes in a row skipped before a lasting new level is
@@ -198,11 +208,11 @@ def guard(
   who = "guard"
   _checks.check_transformation(who, "inner", inner)
   skip_nonfinite = _checks.check_bool(who, "skip_nonfinite", skip_nonfinite)
-  _checks.check_number(
-    "spike_z", spike_z, who=who, low=0.0, low_open=True, allow_none=True
+  _schedules.check(
+    who, "spike_z", spike_z, low=0.0, low_open=True, allow_none=True
   )
-  _checks.check_number(
-    "max_norm", max_norm, who=who, low=0.0, allow_inf=True, allow_none=True
+  _schedules.check(
+    who, "max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
   )
   _checks.check_probability("alpha", alpha, who=who)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
@@ -228,6 +238,7 @@ def guard(
       inner_state=inner.init(params),
       consecutive_spikes=counter(),
       restarts=counter(),
+      step=counter(),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -253,12 +264,18 @@ def guard(
     finite = jnp.isfinite(norm)
     warming = state.count < warmup_steps
 
-    cap = jnp.asarray(jnp.inf if max_norm is None else max_norm, dtype)
+    cap = jnp.asarray(
+      jnp.inf
+      if max_norm is None
+      else _schedules.value_at(max_norm, state.step, who=who, name="max_norm"),
+      dtype,
+    )
     spike = restart = jnp.zeros((), bool)
     seen = norm  # what the statistics take in
     bound = jnp.asarray(jnp.inf, dtype)
     if spike_z is not None:
-      bound = jnp.where(warming, jnp.inf, mean + spike_z * jnp.sqrt(var))
+      z = _schedules.value_at(spike_z, state.step, who=who, name="spike_z")
+      bound = jnp.where(warming, jnp.inf, mean + z * jnp.sqrt(var))
       spike = finite & (norm > bound)
       no_scale = var == 0  # equal norms so far: no spread to judge by
       restart = spike & ((state.consecutive_spikes >= patience) | no_scale)
@@ -267,6 +284,10 @@ def guard(
     threshold = jnp.minimum(cap, jnp.where(restart, jnp.inf, bound))
     # An infinite norm is above any finite bound, whatever skip_nonfinite.
     skip = (norm > cap) | spike | (jnp.isinf(norm) & (bound < jnp.inf))
+    # A bound of 0 lets nothing through, not even a zero gradient (whose
+    # inner update, with momentum, need not be zero); a NaN bound (from a
+    # schedule) skips the step.
+    skip = skip | ~(cap > 0) | jnp.isnan(threshold)
     if skip_nonfinite:
       skip = skip | nonfinite
 
@@ -328,6 +349,7 @@ def guard(
         state.consecutive_spikes, spike, finite
       ),
       restarts=_adaptive.add_count(state.restarts, restart),
+      step=_schedules.next_count(state.step),
     )
 
   return optax.GradientTransformationExtraArgs(
