@@ -473,6 +473,16 @@ def clip_global(
     Array([-3., -4.], dtype=float32)
     >>> float(optaxclip.stats(state)["clip_global/norm"])
     10.0
+
+    A schedule instead of a number (here 10, then 5 from step 1):
+
+    >>> tx = optaxclip.clip_global(
+    ...     optax.piecewise_constant_schedule(10.0, {1: 0.5}))
+    >>> state = tx.init(params)
+    >>> for _ in range(2):
+    ...   clipped, state = tx.update(g, state)
+    >>> clipped["a"], float(state.threshold), int(state.count)
+    (Array([3., 4.], dtype=float32), 5.0, 2)
   """
   who = "clip_global"
   _schedules.check(who, "max_norm", max_norm, low=0.0, allow_inf=True)
