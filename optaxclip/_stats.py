@@ -175,7 +175,9 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
   out: dict[str, jax.Array] = {}
   for prefix, (_, state) in zip(prefixes, found):
     for field in _REGISTRY[type(state)][1]:
-      out[f"{prefix}/{field}"] = _unwrap(getattr(state, field))
+      value = getattr(state, field)
+      if value is not None:  # a field this configuration does not use.
+        out[f"{prefix}/{field}"] = _unwrap(value)
   return out
 
 
