@@ -616,7 +616,8 @@ def guard(
       skip = skip | nonfinite
 
     no = jnp.zeros((), bool)
-    loss_skip = loss_nonfinite = loss_spike = no
+    loss_skip = loss_nonfinite = loss_spike = l_restart = loss_finite = no
+    loss = l_mean = l_var = l_z = jnp.zeros((), dtype)
     if loss_aware:
       moments = state.loss_moments
       loss = loss_of(extra_args, dtype)
