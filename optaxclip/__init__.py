@@ -22,6 +22,16 @@ from optaxclip._guard import Window
 from optaxclip._guard import guard
 from optaxclip._per_example import ClipPerExampleState
 from optaxclip._per_example import clip_per_example
+from optaxclip._spam import ClipSpikesAdaptiveState
+from optaxclip._spam import ClipSpikesState
+from optaxclip._spam import ScaleByNormEmaState
+from optaxclip._spam import SpamState
+from optaxclip._spam import StableSpamState
+from optaxclip._spam import clip_spikes
+from optaxclip._spam import clip_spikes_adaptive
+from optaxclip._spam import scale_by_norm_ema
+from optaxclip._spam import spam
+from optaxclip._spam import stable_spam
 from optaxclip._static import ClipBlockRMSState
 from optaxclip._static import ClipGlobalState
 from optaxclip._static import ClipNormState
@@ -46,13 +56,18 @@ __all__ = (
   "ClipPerExampleState",
   "ClipPercentileState",
   "ClipRelativeState",
+  "ClipSpikesAdaptiveState",
+  "ClipSpikesState",
   "ClipUnitwiseState",
   "ClipValueState",
   "ClipZscoreState",
   "DpNoiseState",
   "GuardState",
   "LossMoments",
+  "ScaleByNormEmaState",
   "Sensitivity",
+  "SpamState",
+  "StableSpamState",
   "Window",
   "clip_block_rms",
   "clip_global",
@@ -60,6 +75,8 @@ __all__ = (
   "clip_per_example",
   "clip_percentile",
   "clip_relative",
+  "clip_spikes",
+  "clip_spikes_adaptive",
   "clip_unitwise",
   "clip_value",
   "clip_zscore",
@@ -68,6 +85,9 @@ __all__ = (
   "default_unit_axes",
   "dp_noise",
   "guard",
+  "scale_by_norm_ema",
+  "spam",
+  "stable_spam",
   "stats",
   "upgrade_state",
 )
