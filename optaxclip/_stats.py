@@ -206,11 +206,12 @@ def stats(opt_state: Any, *, prefix: str = "") -> dict[str, jax.Array]:
     ``clipped_norm``, ``clip_fraction``, ``threshold``, ``clip_norm``,
     ``top_leaf_share`` and the leaf norms) are float32 (float64 for the
     adaptive clippers and :func:`guard` when the parameters given to
-    ``init`` are float64; leaf norms stay float32); the counters
-    (:func:`guard`'s ``skipped``, ``nonfinite``, ``consecutive_skips``,
-    ``restarts``, :func:`clip_zscore`'s and :func:`clip_relative`'s
-    ``restarts``, :func:`clip_per_example`'s ``nonfinite``) are int32, exact
-    at any step count.
+    ``init`` are float64, :func:`guard`'s ``z_score`` too; leaf norms stay
+    float32); the counters (:func:`guard`'s ``skipped``, ``nonfinite``,
+    ``consecutive_skips``, ``restarts`` and ``skipped_*`` cause counters,
+    :func:`clip_zscore`'s and :func:`clip_relative`'s ``restarts``,
+    :func:`clip_per_example`'s ``nonfinite``) are int32, exact at any step
+    count.
 
   Example:
     >>> import jax.numpy as jnp, optax, optaxclip
