@@ -20,6 +20,16 @@ from optaxclip._guard import GuardState
 from optaxclip._guard import guard
 from optaxclip._per_example import ClipPerExampleState
 from optaxclip._per_example import clip_per_example
+from optaxclip._spam import ClipSpikesAdaptiveState
+from optaxclip._spam import ClipSpikesState
+from optaxclip._spam import ScaleByNormEmaState
+from optaxclip._spam import SpamState
+from optaxclip._spam import StableSpamState
+from optaxclip._spam import clip_spikes
+from optaxclip._spam import clip_spikes_adaptive
+from optaxclip._spam import scale_by_norm_ema
+from optaxclip._spam import spam
+from optaxclip._spam import stable_spam
 from optaxclip._static import ClipBlockRMSState
 from optaxclip._static import ClipGlobalState
 from optaxclip._static import ClipNormState
@@ -44,18 +54,25 @@ __all__ = (
   "ClipPerExampleState",
   "ClipPercentileState",
   "ClipRelativeState",
+  "ClipSpikesAdaptiveState",
+  "ClipSpikesState",
   "ClipUnitwiseState",
   "ClipValueState",
   "ClipZscoreState",
   "DpNoiseState",
   "GuardState",
+  "ScaleByNormEmaState",
   "Sensitivity",
+  "SpamState",
+  "StableSpamState",
   "clip_block_rms",
   "clip_global",
   "clip_norm",
   "clip_per_example",
   "clip_percentile",
   "clip_relative",
+  "clip_spikes",
+  "clip_spikes_adaptive",
   "clip_unitwise",
   "clip_value",
   "clip_zscore",
@@ -64,6 +81,9 @@ __all__ = (
   "default_unit_axes",
   "dp_noise",
   "guard",
+  "scale_by_norm_ema",
+  "spam",
+  "stable_spam",
   "stats",
   "upgrade_state",
 )
