@@ -41,6 +41,7 @@ from optaxclip._static import clip_norm
 from optaxclip._static import clip_unitwise
 from optaxclip._static import clip_value
 from optaxclip._static import default_unit_axes
+from optaxclip._stats import leaf_norm_table
 from optaxclip._stats import stats
 from optaxclip._stats import upgrade_state
 from optaxclip._wrappers import clipped
@@ -81,6 +82,7 @@ __all__ = (
   "default_unit_axes",
   "dp_noise",
   "guard",
+  "leaf_norm_table",
   "scale_by_norm_ema",
   "spam",
   "stable_spam",
