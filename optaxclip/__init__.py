@@ -17,6 +17,8 @@ from optaxclip._clipped_grad import Sensitivity
 from optaxclip._clipped_grad import clipped_grad
 from optaxclip._clipped_grad import dp_noise
 from optaxclip._guard import GuardState
+from optaxclip._guard import LossMoments
+from optaxclip._guard import Window
 from optaxclip._guard import guard
 from optaxclip._per_example import ClipPerExampleState
 from optaxclip._per_example import clip_per_example
@@ -41,6 +43,7 @@ from optaxclip._static import clip_norm
 from optaxclip._static import clip_unitwise
 from optaxclip._static import clip_value
 from optaxclip._static import default_unit_axes
+from optaxclip._stats import leaf_norm_table
 from optaxclip._stats import stats
 from optaxclip._stats import upgrade_state
 from optaxclip._wrappers import clipped
@@ -61,10 +64,12 @@ __all__ = (
   "ClipZscoreState",
   "DpNoiseState",
   "GuardState",
+  "LossMoments",
   "ScaleByNormEmaState",
   "Sensitivity",
   "SpamState",
   "StableSpamState",
+  "Window",
   "clip_block_rms",
   "clip_global",
   "clip_norm",
@@ -81,6 +86,7 @@ __all__ = (
   "default_unit_axes",
   "dp_noise",
   "guard",
+  "leaf_norm_table",
   "scale_by_norm_ema",
   "spam",
   "stable_spam",
