@@ -88,7 +88,9 @@ class GuardState(NamedTuple):
       ``skip_nonfinite=False`` they pass and are still counted here).
     consecutive_skips: skipped steps in a row, ending with this one (0 when
       this step went through).
-    count: finite norms gathered for the warm-up, at most ``warmup_steps``.
+    count: finite norms gathered for the warm-up, at most ``warmup_steps``
+      (with ``window``: norms of steps that went through, back to 1 when the
+      window restarts).
     mean: the mean of the norm (the warm-up's plain mean, then an EMA; with
       ``window``, the mean of the window).
     var: the variance of the norm, likewise.
