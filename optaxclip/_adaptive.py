@@ -41,8 +41,10 @@ import optax
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _sharding
 from optaxclip import _static
 from optaxclip import _stats
+from optaxclip import _telemetry
 from optaxclip._typing import AxisName
 from optaxclip._typing import Scalar
 from optaxclip._typing import Scope
@@ -75,6 +77,13 @@ class ClipZscoreState(NamedTuple):
     var: the variance of the norm, likewise.
     consecutive_spikes: spikes in a row clipped so far, per unit.
     restarts: how often a unit's statistics restarted at a new level.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
+      ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
+      a pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
+      carried by the largest leaf or layer (float32); else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float scalar
@@ -86,6 +95,9 @@ class ClipZscoreState(NamedTuple):
   var: jax.Array  # float: as mean
   consecutive_spikes: jax.Array  # int32: as mean
   restarts: jax.Array  # int32 scalar
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 @_stats.register("clip_percentile", ADAPTIVE_FIELDS)
@@ -106,6 +118,13 @@ class ClipPercentileState(NamedTuple):
       zero norm, which does not count.
     ordered: the same values as ``history``, sorted along the first axis
       (kept so that a step costs one insertion and one removal, no sort).
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
+      ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
+      a pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
+      carried by the largest leaf or layer (float32); else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float scalar
@@ -116,6 +135,9 @@ class ClipPercentileState(NamedTuple):
   index: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
   history: jax.Array  # float, (history,) or (history, n_leaves)
   ordered: jax.Array  # float: as history
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 @_stats.register("clip_relative", (*ADAPTIVE_FIELDS, "restarts"))
@@ -135,6 +157,13 @@ class ClipRelativeState(NamedTuple):
       a nonzero gradient).
     consecutive_clips: per leaf, steps in a row clipped after the warm-up.
     restarts: how often a leaf's ``gamma`` restarted at a new level.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
+      ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
+      a pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
+      carried by the largest leaf or layer (float32); else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float scalar
@@ -145,6 +174,9 @@ class ClipRelativeState(NamedTuple):
   gamma: jax.Array  # float, (n_leaves,)
   consecutive_clips: jax.Array  # int32, (n_leaves,)
   restarts: jax.Array  # int32 scalar
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 # --- Shared pieces ------------------------------------------------------------
@@ -197,21 +229,42 @@ class _Measured:
     *,
     axis_name: AxisName = None,
     sharded: Any = True,
+    leaf_stats: bool = False,
+    layer_axis: Any = None,
+    state_norms: Any = None,
   ):
     _checks.check_float_leaves(updates, f"{who}: updates")
     self.leaves, self.treedef = jax.tree.flatten(updates)
     self.scope = scope
     self.state_dtype = state_dtype
+    self.telemetry = _telemetry.LeafStats()
     flags = (
       _static.sharded_flags(updates, sharded, who, axis_name)
       if axis_name
       else None
     )
+    # For the per-leaf telemetry: each leaf is split over its flags' names.
+    splits = (
+      None
+      if flags is None
+      else [_sharding.LeafSharding(f, None) for f in flags]
+    )
     self.dtype = _norms.promote_types(
       state_dtype, _norms.tree_accumulation_dtype(self.leaves)
     )
     acc = _norms.tree_accumulation_dtype(self.leaves)
-    if scope == "global":
+    if scope == "global" and leaf_stats:
+      scaled, self.telemetry = _telemetry.global_norm(
+        who,
+        updates,
+        self.leaves,
+        2.0,
+        state_norms,
+        layer_axis,
+        axis_name=axis_name,
+        splits=splits,
+      )
+    elif scope == "global":
       scaled = _norms.global_norm_scaled(
         self.leaves, axis_name=axis_name, sharded=flags
       )
@@ -224,8 +277,17 @@ class _Measured:
         )
       # Packed: the leaves' norms come as one vector from a few reductions,
       # whatever the number of leaves (compile time on many tiny leaves).
-      layout, per_part = _norms.unit_norms_packed(
-        self.leaves, axis_name=axis_name, sharded=flags
+      layout, per_part, self.telemetry = _telemetry.unit_norms(
+        who,
+        updates,
+        self.leaves,
+        2.0,
+        [None] * len(self.leaves),
+        on=leaf_stats,
+        state_norms=state_norms,
+        layer_axis=layer_axis,
+        axis_name=axis_name,
+        splits=splits,
       )
       scaled = _norms.Scaled(
         layout.leaf_vector([n.value for n in per_part], acc)
@@ -270,6 +332,12 @@ class _Measured:
       _total(limit, dtype),
     )
     return jax.tree.unflatten(self.treedef, out), stats
+
+
+def _leaf_stats_init(who, params, leaf_stats, layer_axis) -> dict[str, Any]:
+  """The telemetry fields of a fresh state, by name."""
+  layers = _telemetry.layer_axes(who, params, layer_axis) if leaf_stats else []
+  return _telemetry.init(params, leaf_stats, layers)._asdict()
 
 
 def _keep_if(finite: jax.Array, new, old):
@@ -386,6 +454,8 @@ def clip_zscore(
   patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   r"""ZClip: clips gradient-norm spikes detected by the z-score of an EMA.
 
@@ -455,6 +525,15 @@ def clip_zscore(
       which sharded leaves are split (as for :func:`clip_global`).
     sharded: which leaves are split over ``axis_name``: a bool, a pytree
       prefix of bools or a callable ``(path, leaf) -> bool``.
+    leaf_stats: also keep each leaf's pre-clip L2 norm in the state
+      (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_zscore/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); each device must hold every layer.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -499,6 +578,7 @@ def clip_zscore(
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
   _checks.check_steps(who, "patience", patience)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
   cap = _no_limit(max_norm)
 
   def init_fn(params):
@@ -511,6 +591,7 @@ def clip_zscore(
       var=jnp.zeros(shape, dtype),
       consecutive_spikes=jnp.zeros(shape, jnp.int32),
       restarts=jnp.zeros((), jnp.int32),
+      **_leaf_stats_init(who, params, leaf_stats, layer_axis),
     )
 
   def spike_rule(g, mean, var):
@@ -538,6 +619,9 @@ def clip_zscore(
       state.mean.shape,
       axis_name=axis_name,
       sharded=sharded,
+      leaf_stats=leaf_stats,
+      layer_axis=layer_axis,
+      state_norms=state.leaf_norms,
     )
     g, finite = measured.stat_norm, measured.finite
     mean = state.mean.astype(measured.dtype)
@@ -575,6 +659,7 @@ def clip_zscore(
       restarts=jnp.where(
         finite, add_count(state.restarts, restart), state.restarts
       ),
+      **measured.telemetry._asdict(),
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
@@ -676,6 +761,8 @@ def clip_percentile(
   scope: Scope = "global",
   axis_name: AxisName = None,
   sharded: Any = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   """AutoClip: clips to a percentile of the recent gradient norms.
 
@@ -708,6 +795,15 @@ def clip_percentile(
       which sharded leaves are split (as for :func:`clip_global`).
     sharded: which leaves are split over ``axis_name``: a bool, a pytree
       prefix of bools or a callable ``(path, leaf) -> bool``.
+    leaf_stats: also keep each leaf's pre-clip L2 norm in the state
+      (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_percentile/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); each device must hold every layer.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -731,6 +827,7 @@ def clip_percentile(
   history = _checks.check_count(who, "history", history)
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def init_fn(params):
     shape = (history,) + _unit_shape(params, scope)
@@ -741,6 +838,7 @@ def clip_percentile(
       index=jnp.zeros((), jnp.int32),
       history=jnp.full(shape, jnp.inf, dtype),
       ordered=jnp.full(shape, jnp.inf, dtype),
+      **_leaf_stats_init(who, params, leaf_stats, layer_axis),
     )
 
   def update_fn(updates, state, params=None):
@@ -754,6 +852,9 @@ def clip_percentile(
       state.history.shape[1:],
       axis_name=axis_name,
       sharded=sharded,
+      leaf_stats=leaf_stats,
+      layer_axis=layer_axis,
+      state_norms=state.leaf_norms,
     )
     finite = measured.finite
     # Recorded in the state's dtype (so that it is found again when it
@@ -786,7 +887,12 @@ def clip_percentile(
     threshold = percentile_sorted(ordered, counted, percentile)
     new_updates, stats = measured.clip(threshold.astype(measured.dtype))
     return new_updates, ClipPercentileState(
-      *stats, filled=filled, index=index, history=recorded, ordered=ordered
+      *stats,
+      filled=filled,
+      index=index,
+      history=recorded,
+      ordered=ordered,
+      **measured.telemetry._asdict(),
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
@@ -805,6 +911,8 @@ def clip_relative(
   patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   r"""AdaGC: clips each leaf relative to an EMA of its own clipped norms.
 
@@ -844,6 +952,15 @@ def clip_relative(
       which sharded leaves are split (as for :func:`clip_global`).
     sharded: which leaves are split over ``axis_name``: a bool, a pytree
       prefix of bools or a callable ``(path, leaf) -> bool``.
+    leaf_stats: also keep each leaf's pre-clip L2 norm in the state
+      (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_relative/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); each device must hold every layer.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -880,6 +997,7 @@ def clip_relative(
   )
   _checks.check_steps(who, "patience", patience)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def init_fn(params):
     shape = _unit_shape(params, "leaf")
@@ -890,6 +1008,7 @@ def clip_relative(
       gamma=jnp.full(shape, jnp.inf, dtype),
       consecutive_clips=jnp.zeros(shape, jnp.int32),
       restarts=jnp.zeros((), jnp.int32),
+      **_leaf_stats_init(who, params, leaf_stats, layer_axis),
     )
 
   def update_fn(updates, state, params=None):
@@ -902,6 +1021,9 @@ def clip_relative(
       state.gamma.shape,
       axis_name=axis_name,
       sharded=sharded,
+      leaf_stats=leaf_stats,
+      layer_axis=layer_axis,
+      state_norms=state.leaf_norms,
     )
     norms, finite = measured.stat_norm, measured.finite
     gamma = state.gamma.astype(measured.dtype)
@@ -951,6 +1073,7 @@ def clip_relative(
       gamma=new_gamma,
       consecutive_clips=streak(state.consecutive_clips, over, finite),
       restarts=restarts,
+      **measured.telemetry._asdict(),
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))

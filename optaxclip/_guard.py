@@ -12,8 +12,10 @@ from optaxclip import _adaptive
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _sharding
 from optaxclip import _static
 from optaxclip import _stats
+from optaxclip import _telemetry
 from optaxclip._typing import AxisName
 from optaxclip._typing import Scalar
 
@@ -65,6 +67,13 @@ class GuardState(NamedTuple):
       statistics it was judged by, ``(norm - mean) / sqrt(var)``; 0 where
       that is undefined (during warm-up, for a NaN/Inf norm, or when the
       variance is 0).
+    leaf_norms: with ``leaf_stats=True``, each leaf's L2 norm this step (a
+      ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
+      a pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
+      carried by the largest leaf or layer; else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float scalar
@@ -82,6 +91,9 @@ class GuardState(NamedTuple):
   skipped_max_norm: jax.Array  # int32 scalar
   skipped_spike: jax.Array  # int32 scalar
   z_score: jax.Array  # float scalar
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 def _varying_axes(x: Any) -> frozenset:
@@ -129,6 +141,8 @@ def guard(
   patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Skips the whole ``inner`` update when the gradient is NaN/Inf or spikes.
 
@@ -191,6 +205,16 @@ def guard(
     sharded: which leaves are split over ``axis_name``: a bool, a pytree
       prefix of bools or a callable ``(path, leaf) -> bool``.
 
+    leaf_stats: also keep each leaf's L2 norm in the state (``leaf_norms``;
+      :func:`optaxclip.stats` shows them as ``guard/leaf_norm/<path>``),
+      with ``top_leaf_share`` and ``top_leaf``, so that a skipped step says
+      which leaf blew up; from the same single pass over the gradients. A
+      leaf norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); each device must hold every layer.
+
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`GuardState` holding ``inner``'s state.
@@ -228,6 +252,7 @@ def guard(
   _checks.check_steps(who, "warmup_steps", warmup_steps)
   _checks.check_steps(who, "patience", patience)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -252,6 +277,7 @@ def guard(
       skipped_max_norm=counter(),
       skipped_spike=counter(),
       z_score=jnp.zeros((), dtype),
+      **_adaptive._leaf_stats_init(who, params, leaf_stats, layer_axis),  # noqa: SLF001
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -265,9 +291,25 @@ def guard(
     dtype = _norms.promote_types(
       state.mean.dtype, _norms.tree_accumulation_dtype(leaves)
     )
-    scaled = jax.lax.stop_gradient(
-      _norms.global_norm_scaled(leaves, axis_name=axis_name, sharded=flags)
-    )
+    telemetry = _telemetry.LeafStats()
+    if leaf_stats:
+      scaled, telemetry = _telemetry.global_norm(
+        who,
+        updates,
+        leaves,
+        2.0,
+        state.leaf_norms,
+        layer_axis,
+        axis_name=axis_name,
+        splits=None
+        if flags is None
+        else [_sharding.LeafSharding(f, None) for f in flags],
+      )
+    else:
+      scaled = _norms.global_norm_scaled(
+        leaves, axis_name=axis_name, sharded=flags
+      )
+    scaled = jax.lax.stop_gradient(scaled)
     norm = scaled.as_float().astype(dtype)
     mean, var = state.mean.astype(dtype), state.var.astype(dtype)
     # NaN/Inf in the gradient. A norm of finite values beyond the dtype's
@@ -366,6 +408,7 @@ def guard(
       skipped_max_norm=_adaptive.add_count(state.skipped_max_norm, by_max_norm),
       skipped_spike=_adaptive.add_count(state.skipped_spike, by_spike),
       z_score=z_score.astype(state.z_score.dtype),
+      **telemetry._asdict(),
     )
 
   return optax.GradientTransformationExtraArgs(
