@@ -17,6 +17,8 @@ from optaxclip._clipped_grad import Sensitivity
 from optaxclip._clipped_grad import clipped_grad
 from optaxclip._clipped_grad import dp_noise
 from optaxclip._guard import GuardState
+from optaxclip._guard import LossMoments
+from optaxclip._guard import Window
 from optaxclip._guard import guard
 from optaxclip._per_example import ClipPerExampleState
 from optaxclip._per_example import clip_per_example
@@ -62,10 +64,12 @@ __all__ = (
   "ClipZscoreState",
   "DpNoiseState",
   "GuardState",
+  "LossMoments",
   "ScaleByNormEmaState",
   "Sensitivity",
   "SpamState",
   "StableSpamState",
+  "Window",
   "clip_block_rms",
   "clip_global",
   "clip_norm",

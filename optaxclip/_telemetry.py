@@ -160,6 +160,14 @@ def init(params: Any, on: bool, layers: Sequence[Optional[int]]) -> LeafStats:
   )
 
 
+def init_fields(
+  who: str, params: Any, on: bool, layer_axis: LayerAxis
+) -> dict[str, Any]:
+  """The telemetry fields of a fresh state, by name."""
+  layers = layer_axes(who, params, layer_axis) if on else []
+  return init(params, on, layers)._asdict()
+
+
 def fine_axes(
   leaves: Sequence[jax.Array],
   unit_axes: Sequence[Optional[tuple[int, ...]]],
