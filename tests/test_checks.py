@@ -56,6 +56,34 @@ def LOSS(params, x):
 # (clipper, keyword arguments, the argument at fault, error type, what the
 # message says it must be). Positional first arguments are passed by name.
 BAD = [
+  (
+    "clip_global",
+    {"max_norm": 1.0, "leaf_stats": 1},
+    "leaf_stats",
+    TypeError,
+    "bool",
+  ),
+  (
+    "clip_global",
+    {"max_norm": 1.0, "layer_axis": 0},
+    "layer_axis",
+    ValueError,
+    "leaf_stats=True",
+  ),
+  (
+    "clip_norm",
+    {"max_norm": 1.0, "leaf_stats": True, "layer_axis": "0"},
+    "layer_axis",
+    TypeError,
+    "int or None",
+  ),
+  (
+    "clip_zscore",
+    {"leaf_stats": True, "layer_axis": {"w": 1.5}},
+    "layer_axis",
+    TypeError,
+    "int or None",
+  ),
   ("clip_value", {"max_delta": -1.0}, "max_delta", ValueError, ">= 0"),
   ("clip_value", {"max_delta": NAN}, "max_delta", ValueError, "real number"),
   ("clip_value", {"max_delta": "1"}, "max_delta", TypeError, "real number"),
@@ -645,7 +673,7 @@ def test_every_public_transformation_has_a_bad_argument_case():
   }
   assert factories <= covered, factories - covered
   public = {n for n in optaxclip.__all__ if n[0].islower()}
-  others = {"stats", "default_unit_axes", "upgrade_state"}
+  others = {"stats", "default_unit_axes", "upgrade_state", "leaf_norm_table"}
   assert factories | others >= public - {"__version__"}, public
 
 
