@@ -718,7 +718,7 @@ def clip_zscore(
       sharded=sharded,
       leaf_stats=leaf_stats,
       layer_axis=layer_axis,
-      state_norms=state.leaf_norms,
+      state_norms=state.leaf_norms if leaf_stats else None,
     )
     g, finite = measured.stat_norm, measured.finite
     mean = state.mean.astype(measured.dtype)
@@ -961,7 +961,7 @@ def clip_percentile(
       sharded=sharded,
       leaf_stats=leaf_stats,
       layer_axis=layer_axis,
-      state_norms=state.leaf_norms,
+      state_norms=state.leaf_norms if leaf_stats else None,
     )
     finite = measured.finite
     # Recorded in the state's dtype (so that it is found again when it
@@ -1139,7 +1139,7 @@ def clip_relative(
       sharded=sharded,
       leaf_stats=leaf_stats,
       layer_axis=layer_axis,
-      state_norms=state.leaf_norms,
+      state_norms=state.leaf_norms if leaf_stats else None,
     )
     norms, finite = measured.stat_norm, measured.finite
     gamma = state.gamma.astype(measured.dtype)

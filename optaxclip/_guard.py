@@ -625,7 +625,7 @@ def guard(
       sharded=sharded,
       leaf_stats=leaf_stats,
       layer_axis=layer_axis,
-      state_norms=state.leaf_norms,
+      state_norms=state.leaf_norms if leaf_stats else None,
     )
     dtype = measured.dtype
     g = measured.stat_norm  # per unit
