@@ -14,6 +14,7 @@ import optax
 
 from optaxclip import _checks
 from optaxclip import _compiled
+from optaxclip import _functional
 from optaxclip import _norms
 from optaxclip import _sharding
 from optaxclip import _stats
@@ -112,29 +113,12 @@ def _init_stats(state_cls):
   return init_fn
 
 
-def _flatten(updates, who: str):
-  leaves, treedef = jax.tree.flatten(updates)
-  _checks.check_float_leaves(updates, f"{who}: updates")
-  # Python or NumPy scalars are valid leaves too (optax accepts them).
-  return [jnp.asarray(x) for x in leaves], treedef
+_flatten = _functional.flatten
+sharded_flags = _functional.sharded_flags
 
 
 def _fraction(numerator, denominator) -> jax.Array:
   return _stats.as_stat(numerator / max(denominator, 1))
-
-
-def sharded_flags(
-  updates: Any, sharded: Sharded, who: str, axis_name: Any = None
-) -> list[tuple[str, ...]]:
-  """Per leaf of ``updates``, the names of ``axis_name`` it is split over.
-
-  ``sharded`` is an entry for all leaves, a pytree prefix of entries or a
-  callable ``(path, leaf) -> entry``; an entry is ``True`` (every axis of
-  ``axis_name``), ``False``/``None`` (none), a tuple of axis names or a
-  ``PartitionSpec`` (see :mod:`optaxclip._sharding`). The result is what
-  ``_norms``' ``sharded=`` takes. Without ``axis_name``, nothing is split.
-  """
-  return [s.axes for s in _sharding.resolve(updates, sharded, axis_name, who)]
 
 
 @_compiled.compiled_once
@@ -195,20 +179,11 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
       biggest = _norms.largest_magnitude(x)
       n_over = _norms.count_above(x, max_delta)
       # 0 for a finite leaf, NaN otherwise: a leaf holding a NaN or an inf
-      # comes out all NaN (the non-finite policy). Adding it to the limit
-      # also makes this leaf's clip wait for its own statistics, so that
-      # XLA computes them while the leaf is in cache.
+      # comes out all NaN (the non-finite policy; see clip_leaf_to_range).
       poison = 0 * (biggest + n_over)
-      limit = jnp.asarray(max_delta, biggest.dtype) + poison
-      if jnp.iscomplexobj(x):
-        mag = _norms.magnitude(x)
-        over = mag > limit
-        factor = jnp.where(over, limit / jnp.where(over, mag, 1), 1) + poison
-        out.append(_norms.scale_leaf(x, factor))
-      else:
-        out.append(
-          jnp.clip(x.astype(limit.dtype), -limit, limit).astype(x.dtype)
-        )
+      bound = jnp.asarray(max_delta, biggest.dtype)
+      out.append(_functional.clip_leaf_to_range(x, -bound, bound, poison))
+      limit = bound + poison
       largest = jnp.maximum(largest, biggest.astype(jnp.float32))
       # In the leaf's own dtype: a finite float64 may be inf in float32.
       finite = finite & (biggest < jnp.inf)
@@ -245,8 +220,7 @@ def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redef
   summed across them; see combine_norms).
   """
   across = [key[1] for key in layout.keys]
-  factors = [_norms.clip_scale(n, lim) for n, lim in zip(norms, limits)]
-  out = layout.scale(leaves, factors)
+  out, factors = _functional.scale_units(leaves, layout, norms, limits)
   clipped_norms = [n * f for n, f in zip(norms, factors)]
   scaled = sum(
     (
@@ -333,19 +307,9 @@ def clip_norm(
 
   def update_fn(updates, state, params=None):
     del params, state
-    leaves, treedef = _flatten(updates, "clip_norm")
-    paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
-    axes = [
-      _checks.leaf_axes(who, axis, x, path) for x, path in zip(leaves, paths)
-    ]
-    splits = _sharding.resolve(updates, sharded, axis_name, "clip_norm")
-    layout, norms = _norms.unit_norms_packed(
-      leaves,
-      p,
-      axes,
-      axis_name=axis_name,
-      sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)],
-      keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)],
+    leaves, treedef = _flatten(updates, who)
+    layout, norms = _functional.unit_norms_of(
+      updates, leaves, p, axis, axis_name, sharded, who
     )
     out, stats = _per_unit_clip(
       leaves, layout, norms, [max_norm] * len(norms), p
@@ -417,15 +381,14 @@ def clip_global(
 
   def update_fn(updates, state, params=None):
     del params, state
-    leaves, treedef = _flatten(updates, "clip_global")
-    norm = _norms.global_norm_scaled(
+    leaves, treedef = _flatten(updates, who)
+    out, norm, factor = _functional.global_clip(
       leaves,
+      max_norm,
       p,
       axis_name=axis_name,
-      sharded=sharded_flags(updates, sharded, "clip_global", axis_name),
+      flags=sharded_flags(updates, sharded, who, axis_name),
     )
-    factor = _norms.clip_scale(norm, max_norm)
-    out = [_norms.scale_leaf(x, factor) for x in leaves]
     new_state = ClipGlobalState(
       norm=_stats.as_stat(norm.as_float()),
       clipped_norm=_stats.as_stat((norm * factor).as_float()),

@@ -150,32 +150,56 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
      'clip_global/clip_fraction': 1.0}
   """
   found = _registered_states(opt_state)
+  out: dict[str, jax.Array] = {}
+  for prefix, (_, state) in zip(prefixes(found), found):
+    for field in _REGISTRY[type(state)][1]:
+      out[f"{prefix}/{field}"] = _unwrap(getattr(state, field))
+  return out
+
+
+def short_name(state: Any) -> str:
+  """The registered short name of a state's class (``"clip_global"``)."""
+  return _REGISTRY[type(state)][0]
+
+
+def stat_fields(state: Any) -> tuple[str, ...]:
+  """The fields :func:`stats` reports for a registered state."""
+  return _REGISTRY[type(state)][1]
+
+
+def registered_states(tree: Any) -> list[tuple[tuple, Any]]:
+  """``(path, state)`` of every registered state in ``tree``, in tree order
+  (the walk :func:`stats` and :func:`optaxclip.explain` share).
+  """
+  return _registered_states(tree)
+
+
+def prefixes(found: list[tuple[tuple, Any]]) -> list[str]:
+  """The unique name of each found state, as :func:`stats` keys use it: the
+  short name, prefixed by the state's path when it repeats.
+  """
   counts = collections.Counter(_REGISTRY[type(s)][0] for _, s in found)
-  prefixes = []
+  names = []
   for path, state in found:
     short, _ = _REGISTRY[type(state)]
-    prefixes.append(
+    names.append(
       short
       if counts[short] == 1
       else "/".join([_path_part(e) for e in path] + [short])
     )
-  repeated = {p for p, n in collections.Counter(prefixes).items() if n > 1}
+  repeated = {p for p, n in collections.Counter(names).items() if n > 1}
   for i, (path, state) in enumerate(found):
-    if prefixes[i] in repeated:
-      prefixes[i] = (
+    if names[i] in repeated:
+      names[i] = (
         f"{jax.tree_util.keystr(tuple(path))}/{_REGISTRY[type(state)][0]}"
       )
-  clashes = [p for p, n in collections.Counter(prefixes).items() if n > 1]
+  clashes = [p for p, n in collections.Counter(names).items() if n > 1]
   if clashes:
     raise ValueError(
       f"stats: the states at {clashes[0]!r} must have distinct paths; got "
       "paths that render alike."
     )
-  out: dict[str, jax.Array] = {}
-  for prefix, (_, state) in zip(prefixes, found):
-    for field in _REGISTRY[type(state)][1]:
-      out[f"{prefix}/{field}"] = _unwrap(getattr(state, field))
-  return out
+  return names
 
 
 _MISSING = object()
