@@ -27,6 +27,10 @@ from optaxclip._typing import Scalar
     "nonfinite",
     "consecutive_skips",
     "restarts",
+    "skipped_nonfinite",
+    "skipped_max_norm",
+    "skipped_spike",
+    "z_score",
   ),
 )
 class GuardState(NamedTuple):
@@ -39,8 +43,10 @@ class GuardState(NamedTuple):
     norm: this step's global L2 gradient norm.
     threshold: the largest norm that passed this step: ``max_norm`` and,
       after warm-up, the spike bound; +inf when neither applies.
-    skipped: steps skipped so far.
-    nonfinite: steps with a NaN/Inf norm so far.
+    skipped: steps skipped so far, whatever the cause (the sum of the
+      ``skipped_*`` counters, for a state that counted them from ``init``).
+    nonfinite: steps with a NaN/Inf gradient so far, skipped or not (with
+      ``skip_nonfinite=False`` they pass and are still counted here).
     consecutive_skips: skipped steps in a row, ending with this one (0 when
       this step went through).
     count: finite norms gathered for the warm-up, at most ``warmup_steps``.
@@ -49,6 +55,16 @@ class GuardState(NamedTuple):
     inner_state: the state of the guarded transformation.
     consecutive_spikes: spikes in a row skipped so far.
     restarts: how often the statistics restarted at a new level.
+    skipped_nonfinite: steps skipped because the gradient held NaN/Inf.
+    skipped_max_norm: steps skipped because the norm was above ``max_norm``
+      (and the gradient finite).
+    skipped_spike: steps skipped as a spike of the norm (and for no cause
+      above); an infinite norm of finite values counts here when only the
+      spike bound stops it.
+    z_score: this step's norm in standard deviations above the mean of the
+      statistics it was judged by, ``(norm - mean) / sqrt(var)``; 0 where
+      that is undefined (during warm-up, for a NaN/Inf norm, or when the
+      variance is 0).
   """
 
   norm: jax.Array  # float scalar
@@ -62,6 +78,10 @@ class GuardState(NamedTuple):
   inner_state: Any
   consecutive_spikes: jax.Array  # int32 scalar
   restarts: jax.Array  # int32 scalar
+  skipped_nonfinite: jax.Array  # int32 scalar
+  skipped_max_norm: jax.Array  # int32 scalar
+  skipped_spike: jax.Array  # int32 scalar
+  z_score: jax.Array  # float scalar
 
 
 def _varying_axes(x: Any) -> frozenset:
@@ -228,6 +248,10 @@ def guard(
       inner_state=inner.init(params),
       consecutive_spikes=counter(),
       restarts=counter(),
+      skipped_nonfinite=counter(),
+      skipped_max_norm=counter(),
+      skipped_spike=counter(),
+      z_score=jnp.zeros((), dtype),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -269,6 +293,14 @@ def guard(
     skip = (norm > cap) | spike | (jnp.isinf(norm) & (bound < jnp.inf))
     if skip_nonfinite:
       skip = skip | nonfinite
+    # One cause per skipped step, first match in this order, so that the
+    # cause counters add up to `skipped`.
+    by_nonfinite = skip & nonfinite if skip_nonfinite else jnp.zeros((), bool)
+    by_max_norm = skip & ~by_nonfinite & (norm > cap)
+    by_spike = skip & ~by_nonfinite & ~by_max_norm
+    std = jnp.sqrt(var)
+    judged = ~warming & finite & (std > 0)
+    z_score = jnp.where(judged, (norm - mean) / jnp.where(judged, std, 1), 0)
 
     old_inner = state.inner_state
     # inner's outputs may differ from the updates in dtype: ask for them.
@@ -328,6 +360,12 @@ def guard(
         state.consecutive_spikes, spike, finite
       ),
       restarts=_adaptive.add_count(state.restarts, restart),
+      skipped_nonfinite=_adaptive.add_count(
+        state.skipped_nonfinite, by_nonfinite
+      ),
+      skipped_max_norm=_adaptive.add_count(state.skipped_max_norm, by_max_norm),
+      skipped_spike=_adaptive.add_count(state.skipped_spike, by_spike),
+      z_score=z_score.astype(state.z_score.dtype),
     )
 
   return optax.GradientTransformationExtraArgs(

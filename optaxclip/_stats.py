@@ -133,8 +133,9 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     tree. Each value has its state field's dtype: the statistics (``norm``,
     ``clipped_norm``, ``clip_fraction``, ``threshold``, ``clip_norm``) are
     float32 (float64 for the adaptive clippers and :func:`guard` when the
-    parameters given to ``init`` are float64); the counters (:func:`guard`'s
-    ``skipped``, ``nonfinite``, ``consecutive_skips``, ``restarts``,
+    parameters given to ``init`` are float64; :func:`guard`'s ``z_score``
+    too); the counters (:func:`guard`'s ``skipped``, ``nonfinite``,
+    ``consecutive_skips``, ``restarts`` and ``skipped_*`` cause counters,
     :func:`clip_zscore`'s and :func:`clip_relative`'s ``restarts``,
     :func:`clip_per_example`'s ``nonfinite``) are int32, exact at any step
     count.

@@ -68,9 +68,13 @@ class GuardRule:
     self.margins = []
 
   def step(self, g):
-    """Returns (skip?, threshold)."""
+    """Returns (skip?, threshold); sets self.cause and self.z_score."""
     finite = math.isfinite(g)
     warming = len(self.gathered) < self.warmup_steps
+    std = self.var**0.5
+    self.z_score = (
+      (g - self.mean) / std if finite and not warming and std else 0.0
+    )
     cap = math.inf if self.cap is None else self.cap
     bound = math.inf
     if self.z is not None and not warming:
@@ -83,6 +87,14 @@ class GuardRule:
       self.margins.append(abs(g - threshold) / threshold)
     skip = g > cap or spike or (math.isinf(g) and bound < math.inf)
     skip = skip or (self.skip_nonfinite and not finite)
+    self.cause = None
+    if skip:
+      if self.skip_nonfinite and not finite:
+        self.cause = "nonfinite"
+      elif g > cap:
+        self.cause = "max_norm"
+      else:
+        self.cause = "spike"
     if finite:
       self.run = self.run + 1 if spike else 0
       if restart:
@@ -138,6 +150,7 @@ class GuardTest(chex.TestCase):
     update, inner_update = wrap(tx.update), jax.jit(inner.update)
     state, ref_state = tx.init(params), inner.init(params)
     skipped = nonfinite = run = 0
+    causes = {"nonfinite": 0, "max_norm": 0, "spike": 0}
     for t, (norm, bad) in enumerate(pairs):
       g = grads(norm, bad)
       before = state.inner_state
@@ -150,6 +163,8 @@ class GuardTest(chex.TestCase):
       )
       skip, threshold = rule.step(g_norm)
       skipped += skip
+      if skip:
+        causes[rule.cause] += 1
       nonfinite += not math.isfinite(g_norm)
       run = run + 1 if skip else 0
       if skip:
@@ -161,6 +176,11 @@ class GuardTest(chex.TestCase):
         chex.assert_trees_all_close(state.inner_state, ref_state, rtol=1e-6)
       self.assertEqual(int(state.skipped), skipped, f"step {t}")
       self.assertEqual(int(state.nonfinite), nonfinite)
+      for cause, n in causes.items():
+        self.assertEqual(int(getattr(state, f"skipped_{cause}")), n, cause)
+      np.testing.assert_allclose(
+        float(state.z_score), rule.z_score, rtol=1e-4, atol=1e-5
+      )
       self.assertEqual(int(state.consecutive_skips), run)
       np.testing.assert_allclose(float(state.threshold), threshold, rtol=2e-5)
       np.testing.assert_allclose(float(state.mean), rule.mean, rtol=2e-5)
@@ -230,12 +250,17 @@ class GuardTest(chex.TestCase):
       "guard/nonfinite",
       "guard/consecutive_skips",
       "guard/restarts",
+      "guard/skipped_nonfinite",
+      "guard/skipped_max_norm",
+      "guard/skipped_spike",
+      "guard/z_score",
       "clip_percentile/norm",
       "clip_percentile/clipped_norm",
       "clip_percentile/clip_fraction",
       "clip_percentile/threshold",
     ]
     assert int(stats["guard/skipped"]) == 1
+    assert int(stats["guard/skipped_max_norm"]) == 1
     assert float(stats["guard/threshold"]) == 5.0
     # The skipped step left the inner clipper's state at the step before.
     np.testing.assert_allclose(
