@@ -110,11 +110,10 @@ def _limit(state: Any, hyper: dict[str, float], *names: str):
   return None
 
 
-def _nonfinite(who: str, norm: float, unit: str) -> str:
+def _nonfinite(who: str, norm: float, what: str) -> str:
   return (
-    f"{who} saw a non-finite gradient (norm {_num(norm)}): {unit} holding "
-    "it came out NaN, so that a guard (or optax.apply_if_finite) can skip "
-    "the step"
+    f"{who} saw a non-finite gradient (norm {_num(norm)}): {what} came out "
+    "NaN, so that a guard (or optax.apply_if_finite) can skip the step"
   )
 
 
@@ -148,7 +147,7 @@ def _per_unit(units: str, *limit_names: str) -> Callable:
     clipped = _scalar(state, "clipped_norm") or 0.0
     fraction = _scalar(state, "clip_fraction") or 0.0
     if not math.isfinite(norm):
-      return _nonfinite(who, norm, f"the {units}")
+      return _nonfinite(who, norm, f"the {units} holding it")
     limit = _limit(state, hyper, *limit_names)
     limit_text = "" if limit is None else f", limit {_num(limit)}"
     if fraction > 0:
@@ -220,7 +219,7 @@ def _adaptive(kind: str) -> Callable:
     else:
       source = ", each leaf's limit a factor times its own EMA norm"
     bound = (
-      "no threshold yet (warming up)"
+      "no threshold yet: warming up"
       if threshold is None or math.isinf(threshold)
       else f"threshold {_num(threshold)}{source}"
     )
@@ -260,65 +259,99 @@ def _examples(who: str, state: Any, hyper: dict[str, float]) -> str:
   return text
 
 
+_CAUSES = (
+  ("skipped_nonfinite", "non-finite"),
+  ("skipped_max_norm", "above max_norm"),
+  ("skipped_spike", "spike"),
+  ("skipped_loss_spike", "loss spike"),
+)
+
+
+def _guard_tally(state: Any, streak: int, skipped: int) -> str:
+  """The streak and total, e.g. "3 skips in a row, 5 in all (1 non-finite,
+  4 spike)".
+  """
+  text = f"{_plural(streak, 'skip')} in a row"
+  causes = [
+    f"{int(n)} {label}"
+    for field, label in _CAUSES
+    if (n := _scalar(state, field))
+  ]
+  if streak != skipped or len(causes) > 1:
+    text += f", {skipped} in all"
+    if len(causes) > 1:
+      text += f" ({', '.join(causes)})"
+  return text
+
+
+def _guard_cause(state: Any, norm: float, hyper: dict[str, float]) -> str:
+  """This step's cause among the finite ones: "max_norm" or "spike" when
+  the state (or the injected hyperparameters) tell, else "".
+  """
+  max_norm = hyper.get("max_norm")
+  if max_norm is not None and norm > max_norm:
+    return "max_norm"
+  moved = [
+    label
+    for field, label in (
+      ("skipped_max_norm", "max_norm"),
+      ("skipped_spike", "spike"),
+      ("skipped_loss_spike", "loss"),
+    )
+    if _scalar(state, field)
+  ]
+  return moved[0] if len(moved) == 1 else ""
+
+
 def _guard(who: str, state: Any, hyper: dict[str, float]) -> str:
   norm = _scalar(state, "norm") or 0.0
   threshold = _scalar(state, "threshold")
   skipped = int(_scalar(state, "skipped") or 0)
   streak = int(_scalar(state, "consecutive_skips") or 0)
-  mean, var = _scalar(state, "mean"), _scalar(state, "var")
-  z = next(
-    (
-      _scalar(state, f)
-      for f in ("z_score", "zscore", "z")
-      if _scalar(state, f) is not None
-    ),
-    None,
-  )
-  spike_z = hyper.get("spike_z")
-  limit = "" if threshold is None else f"{_num(threshold)}"
+  mean = _scalar(state, "mean")
+  z = _scalar(state, "z_score")
+  limit = "inf" if threshold is None else _num(threshold)
   if streak == 0:
     if threshold is None or math.isinf(threshold):
-      return f"guard let the step through (norm {_num(norm)}; no limit yet)"
-    return f"guard let the step through (norm {_num(norm)} <= {limit})"
-  tally = (
-    f"{_plural(streak, 'skip')} in a row"
-    if streak == skipped
-    else f"{_plural(streak, 'skip')} in a row, {skipped} in all"
-  )
+      return f"{who} let the step through (norm {_num(norm)}; no limit yet)"
+    return f"{who} let the step through (norm {_num(norm)} <= {limit})"
+  tally = _guard_tally(state, streak, skipped)
   if not math.isfinite(norm):
     return (
-      f"guard skipped the step: the gradient norm was {_num(norm)} (a NaN "
+      f"{who} skipped the step: the gradient norm was {_num(norm)} (a NaN "
       f"or Inf in the gradient); {tally}"
     )
-  if z is not None and math.isfinite(z) and mean is not None:
+  cause = _guard_cause(state, norm, hyper)
+  if cause == "max_norm":
+    bound = hyper.get("max_norm", threshold)
+    return (
+      f"{who} skipped the step: the norm {_num(norm)} was above max_norm "
+      f"{_num(bound if bound is not None else math.inf)}; {tally}"
+    )
+  if cause == "loss":
+    return f"{who} skipped the step: the loss spiked; {tally}"
+  if z is not None and z > 0 and mean is not None:
+    spike_z = hyper.get("spike_z")
     why = (
       f"spike_z={_num(spike_z)}"
       if spike_z is not None
-      else f"threshold {limit}"
+      else (f"threshold {limit}")
     )
     return (
-      f"guard skipped the step: the norm {_num(norm)} was {_num(z)} "
-      f"standard deviations above its mean {_num(mean)} ({why}); {tally}"
-    )
-  cause = ""
-  max_norm = hyper.get("max_norm")
-  if max_norm is not None and norm > max_norm:
-    cause = f" (max_norm {_num(max_norm)})"
-  elif mean is not None and var is not None and var > 0:
-    cause = (
-      f" (its running mean is {_num(mean)}, standard deviation "
-      f"{_num(math.sqrt(var))})"
+      f"{who} skipped the step: the norm {_num(norm)} was {_num(z)} "
+      f"standard deviations above its mean (now {_num(mean)}; {why}); "
+      f"{tally}"
     )
   return (
-    f"guard skipped the step: the norm {_num(norm)} was above its threshold "
-    f"{limit}{cause}; {tally}"
+    f"{who} skipped the step: the norm {_num(norm)} was above its "
+    f"threshold {limit}; {tally}"
   )
 
 
 # State short name -> sentence(who, state, hyperparameters).
 _SENTENCES: dict[str, Callable[[str, Any, dict[str, float]], str]] = {
   "clip_global": _global,
-  "clip_norm": _per_unit("units (leaves or slices)", "max_norm"),
+  "clip_norm": _per_unit("units", "max_norm"),
   "clip_block_rms": _per_unit("leaves", "threshold"),
   "clip_unitwise": _per_unit("units", "clipping"),
   "clip_value": _value_clip,
