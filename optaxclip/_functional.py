@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optaxclip import _checks
 from optaxclip import _norms
@@ -66,7 +67,7 @@ def global_clip(
   p: float,
   *,
   axis_name: AxisName,
-  flags: list[tuple[str, ...]],
+  flags: Optional[list[tuple[str, ...]]],
   norm: Optional[Any] = None,
 ) -> tuple[list[jax.Array], _norms.Scaled, _norms.Scaled]:
   """Every leaf times ``min(1, max_norm / norm)``: ``(out, norm, factor)``.
@@ -89,7 +90,7 @@ def unit_norms_of(
   updates: Any,
   leaves: list[jax.Array],
   p: float,
-  axis: Axis,
+  axis: Optional[tuple[int, ...]],
   axis_name: AxisName,
   sharded: Sharded,
   who: str,
@@ -425,21 +426,19 @@ def clip_by_value(tree: Any, min_value: Scalar, max_value: Scalar) -> Any:
   concrete = not isinstance(min_value, jax.Array) and not isinstance(
     max_value, jax.Array
   )
-  if concrete and float(max_value) < float(min_value):
-    raise ValueError(
-      f"{who}: max_value must be >= min_value; got min_value={min_value!r}, "
-      f"max_value={max_value!r}."
-    )
-  if (
-    concrete
-    and any(jnp.iscomplexobj(x) for x in leaves)
-    and float(min_value) != -float(max_value)
-  ):
-    raise ValueError(
-      f"{who}: min_value must be -max_value for complex leaves (their "
-      f"modulus is clipped); got min_value={min_value!r}, "
-      f"max_value={max_value!r}."
-    )
+  if concrete:
+    low, high = float(np.asarray(min_value)), float(np.asarray(max_value))
+    if high < low:
+      raise ValueError(
+        f"{who}: max_value must be >= min_value; got "
+        f"min_value={min_value!r}, max_value={max_value!r}."
+      )
+    if any(jnp.iscomplexobj(x) for x in leaves) and low != -high:
+      raise ValueError(
+        f"{who}: min_value must be -max_value for complex leaves (their "
+        f"modulus is clipped); got min_value={min_value!r}, "
+        f"max_value={max_value!r}."
+      )
   out = []
   for x in leaves:
     if x.size == 0:
