@@ -26,6 +26,16 @@ from optaxclip._guard import GuardState
 from optaxclip._guard import guard
 from optaxclip._per_example import ClipPerExampleState
 from optaxclip._per_example import clip_per_example
+from optaxclip._spam import ClipSpikesAdaptiveState
+from optaxclip._spam import ClipSpikesState
+from optaxclip._spam import ScaleByNormEmaState
+from optaxclip._spam import SpamState
+from optaxclip._spam import StableSpamState
+from optaxclip._spam import clip_spikes
+from optaxclip._spam import clip_spikes_adaptive
+from optaxclip._spam import scale_by_norm_ema
+from optaxclip._spam import spam
+from optaxclip._spam import stable_spam
 from optaxclip._static import ClipBlockRMSState
 from optaxclip._static import ClipGlobalState
 from optaxclip._static import ClipNormState
@@ -50,12 +60,17 @@ __all__ = (
   "ClipPerExampleState",
   "ClipPercentileState",
   "ClipRelativeState",
+  "ClipSpikesAdaptiveState",
+  "ClipSpikesState",
   "ClipUnitwiseState",
   "ClipValueState",
   "ClipZscoreState",
   "DpNoiseState",
   "GuardState",
+  "ScaleByNormEmaState",
   "Sensitivity",
+  "SpamState",
+  "StableSpamState",
   "clip_block_rms",
   "clip_by_global_norm",
   "clip_by_norm",
@@ -65,6 +80,8 @@ __all__ = (
   "clip_per_example",
   "clip_percentile",
   "clip_relative",
+  "clip_spikes",
+  "clip_spikes_adaptive",
   "clip_unitwise",
   "clip_value",
   "clip_zscore",
@@ -76,6 +93,9 @@ __all__ = (
   "global_norm",
   "guard",
   "leaf_norms",
+  "scale_by_norm_ema",
+  "spam",
+  "stable_spam",
   "stats",
   "upgrade_state",
 )

@@ -348,6 +348,48 @@ def _guard(who: str, state: Any, hyper: dict[str, float]) -> str:
   )
 
 
+def _spikes(scale_phrase: str = "") -> Callable:
+  """The SPAM family: coordinates clipped against their second moment;
+  ``scale_phrase`` says what the state's ``scale`` is, when below 1.
+  """
+
+  def sentence(who: str, state: Any, hyper: dict[str, float]) -> str:
+    clipped = _scalar(state, "clipped")
+    fraction = _scalar(state, "clip_fraction") or 0.0
+    resets = _scalar(state, "resets")
+    scale = _scalar(state, "scale")
+    if clipped is None:
+      text = f"{who} ran"
+    elif clipped == 0:
+      text = f"{who} clipped no coordinate"
+    else:
+      text = (
+        f"{who} clipped {_plural(int(clipped), 'coordinate')} "
+        f"({_pct(fraction)}) that spiked above their running second moment"
+      )
+    if scale_phrase and scale is not None and scale < 1:
+      text += f"; {scale_phrase} {_num(scale)}"
+    if resets:
+      text += f"; {_plural(int(resets), 'moment reset')} so far"
+    return text
+
+  return sentence
+
+
+def _norm_ema(who: str, state: Any, hyper: dict[str, float]) -> str:
+  norm = _scalar(state, "norm") or 0.0
+  scaled = _scalar(state, "scaled_norm") or 0.0
+  scale = _scalar(state, "scale")
+  if not math.isfinite(norm):
+    return _nonfinite(who, norm, "the update")
+  if scale is not None and scale < 1:
+    return (
+      f"{who} scaled the update by {_num(scale)} (norm {_num(norm)} -> "
+      f"{_num(scaled)})"
+    )
+  return f"{who} left the update unchanged (norm {_num(norm)})"
+
+
 # State short name -> sentence(who, state, hyperparameters).
 _SENTENCES: dict[str, Callable[[str, Any, dict[str, float]], str]] = {
   "clip_global": _global,
@@ -361,6 +403,11 @@ _SENTENCES: dict[str, Callable[[str, Any, dict[str, float]], str]] = {
   "clip_per_example": _examples,
   "dp_noise": _examples,
   "guard": _guard,
+  "clip_spikes": _spikes(),
+  "clip_spikes_adaptive": _spikes(),
+  "spam": _spikes("the step size's warm-up factor is"),
+  "stable_spam": _spikes("the cosine factor on b1 and gamma1 is"),
+  "scale_by_norm_ema": _norm_ema,
 }
 
 

@@ -190,6 +190,45 @@ CASES = [
 ]
 
 
+_PARAMS = {"w": jnp.zeros(3)}
+_SPIKES = optaxclip.clip_spikes().init(_PARAMS)
+_SPAM = optaxclip.spam(0.1).init(_PARAMS)[0]
+_STABLE = optaxclip.stable_spam(0.1).init(_PARAMS)
+_NORM_EMA = optaxclip.scale_by_norm_ema().init(_PARAMS)
+CASES += [
+  (
+    _SPIKES._replace(clipped=jnp.float32(2), clip_fraction=jnp.float32(0.5)),
+    (
+      "clip_spikes clipped 2 coordinates (50%) that spiked above their "
+      "running second moment"
+    ),
+  ),
+  (
+    optaxclip.clip_spikes_adaptive().init(_PARAMS),
+    "clip_spikes_adaptive clipped no coordinate",
+  ),
+  (
+    _SPAM._replace(scale=jnp.float32(0.25), resets=_i(1)),
+    (
+      "spam clipped no coordinate; the step size's warm-up factor is 0.25; 1 "
+      "moment reset so far"
+    ),
+  ),
+  (
+    _STABLE[2]._replace(scale=jnp.float32(0.5)),
+    "stable_spam ran; the cosine factor on b1 and gamma1 is 0.5",
+  ),
+  (
+    _NORM_EMA._replace(
+      norm=jnp.float32(8.0),
+      scaled_norm=jnp.float32(2.0),
+      scale=jnp.float32(0.25),
+    ),
+    "scale_by_norm_ema scaled the update by 0.25 (norm 8.0 -> 2.0)",
+  ),
+]
+
+
 @pytest.mark.parametrize("state, sentence", CASES)
 def test_one_sentence_per_state(state, sentence):
   assert optaxclip.explain(state) == [sentence]
