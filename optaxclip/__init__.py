@@ -47,6 +47,7 @@ from optaxclip._static import clip_norm
 from optaxclip._static import clip_unitwise
 from optaxclip._static import clip_value
 from optaxclip._static import default_unit_axes
+from optaxclip._stats import leaf_norm_table
 from optaxclip._stats import stats
 from optaxclip._stats import upgrade_state
 from optaxclip._wrappers import clipped
@@ -92,6 +93,7 @@ __all__ = (
   "explain",
   "global_norm",
   "guard",
+  "leaf_norm_table",
   "leaf_norms",
   "scale_by_norm_ema",
   "spam",

@@ -481,16 +481,15 @@ def explain(opt_state: Any) -> list[str]:
     >>> optaxclip.explain(state)
     ['clip_global scaled the update by 0.25 (norm 4.0 > 1.0)']
   """
-  found = _stats.registered_states(opt_state)
-  names = _stats.prefixes(found)
+  found = _stats.named_states(opt_state)
   skipped_guards = [
     path
-    for path, state in found
+    for _, path, state in found
     if _stats.short_name(state) == "guard"
     and int(_scalar(state, "consecutive_skips") or 0) > 0
   ]
   sentences = []
-  for name, (path, state) in zip(names, found):
+  for name, path, state in found:
     inside = [
       g for g in skipped_guards if len(g) < len(path) and path[: len(g)] == g
     ]

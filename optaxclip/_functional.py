@@ -72,13 +72,16 @@ def global_clip(
 ) -> tuple[list[jax.Array], _norms.Scaled, _norms.Scaled]:
   """Every leaf times ``min(1, max_norm / norm)``: ``(out, norm, factor)``.
 
-  ``norm`` defaults to the leaves' global ``p``-norm; the norm and the
-  factor are :class:`_norms.Scaled` (exact beyond the dtype's range).
+  ``norm`` (a number, or a :class:`_norms.Scaled` the caller measured)
+  defaults to the leaves' global ``p``-norm; the norm and the factor
+  returned are :class:`_norms.Scaled` (exact beyond the dtype's range).
   """
   if norm is None:
     scaled = _norms.global_norm_scaled(
       leaves, p, axis_name=axis_name, sharded=flags
     )
+  elif isinstance(norm, _norms.Scaled):  # measured by the caller
+    scaled = norm
   else:
     dtype = _norms.tree_accumulation_dtype(leaves)
     scaled = _norms.as_scaled(jnp.asarray(norm).astype(dtype).reshape(()))

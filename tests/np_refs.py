@@ -129,3 +129,37 @@ def clip_value_complex(x, limit):
   x = f64(x)
   m = np.abs(x)
   return np.where(m > limit, x * limit / np.where(m > 0, m, 1), x)
+
+
+# --- optaxclip's per-leaf telemetry ---------------------------------------
+
+
+def leaf_norms(leaves, ord=2.0, layer_axes=None):
+  """Each leaf's p-norm, or per layer (a vector) for a leaf with a layer
+  axis: the flat list of every leaf's (or layer's) norm, in leaf order.
+  """
+  layer_axes = layer_axes or [None] * len(leaves)
+  out = []
+  for x, axis in zip(leaves, layer_axes):
+    x = f64(x)
+    if axis is None:
+      out.append(pnorm(x, ord))
+    else:
+      out += [
+        pnorm(np.take(x, k, axis=axis), ord) for k in range(x.shape[axis])
+      ]
+  return np.asarray(out, np.float64)
+
+
+def top_leaf(norms, ord=2.0):
+  """``(share, index)``: the largest entry's share of the ord-th power of
+  the whole's norm (1 for ord=inf; 0 for all zeros).
+  """
+  norms = np.asarray(norms, np.float64)
+  if norms.size == 0:
+    return 0.0, 0
+  index = int(np.argmax(norms))
+  if math.isinf(ord):
+    return (1.0 if norms[index] > 0 else 0.0), index
+  total = np.sum(norms**ord)
+  return (float(norms[index] ** ord / total) if total > 0 else 0.0), index

@@ -287,3 +287,26 @@ def test_the_walk_through_guard_chain_and_injected_hyperparameters():
     "b/clip_global scaled the update by 0.2 (norm 0.5 > 0.1)",
   ]
   assert optaxclip.explain({"nothing": jnp.zeros(2)}) == []
+
+
+def test_leaf_stats_name_the_leaf_and_layer():
+  params = {
+    "params": {
+      "lstm": {"hf": {"kernel": jnp.zeros((4, 3, 3))}},
+      "dense": {"kernel": jnp.zeros((3, 2))},
+    }
+  }
+  grads = jax.tree.map(jnp.ones_like, params)
+  grads["params"]["lstm"]["hf"]["kernel"] = (
+    grads["params"]["lstm"]["hf"]["kernel"].at[3].set(10.0)
+  )
+  tx = optaxclip.clip_global(
+    1.0, leaf_stats=True, layer_axis={"params": {"lstm": 0, "dense": None}}
+  )
+  _, state = tx.update(grads, tx.init(params))
+  assert optaxclip.explain(state) == [
+    (
+      "clip_global scaled the update by 0.0327 (norm 30.5 > 1.0); 96% of the "
+      "squared norm came from params/lstm/hf/kernel (layer 3)"
+    )
+  ]
