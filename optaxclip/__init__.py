@@ -23,6 +23,8 @@ from optaxclip._functional import clip_by_value
 from optaxclip._functional import global_norm
 from optaxclip._functional import leaf_norms
 from optaxclip._guard import GuardState
+from optaxclip._guard import LossMoments
+from optaxclip._guard import Window
 from optaxclip._guard import guard
 from optaxclip._per_example import ClipPerExampleState
 from optaxclip._per_example import clip_per_example
@@ -68,10 +70,12 @@ __all__ = (
   "ClipZscoreState",
   "DpNoiseState",
   "GuardState",
+  "LossMoments",
   "ScaleByNormEmaState",
   "Sensitivity",
   "SpamState",
   "StableSpamState",
+  "Window",
   "clip_block_rms",
   "clip_by_global_norm",
   "clip_by_norm",
