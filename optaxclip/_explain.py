@@ -329,7 +329,13 @@ def _guard(who: str, state: Any, hyper: dict[str, float]) -> str:
       f"{_num(bound if bound is not None else math.inf)}; {tally}"
     )
   if cause == "loss":
-    return f"{who} skipped the step: the loss spiked; {tally}"
+    loss, loss_z = _scalar(state, "loss"), _scalar(state, "loss_z_score")
+    if loss is None or loss_z is None:
+      return f"{who} skipped the step: the loss spiked; {tally}"
+    return (
+      f"{who} skipped the step: the loss {_num(loss)} was {_num(loss_z)} "
+      f"standard deviations above its mean; {tally}"
+    )
   if z is not None and z > 0 and mean is not None:
     spike_z = hyper.get("spike_z")
     why = (

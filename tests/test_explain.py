@@ -47,6 +47,12 @@ def _guard(norm, threshold, skipped, streak, mean, var, causes=(0, 0, 0), z=0):
     _i(max_norm),
     _i(spike),
     jnp.float32(z),
+    _i(0),
+    None,
+    None,
+    None,
+    None,
+    None,
   )
 
 
