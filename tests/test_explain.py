@@ -31,7 +31,9 @@ def _key():
   return jax.random.key_data(jax.random.key(0))
 
 
-def _guard(norm, threshold, skipped, streak, mean, var, causes=(0, 0, 0), z=0):
+def _guard(
+  norm, threshold, skipped, streak, mean, var, causes=(0, 0, 0), z=0.0
+):
   nonfinite, max_norm, spike = causes
   return optaxclip.GuardState(
     *_f(norm, threshold),
