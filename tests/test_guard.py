@@ -467,8 +467,9 @@ class GuardLossWindowTest(chex.TestCase):
     )
     params = grads(1.0)
     state = tx.init(params)
+    update = jax.jit(tx.update)
     for loss in (1.0, 2.0, 3.0, 4.0):
-      _, state = jax.jit(tx.update)(params, state, params, value=loss)
+      _, state = update(params, state, params, value=loss)
     guard_state = state[1][0]
     self.assertLess(float(guard_state.inner_state.scale), 1.0)
     self.assertEqual(float(guard_state.loss), 4.0)
@@ -612,3 +613,21 @@ class GuardLeafTest(chex.TestCase):
       r"scalars.*shape \(2,\) at inner_state\[0\]\.mean",
     ):
       tx.init(grads(1.0))
+
+
+def test_float64_window_and_loss_keep_float64():
+  with jax.enable_x64(True):
+    tx = optaxclip.guard(
+      optax.sgd(1.0), spike_z=3.0, loss_spike_z=3.0, window=4, warmup_steps=2
+    )
+    params = {"w": jnp.zeros(2, jnp.float64)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for scale in (1e200, 1.1e200, 0.9e200):
+      g = {"w": jnp.array([scale, 0.0], jnp.float64)}
+      _, state = update(g, state, params, value=jnp.float64(scale))
+    assert state.window.values.dtype == jnp.float64
+    assert state.loss_moments.window.values.dtype == jnp.float64
+    assert int(state.skipped) == 0 and int(state.nonfinite) == 0
+    np.testing.assert_allclose(float(state.mean), 1e200, rtol=1e-12)
+    np.testing.assert_allclose(float(state.loss_moments.mean), 1e200)
