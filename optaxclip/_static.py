@@ -172,6 +172,13 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
   largest one was). An exact count there would be a reduction of a
   comparison, which XLA on CPU does not vectorise: it made the step of
   ``chain(clip_value, adam)`` cost 1.4x to 1.9x Adam's (benchmarks/floors.py).
+  The exact ``norm`` costs one read pass of the gradients (XLA:CPU fuses
+  no reduction into the clip's or Adam's element-wise loop), the floor of
+  ``adam + read`` (1.12x to 1.22x Adam's step): this step measures 1.3x to
+  1.4x on a loaded machine. Statistics from a sample alone reach 1.0x but
+  give up the exact ``norm`` and the leaf-wise non-finite policy, and an
+  exact count costs 1.9x to 3.7x (benchmarks/value_formulations.py;
+  FLOORS.md).
 
   Args:
     max_delta: the largest absolute value an element may keep (>= 0).
