@@ -491,7 +491,7 @@ def explain(opt_state: Any) -> list[str]:
   skipped_guards = [
     path
     for _, path, state in found
-    if _stats.short_name(state) == "guard"
+    if _stats.short_name(type(state)) == "guard"
     and int(_scalar(state, "consecutive_skips") or 0) > 0
   ]
   sentences = []
@@ -505,7 +505,7 @@ def explain(opt_state: Any) -> list[str]:
         "step); its statistics are from the last step it ran"
       )
       continue
-    sentence = _SENTENCES.get(_stats.short_name(state))
+    sentence = _SENTENCES.get(_stats.short_name(type(state)))
     hyper = _hyperparameters(opt_state, path)
     if sentence is None:  # a state registered elsewhere: its statistics
       values = [

@@ -245,7 +245,7 @@ def test_one_sentence_per_state(state, sentence):
 def test_every_state_class_has_a_sentence():
   described = {short for short, _ in _stats._REGISTRY.values()}
   assert described <= set(_explain._SENTENCES), described
-  covered = {_stats.short_name(state) for state, _ in CASES}
+  covered = {_stats.short_name(type(state)) for state, _ in CASES}
   assert described <= covered, described - covered
 
 
