@@ -141,7 +141,9 @@ def _global(who: str, state: Any, hyper: dict[str, float]) -> str:
   )
 
 
-def _per_unit(units: str, *limit_names: str) -> Callable:
+def _per_unit(units: str, label: str, *limit_names: str) -> Callable:
+  """Clippers of many units; ``label`` names their ``threshold``."""
+
   def sentence(who: str, state: Any, hyper: dict[str, float]) -> str:
     norm = _scalar(state, "norm") or 0.0
     clipped = _scalar(state, "clipped_norm") or 0.0
@@ -149,7 +151,7 @@ def _per_unit(units: str, *limit_names: str) -> Callable:
     if not math.isfinite(norm):
       return _nonfinite(who, norm, f"the {units} holding it")
     limit = _limit(state, hyper, *limit_names)
-    limit_text = "" if limit is None else f", limit {_num(limit)}"
+    limit_text = "" if limit is None else f"; {label} {_num(limit)}"
     if fraction > 0:
       return (
         f"{who} scaled down {_pct(fraction)} of its {units} (norm "
@@ -399,9 +401,9 @@ def _norm_ema(who: str, state: Any, hyper: dict[str, float]) -> str:
 # State short name -> sentence(who, state, hyperparameters).
 _SENTENCES: dict[str, Callable[[str, Any, dict[str, float]], str]] = {
   "clip_global": _global,
-  "clip_norm": _per_unit("units", "max_norm"),
-  "clip_block_rms": _per_unit("leaves", "threshold"),
-  "clip_unitwise": _per_unit("units", "clipping"),
+  "clip_norm": _per_unit("units", "max_norm", "max_norm"),
+  "clip_block_rms": _per_unit("leaves", "RMS limit", "threshold"),
+  "clip_unitwise": _per_unit("units", "ratio limit", "clipping"),
   "clip_value": _value_clip,
   "clip_zscore": _adaptive("zscore"),
   "clip_percentile": _adaptive("percentile"),

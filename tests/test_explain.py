@@ -27,6 +27,11 @@ def _i(n):
   return jnp.int32(n)
 
 
+def _clip(cls, norm, clipped, fraction, threshold):
+  """A static clipper's state: statistics, threshold, step count."""
+  return cls(*_f(norm, clipped, fraction, threshold), _i(1))
+
+
 def _key():
   return jax.random.key_data(jax.random.key(0))
 
@@ -36,39 +41,42 @@ def _guard(
 ):
   nonfinite, max_norm, spike = causes
   return optaxclip.GuardState(
-    *_f(norm, threshold),
-    _i(skipped),
-    _i(nonfinite),
-    _i(streak),
-    _i(25),
-    *_f(mean, var),
-    (),
-    _i(0),
-    _i(0),
-    _i(nonfinite),
-    _i(max_norm),
-    _i(spike),
-    jnp.float32(z),
-    _i(0),
-    None,
-    None,
-    None,
-    None,
-    None,
+    norm=jnp.float32(norm),
+    threshold=jnp.float32(threshold),
+    skipped=_i(skipped),
+    nonfinite=_i(nonfinite),
+    consecutive_skips=_i(streak),
+    count=_i(25),
+    mean=jnp.float32(mean),
+    var=jnp.float32(var),
+    inner_state=(),
+    consecutive_spikes=_i(0),
+    restarts=_i(0),
+    step=_i(30),
+    skipped_nonfinite=_i(nonfinite),
+    skipped_max_norm=_i(max_norm),
+    skipped_spike=_i(spike),
+    z_score=jnp.float32(z),
+    skipped_loss_spike=_i(0),
+    loss=None,
+    loss_z_score=None,
+    loss_moments=None,
+    window=None,
+    skipped_leaves=None,
   )
 
 
 CASES = [
   (
-    optaxclip.ClipGlobalState(*_f(76.2, 1.0, 1.0)),
+    _clip(optaxclip.ClipGlobalState, 76.2, 1.0, 1.0, 1.0),
     "clip_global scaled the update by 0.0131 (norm 76.2 > 1.0)",
   ),
   (
-    optaxclip.ClipGlobalState(*_f(0.8, 0.8, 0.0)),
-    "clip_global left the update unchanged (norm 0.8)",
+    _clip(optaxclip.ClipGlobalState, 0.8, 0.8, 0.0, 1.0),
+    "clip_global left the update unchanged (norm 0.8 <= 1.0)",
   ),
   (
-    optaxclip.ClipGlobalState(*_f(NAN, NAN, 1.0)),
+    _clip(optaxclip.ClipGlobalState, NAN, NAN, 1.0, 1.0),
     (
       "clip_global saw a non-finite gradient (norm nan): the whole update "
       "came out NaN, so that a guard (or optax.apply_if_finite) can skip the "
@@ -76,19 +84,22 @@ CASES = [
     ),
   ),
   (
-    optaxclip.ClipNormState(*_f(5.0, 1.2, 0.5)),
-    "clip_norm scaled down 50% of its units (norm 5.0 -> 1.2)",
+    _clip(optaxclip.ClipNormState, 5.0, 1.2, 0.5, 1.0),
+    "clip_norm scaled down 50% of its units (norm 5.0 -> 1.2; max_norm 1.0)",
   ),
   (
-    optaxclip.ClipNormState(*_f(0.5, 0.5, 0.0)),
-    "clip_norm left every one of its units unchanged (norm 0.5)",
+    _clip(optaxclip.ClipNormState, 0.5, 0.5, 0.0, 1.0),
+    "clip_norm left every one of its units unchanged (norm 0.5; max_norm 1.0)",
   ),
   (
-    optaxclip.ClipBlockRMSState(*_f(5.0, 1.2, 0.25)),
-    "clip_block_rms scaled down 25% of its leaves (norm 5.0 -> 1.2)",
+    _clip(optaxclip.ClipBlockRMSState, 5.0, 1.2, 0.25, 1.0),
+    (
+      "clip_block_rms scaled down 25% of its leaves (norm 5.0 -> 1.2; RMS "
+      "limit 1.0)"
+    ),
   ),
   (
-    optaxclip.ClipUnitwiseState(*_f(INF, NAN, 0.25)),
+    _clip(optaxclip.ClipUnitwiseState, INF, NAN, 0.25, 1.0),
     (
       "clip_unitwise saw a non-finite gradient (norm inf): the units holding "
       "it came out NaN, so that a guard (or optax.apply_if_finite) can skip "
@@ -96,15 +107,15 @@ CASES = [
     ),
   ),
   (
-    optaxclip.ClipValueState(*_f(3.0, 1.0, 2 / 3)),
+    _clip(optaxclip.ClipValueState, 3.0, 1.0, 2 / 3, 1.0),
     "clip_value clipped 67% of the elements (largest magnitude 3.0 > 1.0)",
   ),
   (
-    optaxclip.ClipValueState(*_f(0.3, 0.3, 0.0)),
-    "clip_value left every element unchanged (largest magnitude 0.3)",
+    _clip(optaxclip.ClipValueState, 0.3, 0.3, 0.0, 1.0),
+    "clip_value left every element unchanged (largest magnitude 0.3 <= 1.0)",
   ),
   (
-    optaxclip.ClipValueState(*_f(INF, NAN, 0.5)),
+    _clip(optaxclip.ClipValueState, INF, NAN, 0.5, 1.0),
     (
       "clip_value saw a non-finite gradient (largest magnitude inf): the "
       "leaves holding it came out NaN (50% of the elements)"
@@ -112,7 +123,7 @@ CASES = [
   ),
   (
     optaxclip.ClipZscoreState(
-      *_f(76.2, 5.3, 1.0, 5.3), _i(25), *_f(4.2, 0.16), _i(0), _i(0)
+      *_f(76.2, 5.3, 1.0, 5.3), _i(25), *_f(4.2, 0.16), _i(0), _i(0), _i(30)
     ),
     (
       "clip_zscore scaled the update by 0.0696 (norm 76.2 -> 5.3; threshold "
@@ -121,7 +132,7 @@ CASES = [
   ),
   (
     optaxclip.ClipZscoreState(
-      *_f(3.0, 3.0, 0.0, INF), _i(3), *_f(4.2, 0.16), _i(0), _i(0)
+      *_f(3.0, 3.0, 0.0, INF), _i(3), *_f(4.2, 0.16), _i(0), _i(0), _i(3)
     ),
     (
       "clip_zscore left the update unchanged (norm 3.0; no threshold yet: "
@@ -130,7 +141,12 @@ CASES = [
   ),
   (
     optaxclip.ClipPercentileState(
-      *_f(9.0, 3.0, 1.0, 3.0), _i(40), _i(40), jnp.zeros(64), jnp.zeros(64)
+      *_f(9.0, 3.0, 1.0, 3.0),
+      _i(40),
+      _i(40),
+      jnp.zeros(64),
+      jnp.zeros(64),
+      _i(40),
     ),
     (
       "clip_percentile scaled the update by 0.333 (norm 9.0 -> 3.0; threshold "
@@ -144,6 +160,7 @@ CASES = [
       jnp.zeros(5),
       jnp.zeros(5, jnp.int32),
       _i(0),
+      _i(100),
     ),
     (
       "clip_relative scaled down 40% of its units (norm 9.0 -> 3.0; threshold "
@@ -159,7 +176,9 @@ CASES = [
     ),
   ),
   (
-    optaxclip.DpNoiseState(*_f(2.3, 0.9, 0.3, 1.0), _key(), _i(0)),
+    optaxclip.DpNoiseState(
+      *_f(2.3, 0.9, 0.3, 1.0), _key(), _i(0), jnp.float32(1.0), _i(1)
+    ),
     (
       "dp_noise scaled down 30% of the examples (mean per-example norm 2.3 "
       "-> 0.9); the next step clips to 1.0"
