@@ -14,6 +14,7 @@ import optax
 
 from optaxclip import _checks
 from optaxclip import _compiled
+from optaxclip import _functional
 from optaxclip import _norms
 from optaxclip import _schedules
 from optaxclip import _sharding
@@ -207,29 +208,12 @@ def _init_stats(
   return init_fn
 
 
-def _flatten(updates, who: str):
-  leaves, treedef = jax.tree.flatten(updates)
-  _checks.check_float_leaves(updates, f"{who}: updates")
-  # Python or NumPy scalars are valid leaves too (optax accepts them).
-  return [jnp.asarray(x) for x in leaves], treedef
+_flatten = _functional.flatten
+sharded_flags = _functional.sharded_flags
 
 
 def _fraction(numerator, denominator) -> jax.Array:
   return _stats.as_stat(numerator / max(denominator, 1))
-
-
-def sharded_flags(
-  updates: Any, sharded: Sharded, who: str, axis_name: Any = None
-) -> list[tuple[str, ...]]:
-  """Per leaf of ``updates``, the names of ``axis_name`` it is split over.
-
-  ``sharded`` is an entry for all leaves, a pytree prefix of entries or a
-  callable ``(path, leaf) -> entry``; an entry is ``True`` (every axis of
-  ``axis_name``), ``False``/``None`` (none), a tuple of axis names or a
-  ``PartitionSpec`` (see :mod:`optaxclip._sharding`). The result is what
-  ``_norms``' ``sharded=`` takes. Without ``axis_name``, nothing is split.
-  """
-  return [s.axes for s in _sharding.resolve(updates, sharded, axis_name, who)]
 
 
 @_compiled.compiled_once
@@ -252,6 +236,13 @@ def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
   largest one was). An exact count there would be a reduction of a
   comparison, which XLA on CPU does not vectorise: it made the step of
   ``chain(clip_value, adam)`` cost 1.4x to 1.9x Adam's (benchmarks/floors.py).
+  The exact ``norm`` costs one read pass of the gradients (XLA:CPU fuses
+  no reduction into the clip's or Adam's element-wise loop), the floor of
+  ``adam + read`` (1.12x to 1.22x Adam's step): this step measures 1.3x to
+  1.4x on a loaded machine. Statistics from a sample alone reach 1.0x but
+  give up the exact ``norm`` and the leaf-wise non-finite policy, and an
+  exact count costs 1.9x to 3.7x (benchmarks/value_formulations.py;
+  FLOORS.md).
 
   Args:
     max_delta: the largest absolute value an element may keep (>= 0): a
@@ -296,20 +287,11 @@ def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
       biggest = _norms.largest_magnitude(x)
       n_over = _norms.count_above(x, max_delta_now)
       # 0 for a finite leaf, NaN otherwise: a leaf holding a NaN or an inf
-      # comes out all NaN (the non-finite policy). Adding it to the limit
-      # also makes this leaf's clip wait for its own statistics, so that
-      # XLA computes them while the leaf is in cache.
+      # comes out all NaN (the non-finite policy; see clip_leaf_to_range).
       poison = 0 * (biggest + n_over)
-      limit = jnp.asarray(max_delta_now, biggest.dtype) + poison
-      if jnp.iscomplexobj(x):
-        mag = _norms.magnitude(x)
-        over = mag > limit
-        factor = jnp.where(over, limit / jnp.where(over, mag, 1), 1) + poison
-        out.append(_norms.scale_leaf(x, factor))
-      else:
-        out.append(
-          jnp.clip(x.astype(limit.dtype), -limit, limit).astype(x.dtype)
-        )
+      bound = jnp.asarray(max_delta_now, biggest.dtype)
+      out.append(_functional.clip_leaf_to_range(x, -bound, bound, poison))
+      limit = bound + poison
       largest = jnp.maximum(largest, biggest.astype(jnp.float32))
       # In the leaf's own dtype: a finite float64 may be inf in float32.
       finite = finite & (biggest < jnp.inf)
@@ -349,8 +331,7 @@ def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redef
   summed across them; see combine_norms).
   """
   across = [key[1] for key in layout.keys]
-  factors = [_norms.clip_scale(n, lim) for n, lim in zip(norms, limits)]
-  out = layout.scale(leaves, factors)
+  out, factors = _functional.scale_units(leaves, layout, norms, limits)
   clipped_norms = [n * f for n, f in zip(norms, factors)]
   scaled = sum(
     (
@@ -451,7 +432,7 @@ def clip_norm(
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = _flatten(updates, "clip_norm")
+    leaves, treedef = _flatten(updates, who)
     limit = _schedules.value_at(
       max_norm, _schedules.count_of(state), who=who, name="max_norm"
     )
@@ -577,6 +558,7 @@ def clip_global(
     count = _schedules.count_of(state)
     limit = _schedules.value_at(max_norm, count, who=who, name="max_norm")
     telemetry = _telemetry.LeafStats()
+    norm = None
     if leaf_stats:
       norm, telemetry = _telemetry.global_norm(
         who,
@@ -588,15 +570,16 @@ def clip_global(
         axis_name=axis_name,
         splits=_sharding.resolve(updates, sharded, axis_name, who),
       )
-    else:
-      norm = _norms.global_norm_scaled(
-        leaves,
-        p,
-        axis_name=axis_name,
-        sharded=sharded_flags(updates, sharded, who, axis_name),
-      )
-    factor = _norms.clip_scale(norm, limit)
-    out = [_norms.scale_leaf(x, factor) for x in leaves]
+    out, norm, factor = _functional.global_clip(
+      leaves,
+      limit,
+      p,
+      axis_name=axis_name,
+      flags=None
+      if leaf_stats
+      else sharded_flags(updates, sharded, who, axis_name),
+      norm=norm,
+    )
     new_state = ClipGlobalState(
       _stats.as_stat(norm.as_float()),
       _stats.as_stat((norm * factor).as_float()),
