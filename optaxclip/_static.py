@@ -14,6 +14,7 @@ import optax
 
 from optaxclip import _checks
 from optaxclip import _compiled
+from optaxclip import _functional
 from optaxclip import _norms
 from optaxclip import _schedules
 from optaxclip import _sharding
@@ -65,6 +66,13 @@ class ClipNormState(NamedTuple):
       step; before the first update, its value at step 0).
     count: updates so far (int32, saturating), the step at which a
       schedule is evaluated.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip ``ord``-norm
+      (a ``(L,)`` vector per layer for a leaf with a ``layer_axis``), a
+      pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**ord``
+      carried by the largest leaf or layer; else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float32 scalar
@@ -72,6 +80,9 @@ class ClipNormState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   threshold: jax.Array  # float32 scalar
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 @_stats.register("clip_global", STAT_FIELDS)
@@ -117,6 +128,13 @@ class ClipBlockRMSState(NamedTuple):
       step; before the first update, its value at step 0).
     count: updates so far (int32, saturating), the step at which a
       schedule is evaluated.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm
+      (not its RMS; a ``(L,)`` vector per layer for a leaf with a
+      ``layer_axis``), a pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
+      carried by the largest leaf or layer; else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float32 scalar
@@ -124,6 +142,9 @@ class ClipBlockRMSState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   threshold: jax.Array  # float32 scalar
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 @_stats.register("clip_unitwise", STAT_FIELDS)
@@ -138,6 +159,13 @@ class ClipUnitwiseState(NamedTuple):
       step; before the first update, its value at step 0).
     count: updates so far (int32, saturating), the step at which a
       schedule is evaluated.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm
+      (a ``(L,)`` vector per layer for a leaf with a ``layer_axis``), a
+      pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
+      carried by the largest leaf or layer; else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float32 scalar
@@ -145,6 +173,9 @@ class ClipUnitwiseState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   threshold: jax.Array  # float32 scalar
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 Sharded = Union[bool, Any, Callable[[Any, jax.Array], bool]]
@@ -177,29 +208,12 @@ def _init_stats(
   return init_fn
 
 
-def _flatten(updates, who: str):
-  leaves, treedef = jax.tree.flatten(updates)
-  _checks.check_float_leaves(updates, f"{who}: updates")
-  # Python or NumPy scalars are valid leaves too (optax accepts them).
-  return [jnp.asarray(x) for x in leaves], treedef
+_flatten = _functional.flatten
+sharded_flags = _functional.sharded_flags
 
 
 def _fraction(numerator, denominator) -> jax.Array:
   return _stats.as_stat(numerator / max(denominator, 1))
-
-
-def sharded_flags(
-  updates: Any, sharded: Sharded, who: str, axis_name: Any = None
-) -> list[tuple[str, ...]]:
-  """Per leaf of ``updates``, the names of ``axis_name`` it is split over.
-
-  ``sharded`` is an entry for all leaves, a pytree prefix of entries or a
-  callable ``(path, leaf) -> entry``; an entry is ``True`` (every axis of
-  ``axis_name``), ``False``/``None`` (none), a tuple of axis names or a
-  ``PartitionSpec`` (see :mod:`optaxclip._sharding`). The result is what
-  ``_norms``' ``sharded=`` takes. Without ``axis_name``, nothing is split.
-  """
-  return [s.axes for s in _sharding.resolve(updates, sharded, axis_name, who)]
 
 
 @_compiled.compiled_once
@@ -222,6 +236,13 @@ def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
   largest one was). An exact count there would be a reduction of a
   comparison, which XLA on CPU does not vectorise: it made the step of
   ``chain(clip_value, adam)`` cost 1.4x to 1.9x Adam's (benchmarks/floors.py).
+  The exact ``norm`` costs one read pass of the gradients (XLA:CPU fuses
+  no reduction into the clip's or Adam's element-wise loop), the floor of
+  ``adam + read`` (1.12x to 1.22x Adam's step): this step measures 1.3x to
+  1.4x on a loaded machine. Statistics from a sample alone reach 1.0x but
+  give up the exact ``norm`` and the leaf-wise non-finite policy, and an
+  exact count costs 1.9x to 3.7x (benchmarks/value_formulations.py;
+  FLOORS.md).
 
   Args:
     max_delta: the largest absolute value an element may keep (>= 0): a
@@ -266,20 +287,11 @@ def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
       biggest = _norms.largest_magnitude(x)
       n_over = _norms.count_above(x, max_delta_now)
       # 0 for a finite leaf, NaN otherwise: a leaf holding a NaN or an inf
-      # comes out all NaN (the non-finite policy). Adding it to the limit
-      # also makes this leaf's clip wait for its own statistics, so that
-      # XLA computes them while the leaf is in cache.
+      # comes out all NaN (the non-finite policy; see clip_leaf_to_range).
       poison = 0 * (biggest + n_over)
-      limit = jnp.asarray(max_delta_now, biggest.dtype) + poison
-      if jnp.iscomplexobj(x):
-        mag = _norms.magnitude(x)
-        over = mag > limit
-        factor = jnp.where(over, limit / jnp.where(over, mag, 1), 1) + poison
-        out.append(_norms.scale_leaf(x, factor))
-      else:
-        out.append(
-          jnp.clip(x.astype(limit.dtype), -limit, limit).astype(x.dtype)
-        )
+      bound = jnp.asarray(max_delta_now, biggest.dtype)
+      out.append(_functional.clip_leaf_to_range(x, -bound, bound, poison))
+      limit = bound + poison
       largest = jnp.maximum(largest, biggest.astype(jnp.float32))
       # In the leaf's own dtype: a finite float64 may be inf in float32.
       finite = finite & (biggest < jnp.inf)
@@ -319,8 +331,7 @@ def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redef
   summed across them; see combine_norms).
   """
   across = [key[1] for key in layout.keys]
-  factors = [_norms.clip_scale(n, lim) for n, lim in zip(norms, limits)]
-  out = layout.scale(leaves, factors)
+  out, factors = _functional.scale_units(leaves, layout, norms, limits)
   clipped_norms = [n * f for n, f in zip(norms, factors)]
   scaled = sum(
     (
@@ -350,6 +361,8 @@ def clip_norm(
   axis: Axis = None,
   axis_name: AxisName = None,
   sharded: Sharded = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   """Clips each leaf (or each slice of it) to ``ord``-norm at most ``max_norm``.
 
@@ -382,6 +395,15 @@ def clip_norm(
       holds whole slices (mark it False: clipped exactly, but its share of
       the statistics is the local one). A PartitionSpec tells the two
       apart: slices and statistics are then exact.
+    leaf_stats: also keep each leaf's pre-clip ``ord``-norm in the state
+      (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_norm/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); not an axis split over ``axis_name``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -406,10 +428,11 @@ def clip_norm(
   p = _checks.check_ord("ord", ord, who=who)
   axis = _checks.check_axis("axis", axis, who=who)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = _flatten(updates, "clip_norm")
+    leaves, treedef = _flatten(updates, who)
     limit = _schedules.value_at(
       max_norm, _schedules.count_of(state), who=who, name="max_norm"
     )
@@ -417,24 +440,30 @@ def clip_norm(
     axes = [
       _checks.leaf_axes(who, axis, x, path) for x, path in zip(leaves, paths)
     ]
-    splits = _sharding.resolve(updates, sharded, axis_name, "clip_norm")
-    layout, norms = _norms.unit_norms_packed(
+    layout, norms, telemetry = _telemetry.unit_norms(
+      who,
+      updates,
       leaves,
       p,
       axes,
+      on=leaf_stats,
+      state_norms=state.leaf_norms if leaf_stats else None,
+      layer_axis=layer_axis,
       axis_name=axis_name,
-      sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)],
-      keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)],
+      splits=_sharding.resolve(updates, sharded, axis_name, who),
     )
     out, stats = _per_unit_clip(leaves, layout, norms, [limit] * len(norms), p)
     return jax.tree.unflatten(treedef, out), ClipNormState(
       *stats,
       _stats.as_stat(limit),
       _schedules.next_count(_schedules.count_of(state)),
+      *telemetry,
     )
 
   return optax.GradientTransformation(
-    _init_stats(ClipNormState, max_norm, who, "max_norm"),
+    _init_stats(
+      ClipNormState, max_norm, who, "max_norm", leaf_stats, layer_axis
+    ),
     _compiled.jit_update(update_fn),
   )
 
@@ -529,6 +558,7 @@ def clip_global(
     count = _schedules.count_of(state)
     limit = _schedules.value_at(max_norm, count, who=who, name="max_norm")
     telemetry = _telemetry.LeafStats()
+    norm = None
     if leaf_stats:
       norm, telemetry = _telemetry.global_norm(
         who,
@@ -540,15 +570,16 @@ def clip_global(
         axis_name=axis_name,
         splits=_sharding.resolve(updates, sharded, axis_name, who),
       )
-    else:
-      norm = _norms.global_norm_scaled(
-        leaves,
-        p,
-        axis_name=axis_name,
-        sharded=sharded_flags(updates, sharded, who, axis_name),
-      )
-    factor = _norms.clip_scale(norm, limit)
-    out = [_norms.scale_leaf(x, factor) for x in leaves]
+    out, norm, factor = _functional.global_clip(
+      leaves,
+      limit,
+      p,
+      axis_name=axis_name,
+      flags=None
+      if leaf_stats
+      else sharded_flags(updates, sharded, who, axis_name),
+      norm=norm,
+    )
     new_state = ClipGlobalState(
       _stats.as_stat(norm.as_float()),
       _stats.as_stat((norm * factor).as_float()),
@@ -573,6 +604,8 @@ def clip_block_rms(
   *,
   axis_name: AxisName = None,
   sharded: Sharded = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   """Clips each leaf to a root-mean-square of at most ``threshold``.
 
@@ -593,6 +626,15 @@ def clip_block_rms(
       or a ``PartitionSpec``; one for all leaves, a pytree prefix of them or
       a callable ``(path, leaf) -> entry``. A leaf's element count is
       multiplied by the number of devices along its axes.
+    leaf_stats: also keep each leaf's pre-clip L2 norm (not its RMS) in the
+      state (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_block_rms/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); not an axis split over ``axis_name``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -614,6 +656,7 @@ def clip_block_rms(
   who = "clip_block_rms"
   _schedules.check(who, "threshold", threshold, low=0.0, allow_inf=True)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def update_fn(updates, state, params=None):
     del params
@@ -621,9 +664,20 @@ def clip_block_rms(
     rms = _schedules.value_at(
       threshold, _schedules.count_of(state), who=who, name="threshold"
     )
-    flags = sharded_flags(updates, sharded, "clip_block_rms", axis_name)
-    layout, norms = _norms.unit_norms_packed(
-      leaves, 2.0, axis_name=axis_name, sharded=flags, keys=[()] * len(leaves)
+    splits = _sharding.resolve(updates, sharded, axis_name, who)
+    flags = [s.axes for s in splits]
+    # A leaf is one unit: every name that splits it is summed over.
+    layout, norms, telemetry = _telemetry.unit_norms(
+      who,
+      updates,
+      leaves,
+      2.0,
+      [None] * len(leaves),
+      on=leaf_stats,
+      state_norms=state.leaf_norms if leaf_stats else None,
+      layer_axis=layer_axis,
+      axis_name=axis_name,
+      splits=[_sharding.LeafSharding(f, None) for f in flags],
     )
     roots = layout.pack_static(
       [
@@ -640,10 +694,13 @@ def clip_block_rms(
       *stats,
       _stats.as_stat(rms),
       _schedules.next_count(_schedules.count_of(state)),
+      *telemetry,
     )
 
   return optax.GradientTransformation(
-    _init_stats(ClipBlockRMSState, threshold, who, "threshold"),
+    _init_stats(
+      ClipBlockRMSState, threshold, who, "threshold", leaf_stats, layer_axis
+    ),
     _compiled.jit_update(update_fn),
   )
 
@@ -727,6 +784,8 @@ def clip_unitwise(
   axis: Axis = None,
   axis_name: AxisName = None,
   sharded: Sharded = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   """Adaptive gradient clipping: ``||g_u|| <= clipping * max(||w_u||, eps)``.
 
@@ -759,6 +818,15 @@ def clip_unitwise(
       units on each device, local statistics). A split leaf whose local
       shape cannot tell its units, such as a kernel (8, 2) split 8 ways into
       (1, 2), raises a ValueError unless a PartitionSpec or ``axis`` says.
+    leaf_stats: also keep each leaf's pre-clip L2 norm in the state
+      (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_unitwise/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); not an axis split over ``axis_name``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -785,6 +853,7 @@ def clip_unitwise(
   _checks.check_number("eps", eps, who=who, low=0.0)
   axis = _checks.check_axis("axis", axis, who=who)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def update_fn(updates, state, params=None):
     _checks.check_same_structure(updates, params, "clip_unitwise")
@@ -807,25 +876,39 @@ def clip_unitwise(
       else _checks.leaf_axes(who, axis, x, path)
       for x, s, path in zip(leaves, splits, paths)
     ]
-    flags = [_sharding.axes_of(s, a) for s, a in zip(splits, axes)]
-    layout, g_norms = _norms.unit_norms_packed(
+    layout, g_norms, telemetry = _telemetry.unit_norms(
+      who,
+      updates,
       leaves,
       2.0,
       axes,
+      on=leaf_stats,
+      state_norms=state.leaf_norms if leaf_stats else None,
+      layer_axis=layer_axis,
       axis_name=axis_name,
-      sharded=flags,
-      keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)],
+      splits=splits,
     )
     w_norms = _norms.part_norms(layout, param_leaves, 2.0, axis_name=axis_name)
+    if leaf_stats:  # the units of the pass may be split per layer
+      w_norms = _telemetry.coarse_norms(
+        layout,
+        w_norms,
+        axes,
+        _telemetry.layer_axes(who, updates, layer_axis),
+        2.0,
+      )
     limits = [_unitwise_limit(w, ratio, eps) for w in w_norms]
     out, stats = _per_unit_clip(leaves, layout, g_norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(
       *stats,
       _stats.as_stat(ratio),
       _schedules.next_count(_schedules.count_of(state)),
+      *telemetry,
     )
 
   return optax.GradientTransformation(
-    _init_stats(ClipUnitwiseState, clipping, who, "clipping"),
+    _init_stats(
+      ClipUnitwiseState, clipping, who, "clipping", leaf_stats, layer_axis
+    ),
     _compiled.jit_update(update_fn),
   )

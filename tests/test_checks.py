@@ -56,6 +56,34 @@ def LOSS(params, x):
 # (clipper, keyword arguments, the argument at fault, error type, what the
 # message says it must be). Positional first arguments are passed by name.
 BAD = [
+  (
+    "clip_global",
+    {"max_norm": 1.0, "leaf_stats": 1},
+    "leaf_stats",
+    TypeError,
+    "bool",
+  ),
+  (
+    "clip_global",
+    {"max_norm": 1.0, "layer_axis": 0},
+    "layer_axis",
+    ValueError,
+    "leaf_stats=True",
+  ),
+  (
+    "clip_norm",
+    {"max_norm": 1.0, "leaf_stats": True, "layer_axis": "0"},
+    "layer_axis",
+    TypeError,
+    "int or None",
+  ),
+  (
+    "clip_zscore",
+    {"leaf_stats": True, "layer_axis": {"w": 1.5}},
+    "layer_axis",
+    TypeError,
+    "int or None",
+  ),
   ("clip_value", {"max_delta": -1.0}, "max_delta", ValueError, ">= 0"),
   ("clip_value", {"max_delta": NAN}, "max_delta", ValueError, "real number"),
   ("clip_value", {"max_delta": "1"}, "max_delta", TypeError, "real number"),
@@ -531,6 +559,37 @@ BAD = [
     ValueError,
     "be given",
   ),
+  # The functional API checks its arguments in the same format.
+  ("global_norm", {"tree": {"w": 1.0}, "ord": 0.5}, "ord", ValueError, ">="),
+  ("leaf_norms", {"tree": {"w": 1.0}, "ord": "2"}, "ord", TypeError, "real"),
+  (
+    "clip_by_global_norm",
+    {"tree": {"w": 1.0}, "max_norm": -1.0},
+    "max_norm",
+    ValueError,
+    ">=",
+  ),
+  (
+    "clip_by_global_norm",
+    {"tree": {"w": 1.0}, "max_norm": 1.0, "norm": NAN},
+    "norm",
+    ValueError,
+    "",
+  ),
+  (
+    "clip_by_norm",
+    {"tree": {"w": 1.0}, "max_norm": NAN},
+    "max_norm",
+    ValueError,
+    "",
+  ),
+  (
+    "clip_by_value",
+    {"tree": {"w": 1.0}, "min_value": 1.0, "max_value": 0.0},
+    "max_value",
+    ValueError,
+    ">= min_value",
+  ),
   ("spam", {"learning_rate": -1.0}, "learning_rate", ValueError, ">= 0"),
   ("spam", {"learning_rate": 0.1, "b1": 1.0}, "b1", ValueError, "< 1"),
   ("spam", {"learning_rate": 0.1, "eps": NAN}, "eps", ValueError, "real"),
@@ -637,6 +696,11 @@ def test_every_public_transformation_has_a_bad_argument_case():
     "clipped",
     "dp_noise",
     "clipped_grad",
+    "global_norm",
+    "leaf_norms",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
     "spam",
     "stable_spam",
     "clip_spikes",
@@ -645,7 +709,13 @@ def test_every_public_transformation_has_a_bad_argument_case():
   }
   assert factories <= covered, factories - covered
   public = {n for n in optaxclip.__all__ if n[0].islower()}
-  others = {"stats", "default_unit_axes", "upgrade_state"}
+  others = {
+    "stats",
+    "explain",
+    "leaf_norm_table",
+    "default_unit_axes",
+    "upgrade_state",
+  }
   assert factories | others >= public - {"__version__"}, public
 
 
