@@ -107,6 +107,8 @@ def test_which_layer_names_the_bad_layer_and_writes_the_heatmap(tmp_path):
     "1",
     "--out",
     str(out),
+    "--tensorboard",
+    str(tmp_path / "tb"),
     cwd=tmp_path,
   )
   sentences = re.findall(r"^  step \d+: (clip_global .*)$", stdout, re.M)
@@ -115,6 +117,8 @@ def test_which_layer_names_the_bad_layer_and_writes_the_heatmap(tmp_path):
   for sentence in sentences:
     assert sentence.endswith("came from blocks/w (layer 1)"), stdout
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+  assert events and all(e.stat().st_size > 0 for e in events), events
 
 
 def test_nnx_quickstart_prints_the_pre_clip_norm(tmp_path):
