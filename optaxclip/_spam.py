@@ -29,6 +29,7 @@ import optax
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _schedules
 from optaxclip import _stats
 from optaxclip._typing import Scalar
 
@@ -43,10 +44,10 @@ _F32 = jnp.float32
 
 
 def _at(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:
-  """A number, or a schedule's value at ``count``, as a float32 scalar."""
-  if callable(value):
-    value = value(count)
-  return jnp.asarray(value).astype(_F32)
+  """A number, or a schedule's value at ``count`` (unbounded: the
+  references take learning rates and gammas as they come), as float32.
+  """
+  return jnp.asarray(_schedules.value_at(value, count, low=None), _F32)
 
 
 def _log(base: Any) -> jax.Array:
