@@ -42,6 +42,7 @@ TARGET = 2.0
 CLIPPERS: dict[str, Callable[[], optax.GradientTransformation]] = {
   "adam": optax.identity,
   "clip_global": lambda: optaxclip.clip_global(1.0),
+  "clip_value": lambda: optaxclip.clip_value(0.01),
   "clip_norm": lambda: optaxclip.clip_norm(1.0),
   "clip_block_rms": lambda: optaxclip.clip_block_rms(1.0),
   "clip_unitwise": lambda: optaxclip.clip_unitwise(0.01),
