@@ -17,9 +17,21 @@ from optaxclip._clipped_grad import Sensitivity
 from optaxclip._clipped_grad import clipped_grad
 from optaxclip._clipped_grad import dp_noise
 from optaxclip._guard import GuardState
+from optaxclip._guard import LossMoments
+from optaxclip._guard import Window
 from optaxclip._guard import guard
 from optaxclip._per_example import ClipPerExampleState
 from optaxclip._per_example import clip_per_example
+from optaxclip._spam import ClipSpikesAdaptiveState
+from optaxclip._spam import ClipSpikesState
+from optaxclip._spam import ScaleByNormEmaState
+from optaxclip._spam import SpamState
+from optaxclip._spam import StableSpamState
+from optaxclip._spam import clip_spikes
+from optaxclip._spam import clip_spikes_adaptive
+from optaxclip._spam import scale_by_norm_ema
+from optaxclip._spam import spam
+from optaxclip._spam import stable_spam
 from optaxclip._static import ClipBlockRMSState
 from optaxclip._static import ClipGlobalState
 from optaxclip._static import ClipNormState
@@ -31,6 +43,7 @@ from optaxclip._static import clip_norm
 from optaxclip._static import clip_unitwise
 from optaxclip._static import clip_value
 from optaxclip._static import default_unit_axes
+from optaxclip._stats import leaf_norm_table
 from optaxclip._stats import stats
 from optaxclip._stats import upgrade_state
 from optaxclip._wrappers import clipped
@@ -44,18 +57,27 @@ __all__ = (
   "ClipPerExampleState",
   "ClipPercentileState",
   "ClipRelativeState",
+  "ClipSpikesAdaptiveState",
+  "ClipSpikesState",
   "ClipUnitwiseState",
   "ClipValueState",
   "ClipZscoreState",
   "DpNoiseState",
   "GuardState",
+  "LossMoments",
+  "ScaleByNormEmaState",
   "Sensitivity",
+  "SpamState",
+  "StableSpamState",
+  "Window",
   "clip_block_rms",
   "clip_global",
   "clip_norm",
   "clip_per_example",
   "clip_percentile",
   "clip_relative",
+  "clip_spikes",
+  "clip_spikes_adaptive",
   "clip_unitwise",
   "clip_value",
   "clip_zscore",
@@ -64,6 +86,10 @@ __all__ = (
   "default_unit_axes",
   "dp_noise",
   "guard",
+  "leaf_norm_table",
+  "scale_by_norm_ema",
+  "spam",
+  "stable_spam",
   "stats",
   "upgrade_state",
 )

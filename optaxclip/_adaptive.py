@@ -272,6 +272,12 @@ class _Measured:
     return jax.tree.unflatten(self.treedef, out), stats
 
 
+# Shared with guard.
+Measured = _Measured
+unit_shape = _unit_shape
+total = _total
+
+
 def _keep_if(finite: jax.Array, new, old):
   """``new`` where the step's norm was finite, else ``old`` (leaf by leaf)."""
   return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
@@ -350,6 +356,82 @@ def running_moments(
     new_count.astype(jnp.int32),
     jnp.where(take, new_mean, mean).astype(mean.dtype),
     jnp.where(take, new_var, var).astype(var.dtype),
+  )
+
+
+class Window(NamedTuple):
+  """A ring buffer of the last values of a statistic, per unit.
+
+  Attributes:
+    values: ``(size,)`` or ``(size, n_units)``; the first ``filled`` rows of
+      a unit's column hold its values (the order is irrelevant).
+    filled: how many rows hold a value, per unit (int32, at most ``size``).
+    index: the row the next value goes to, per unit (int32).
+  """
+
+  values: jax.Array
+  filled: jax.Array
+  index: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]
+
+
+def window_init(size: int, unit_shape: tuple[int, ...], dtype: Any) -> Window:
+  """An empty :class:`Window` of ``size`` rows per unit."""
+  return Window(
+    values=jnp.zeros((size, *unit_shape), dtype),
+    filled=jnp.zeros(unit_shape, jnp.int32),
+    index=jnp.zeros(unit_shape, jnp.int32),
+  )
+
+
+def rolling_moments(count, window: Window, x, *, warmup_steps, take, restart):
+  """One step of exact rolling statistics: the mean and sample variance of
+  the last ``size`` values taken in, per unit.
+
+  The values sit in a ring buffer and both moments are recomputed over it at
+  every step (two passes over ``size`` scalars per unit: exact, no running
+  sums to drift, and cheap next to one pass over the gradients). A unit that
+  ``restart``-s empties its window and starts it again at ``x``, warm-up
+  included (``count`` back to 1).
+
+  Args:
+    count: int32, values gathered for the warm-up (per unit), at most
+      ``warmup_steps``.
+    window: the :class:`Window` so far.
+    x: the value to take in, per unit.
+    warmup_steps: values needed before the statistics judge anything.
+    take: per unit, whether ``x`` enters (it must be finite).
+    restart: per unit, whether the window starts again at ``x``.
+
+  Returns:
+    The new ``(count, window, mean, var)``: ``mean`` and ``var`` are those
+    of the values in the window, ``var`` with Bessel's correction (0 with
+    fewer than two values), saturating at the dtype's largest value.
+  """
+  size = window.values.shape[0]
+  rows = jnp.arange(size, dtype=jnp.int32).reshape((size,) + (1,) * x.ndim)
+  enter = take | restart
+  index = jnp.where(restart, 0, window.index)
+  values = jnp.where((rows == index) & enter, x, window.values)
+  filled = jnp.where(
+    restart,
+    1,
+    jnp.where(take, jnp.minimum(window.filled + 1, size), window.filled),
+  )
+  index = jnp.where(enter, (index + 1) % size, window.index)
+  count = jnp.where(
+    restart, 1, jnp.where(take, jnp.minimum(count + 1, warmup_steps), count)
+  )
+  valid = rows < filled
+  n = filled.astype(values.dtype)
+  mean = jnp.sum(jnp.where(valid, values, 0), axis=0) / jnp.maximum(n, 1)
+  squares = jnp.where(valid, (values - mean) ** 2, 0)
+  var = jnp.sum(squares, axis=0) / jnp.maximum(n - 1, 1)
+  var = jnp.where(filled < 2, 0, jnp.minimum(var, jnp.finfo(var.dtype).max))
+  return (
+    count.astype(jnp.int32),
+    Window(values, filled.astype(jnp.int32), index.astype(jnp.int32)),
+    mean.astype(values.dtype),
+    var.astype(values.dtype),
   )
 
 

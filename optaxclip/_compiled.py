@@ -24,6 +24,7 @@ from typing import Any, Optional
 import warnings
 
 import jax
+import numpy as np
 
 
 def jit_update(update_fn: Callable) -> Callable:
@@ -34,18 +35,29 @@ def jit_update(update_fn: Callable) -> Callable:
   notebook), the second call reuses the compiled program; without it, every
   call would trace and compile the norms' ``lax.cond`` branches and custom
   reductions again (0.1 to 0.4 s a call on a CPU). Extra arguments (of
-  :func:`guard`) may hold functions, such as optax's line searches'
+  :func:`guard`) that are arrays or numbers, such as a loss ``value``, are
+  traced arguments; some may hold functions, such as optax's line searches'
   ``value_fn``, which ``jit`` cannot take: a call with them runs as written.
   """
   jitted = jax.jit(update_fn)
 
   @functools.wraps(update_fn)
   def update(updates, state, params=None, **extra_args):
-    if extra_args:
+    if not arrays_only(extra_args):
       return update_fn(updates, state, params, **extra_args)
-    return jitted(updates, state, params)
+    return jitted(updates, state, params, **extra_args)
 
   return update
+
+
+def arrays_only(extra_args: dict[str, Any]) -> bool:
+  """Whether ``jit`` can take the extra arguments as traced arguments:
+  arrays and numbers (a loss ``value``), not functions.
+  """
+  return all(
+    isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
+    for leaf in jax.tree.leaves(extra_args)
+  )
 
 
 # Shared compiled updates, least recently used last out. Each entry keeps its
@@ -83,13 +95,13 @@ def _raw_update(transformation) -> Callable:
 
 
 def _build_shared(factory: Callable, static: dict[str, Any]) -> Callable:
-  def run(dynamic, updates, state, params):
+  def run(dynamic, updates, state, params, extra_args):
     # Traced hyperparameters are accepted unchecked by the factory; its
     # deprecation warnings were given when the user built it.
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", DeprecationWarning)
       transformation = factory(**static, **dynamic)
-    return _raw_update(transformation)(updates, state, params)
+    return _raw_update(transformation)(updates, state, params, **extra_args)
 
   return jax.jit(run)
 
@@ -134,9 +146,9 @@ def compiled_once(factory: Callable) -> Callable:
 
     @functools.wraps(_raw_update(transformation))
     def update(updates, state, params=None, **extra_args):
-      if extra_args:
+      if not arrays_only(extra_args):
         return own_update(updates, state, params, **extra_args)
-      return jitted(dynamic, updates, state, params)
+      return jitted(dynamic, updates, state, params, extra_args)
 
     return transformation._replace(update=update)
 

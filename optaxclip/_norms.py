@@ -1296,6 +1296,84 @@ def combine_norms(
   return Scaled(safe_root(total, ord), top).as_float() + bad
 
 
+def combine_norms_scaled(
+  norms: Sequence[Scaled],
+  ord: float = 2.0,  # pylint: disable=redefined-builtin
+) -> Scaled:
+  """The p-norm of a set of unit norms (:class:`Scaled`), as a Scaled scalar.
+
+  As :func:`combine_norms` (on one device), but exact beyond the dtype's
+  range: what a clip factor is computed from when a global norm is put
+  together from per-leaf norms (``leaf_stats=True``).
+  """
+  if not norms:
+    return as_scaled(jnp.zeros((), jnp.float32))
+  flat = _flat_scaled([as_scaled(n) for n in norms])
+  parts = [reduce_norms(n, ord) for n in flat]
+  if len(parts) == 1:
+    return parts[0]
+  return reduce_norms(
+    Scaled(
+      jnp.stack([n.value for n in parts]),
+      jnp.stack([n.exponent for n in parts]),
+    ),
+    ord,
+  )
+
+
+def reduce_norms(
+  norms: Scaled,
+  ord: float = 2.0,  # pylint: disable=redefined-builtin
+  axes: Optional[tuple[int, ...]] = None,
+  *,
+  keepdims: bool = False,
+  names: tuple[str, ...] = (),
+) -> Scaled:
+  """The p-norm over ``axes`` of an array of unit norms, exactly.
+
+  ``norms`` are the p-norms of disjoint units; the result is the p-norm of
+  their union along ``axes`` (all axes by default) and, inside
+  ``shard_map``/``pmap``, across the devices along ``names`` (each holding
+  other units). Mantissas are rescaled to the largest exponent by exact
+  powers of two, so norms beyond the dtype's range combine exactly. A NaN
+  unit gives NaN, an infinite one inf. A pass over the (small) norm arrays
+  only; no derivative is meant to flow through it (statistics).
+  """
+  axes = tuple(range(norms.value.ndim)) if axes is None else tuple(axes)
+  if math.isinf(ord):
+    top = jnp.max(norms.as_float(), axis=axes, keepdims=keepdims, initial=0)
+    return as_scaled(_pmax(top, names))
+  ok = jnp.isfinite(norms.value)
+  m, e = _normalized(Scaled(jnp.where(ok, norms.value, 0), norms.exponent))
+  floor = jnp.iinfo(jnp.int32).min // 2
+  top = _pmax(
+    jnp.max(
+      jnp.where(m > 0, e, floor), axis=axes, keepdims=True, initial=floor
+    ),
+    names,
+  )
+  total = jnp.sum(_power(ldexp(m, e - top), ord), axis=axes, keepdims=keepdims)
+  bad = jnp.sum(jnp.where(ok, 0, norms.value), axis=axes, keepdims=keepdims)
+  if names:
+    total, bad = jax.lax.psum((total, bad), names)
+  if not keepdims:
+    top = jnp.squeeze(top, axes)
+  top = jnp.where(total > 0, top, 0)
+  return Scaled(safe_root(total, ord) + bad, top)
+
+
+def ratio(a: Scaled, b: Scaled) -> jax.Array:
+  """``a / b`` as a plain array, for finite ``0 <= a <= b`` (0 when ``b``
+  is 0): exact powers of two, so that numbers beyond the dtype's range
+  divide without overflow. Non-finite entries give no meaningful value
+  (callers mask them).
+  """
+  a_m, a_e = _normalized(a)
+  b_m, b_e = _normalized(b)
+  quotient = a_m / jnp.where(b_m > 0, b_m, 1)
+  return jnp.where(b_m > 0, ldexp(quotient, a_e - b_e), 0)
+
+
 def clip_scale(
   norm: Union[jax.Array, Scaled], limit: Union[Any, Scaled]
 ) -> Scaled:

@@ -21,6 +21,7 @@ with such entries (matched by key path, so a ``dict`` prefix fits
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import math
 from typing import Any, NamedTuple, Optional
 
@@ -51,6 +52,51 @@ def _entry(who, spec, axis_name, path, leaf) -> LeafSharding:
   )
 
 
+def per_leaf(
+  tree: Any,
+  spec: Any,
+  *,
+  is_entry: Callable[[Any], bool],
+  who: str,
+  name: str,
+) -> list[tuple[tuple, Any, Any]]:
+  """``(path, leaf, entry)`` per leaf of ``tree`` (``jax.tree.leaves`` order)
+  for a per-leaf argument given as one entry, a pytree prefix of entries
+  (matched by key path) or a callable ``(path, leaf) -> entry``.
+
+  ``is_entry`` tells an entry from a node of the prefix. Shared by
+  ``sharded`` and ``layer_axis``.
+
+  Raises:
+    ValueError naming the leaf when a prefix has no entry for it.
+  """
+  with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+  if is_entry(spec):
+    return [(tuple(path), leaf, spec) for path, leaf in with_path]
+  if callable(spec):
+    return [(tuple(path), leaf, spec(path, leaf)) for path, leaf in with_path]
+  entries = {
+    tuple(path): entry
+    for path, entry in jax.tree_util.tree_flatten_with_path(
+      spec, is_leaf=is_entry
+    )[0]
+  }
+  out = []
+  for path, leaf in with_path:
+    path = tuple(path)
+    for depth in range(len(path) + 1):
+      if path[:depth] in entries:
+        out.append((path, leaf, entries[path[:depth]]))
+        break
+    else:
+      raise ValueError(
+        f"{who}: {name} must be a pytree prefix of the updates (an entry "
+        f"for every leaf); got none for the leaf "
+        f"{jax.tree_util.keystr(path) or '<root>'}."
+      )
+  return out
+
+
 def resolve(
   updates: Any, sharded: Any, axis_name: Any, who: str
 ) -> list[LeafSharding]:
@@ -60,36 +106,12 @@ def resolve(
     ValueError or TypeError naming the leaf when ``sharded`` has no entry
     for it, or a bad one.
   """
-  with_path = jax.tree_util.tree_flatten_with_path(updates)[0]
-  if _checks.is_shard_spec(sharded):
-    return [
-      _entry(who, sharded, axis_name, path, leaf) for path, leaf in with_path
-    ]
-  if callable(sharded):
-    return [
-      _entry(who, sharded(path, leaf), axis_name, path, leaf)
-      for path, leaf in with_path
-    ]
-  entries = {
-    tuple(path): spec
-    for path, spec in jax.tree_util.tree_flatten_with_path(
-      sharded, is_leaf=_checks.is_shard_spec
-    )[0]
-  }
-  out = []
-  for path, leaf in with_path:
-    path = tuple(path)
-    for depth in range(len(path) + 1):
-      if path[:depth] in entries:
-        out.append(_entry(who, entries[path[:depth]], axis_name, path, leaf))
-        break
-    else:
-      raise ValueError(
-        f"{who}: sharded must be a pytree prefix of the updates (an entry "
-        f"for every leaf); got none for the leaf "
-        f"{jax.tree_util.keystr(path) or '<root>'}."
-      )
-  return out
+  return [
+    _entry(who, spec, axis_name, path, leaf)
+    for path, leaf, spec in per_leaf(
+      updates, sharded, is_entry=_checks.is_shard_spec, who=who, name="sharded"
+    )
+  ]
 
 
 def axes_of(

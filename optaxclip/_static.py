@@ -17,6 +17,7 @@ from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _sharding
 from optaxclip import _stats
+from optaxclip import _telemetry
 from optaxclip._typing import Axis
 from optaxclip._typing import AxisName
 from optaxclip._typing import Ord
@@ -64,11 +65,21 @@ class ClipGlobalState(NamedTuple):
     norm: the global ``ord``-norm before clipping.
     clipped_norm: the global ``ord``-norm after clipping.
     clip_fraction: 1.0 when the tree was scaled down, else 0.0.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip ``ord``-norm
+      (a ``(L,)`` vector per layer for a leaf with a ``layer_axis``), a
+      pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**ord``
+      carried by the largest leaf or layer; else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 @_stats.register("clip_block_rms")
@@ -104,10 +115,14 @@ class ClipUnitwiseState(NamedTuple):
 Sharded = Union[bool, Any, Callable[[Any, jax.Array], bool]]
 
 
-def _init_stats(state_cls):
+def _init_stats(state_cls, who="", leaf_stats=False, layer_axis=None):
   def init_fn(params):
-    del params
-    return state_cls(*_stats.zeros())
+    if not leaf_stats:
+      return state_cls(*_stats.zeros())
+    layers = _telemetry.layer_axes(who, params, layer_axis)
+    return state_cls(
+      *_stats.zeros(), *_telemetry.init(params, leaf_stats, layers)
+    )
 
   return init_fn
 
@@ -376,6 +391,8 @@ def clip_global(
   ord: Ord = None,
   axis_name: AxisName = None,
   sharded: Sharded = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   """Scales the whole update to a global ``ord``-norm of at most ``max_norm``.
 
@@ -402,6 +419,17 @@ def clip_global(
       survives ``optax.masked`` and ``FrozenDict`` updates) or a callable
       ``(path, leaf) -> entry``. Each leaf's partial sum is summed over
       exactly its axes.
+    leaf_stats: also keep each leaf's pre-clip ``ord``-norm in the state
+      (``leaf_norms``, shown by :func:`optaxclip.stats` as
+      ``clip_global/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``: the global norm is then put together from per-leaf
+      sums, in the same single pass over the gradients (equal up to
+      rounding). A leaf norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int for
+      every leaf, a pytree prefix of ints/``None`` or a callable
+      ``(path, leaf) -> int | None`` (as ``sharded``). Each device must
+      hold every layer (the axis is not split over ``axis_name``).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -426,27 +454,43 @@ def clip_global(
   _checks.check_number("max_norm", max_norm, who=who, low=0.0, allow_inf=True)
   p = _checks.check_ord("ord", ord, who=who)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def update_fn(updates, state, params=None):
-    del params, state
-    leaves, treedef = _flatten(updates, "clip_global")
-    norm = _norms.global_norm_scaled(
-      leaves,
-      p,
-      axis_name=axis_name,
-      sharded=sharded_flags(updates, sharded, "clip_global", axis_name),
-    )
+    del params
+    leaves, treedef = _flatten(updates, who)
+    telemetry = _telemetry.LeafStats()
+    if leaf_stats:
+      norm, telemetry = _telemetry.global_norm(
+        who,
+        updates,
+        leaves,
+        p,
+        state.leaf_norms,
+        layer_axis,
+        axis_name=axis_name,
+        splits=_sharding.resolve(updates, sharded, axis_name, who),
+      )
+    else:
+      norm = _norms.global_norm_scaled(
+        leaves,
+        p,
+        axis_name=axis_name,
+        sharded=sharded_flags(updates, sharded, who, axis_name),
+      )
     factor = _norms.clip_scale(norm, max_norm)
     out = _norms.scale_all(leaves, factor)
     new_state = ClipGlobalState(
-      norm=_stats.as_stat(norm.as_float()),
-      clipped_norm=_stats.as_stat((norm * factor).as_float()),
-      clip_fraction=_stats.as_stat(_norms.is_scaled_down(factor)),
+      _stats.as_stat(norm.as_float()),
+      _stats.as_stat((norm * factor).as_float()),
+      _stats.as_stat(_norms.is_scaled_down(factor)),
+      *telemetry,
     )
     return jax.tree.unflatten(treedef, out), new_state
 
   return optax.GradientTransformation(
-    _init_stats(ClipGlobalState), _compiled.jit_update(update_fn)
+    _init_stats(ClipGlobalState, who, leaf_stats, layer_axis),
+    _compiled.jit_update(update_fn),
   )
 
 

@@ -16,6 +16,9 @@ import jax.numpy as jnp
 # The fields every clipper state starts with.
 CLIP_FIELDS = ("norm", "clipped_norm", "clip_fraction")
 
+# The per-leaf telemetry fields a state may end with (leaf_stats=True).
+TELEMETRY_FIELDS = ("leaf_norms", "top_leaf_share", "top_leaf")
+
 # State class -> (short name used in stats keys, stat field names).
 _REGISTRY: dict[type, tuple[str, tuple[str, ...]]] = {}
 
@@ -96,59 +99,16 @@ def _registered_states(tree: Any, path: tuple = ()):
     found.append((where, node))
     _, fields = _REGISTRY[type(node)]
     for name in node._fields:
-      if name not in fields:  # statistics are arrays: nothing inside.
+      # Statistics and per-leaf norms are arrays: nothing inside.
+      if name not in fields and name not in TELEMETRY_FIELDS:
         found += _registered_states(
           getattr(node, name), where + (jax.tree_util.GetAttrKey(name),)
         )
   return found
 
 
-def stats(opt_state: Any) -> dict[str, jax.Array]:
-  """One flat dict of every clipper's statistics found in an optimizer state.
-
-  Walks any nesting of optax states -- ``optax.chain``, ``optax.named_chain``,
-  ``optax.masked``, ``optax.inject_hyperparams``, a :func:`guard`, a Flax
-  ``TrainState`` (pass the TrainState or its ``opt_state``) or the state of an
-  ``nnx.Optimizer`` -- and returns ``{"<clipper>/<field>": value}``, e.g.
-  ``"clip_global/norm"``. States are found by type (the declared state
-  classes, such as :class:`ClipGlobalState`), once each, in one walk of the
-  state.
-
-  Keys are unique. When one state holds the same clipper more than once,
-  each key is prefixed by its path in the state, its parts joined by ``"/"``
-  (``"0/clip_global/norm"``, ``"2/clip_global/norm"``); a ``"/"`` or ``"%"``
-  inside a part (an ``optax.named_chain`` name) is written ``"%2F"`` or
-  ``"%25"``, so two paths never give one key. If two paths still render
-  alike (a dict with both ``1`` and ``"1"`` as keys), those states are keyed
-  by their full path as ``jax.tree_util.keystr`` writes it.
-
-  It reads values already in the state: calling it inside a jitted step adds
-  no pass over the gradients.
-
-  Args:
-    opt_state: any pytree holding optaxclip states.
-
-  Returns:
-    A dict from names to scalar arrays, in the order the states appear in the
-    tree. Each value has its state field's dtype: the statistics (``norm``,
-    ``clipped_norm``, ``clip_fraction``, ``threshold``, ``clip_norm``) are
-    float32 (float64 for the adaptive clippers and :func:`guard` when the
-    parameters given to ``init`` are float64); the counters (:func:`guard`'s
-    ``skipped``, ``nonfinite``, ``consecutive_skips``, ``restarts``,
-    :func:`clip_zscore`'s and :func:`clip_relative`'s ``restarts``,
-    :func:`clip_per_example`'s ``nonfinite``) are int32, exact at any step
-    count.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, optaxclip
-    >>> tx = optax.chain(optaxclip.clip_global(1.0), optax.sgd(0.1))
-    >>> params = {"w": jnp.ones(4)}
-    >>> state = tx.init(params)
-    >>> _, state = tx.update({"w": jnp.full(4, 2.0)}, state, params)
-    >>> {k: round(float(v), 3) for k, v in optaxclip.stats(state).items()}
-    {'clip_global/norm': 4.0, 'clip_global/clipped_norm': 1.0,
-     'clip_global/clip_fraction': 1.0}
-  """
+def _keyed_states(opt_state: Any) -> list[tuple[str, Any]]:
+  """``(key prefix, state)`` of every registered state, in tree order."""
   found = _registered_states(opt_state)
   counts = collections.Counter(_REGISTRY[type(s)][0] for _, s in found)
   prefixes = []
@@ -171,11 +131,168 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
       f"stats: the states at {clashes[0]!r} must have distinct paths; got "
       "paths that render alike."
     )
+  return [(p, state) for p, (_, state) in zip(prefixes, found)]
+
+
+def _check_prefix(who: str, prefix: Any) -> None:
+  if not isinstance(prefix, str):
+    raise TypeError(f"{who}: prefix must be a str; got {prefix!r}.")
+
+
+def _with_prefix(prefix: str, key: str) -> str:
+  return f"{prefix.rstrip('/')}/{key}" if prefix else key
+
+
+def _leaf_norm_items(key: str, state: Any) -> list[tuple[str, jax.Array]]:
+  """``(key, value)`` per leaf (or layer) of a state's ``leaf_norms``."""
+  tree = getattr(state, "leaf_norms", None)
+  if tree is None:
+    return []
+  items = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    name = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+    base = f"{key}/leaf_norm/{name}" if name else f"{key}/leaf_norm"
+    value = _unwrap(leaf)
+    if jnp.ndim(value) == 0:
+      items.append((base, value))
+    else:
+      items.extend((f"{base}/{k}", value[k]) for k in range(value.shape[0]))
+  return items
+
+
+def stats(opt_state: Any, *, prefix: str = "") -> dict[str, jax.Array]:
+  """One flat dict of every clipper's statistics found in an optimizer state.
+
+  Walks any nesting of optax states -- ``optax.chain``, ``optax.named_chain``,
+  ``optax.masked``, ``optax.inject_hyperparams``, a :func:`guard`, a Flax
+  ``TrainState`` (pass the TrainState or its ``opt_state``) or the state of an
+  ``nnx.Optimizer`` -- and returns ``{"<clipper>/<field>": value}``, e.g.
+  ``"clip_global/norm"``. States are found by type (the declared state
+  classes, such as :class:`ClipGlobalState`), once each, in one walk of the
+  state. Fields that are ``None`` are left out.
+
+  Keys are unique. When one state holds the same clipper more than once,
+  each key is prefixed by its path in the state, its parts joined by ``"/"``
+  (``"0/clip_global/norm"``, ``"2/clip_global/norm"``); a ``"/"`` or ``"%"``
+  inside a part (an ``optax.named_chain`` name) is written ``"%2F"`` or
+  ``"%25"``, so two paths never give one key. If two paths still render
+  alike (a dict with both ``1`` and ``"1"`` as keys), those states are keyed
+  by their full path as ``jax.tree_util.keystr`` writes it.
+
+  A clipper built with ``leaf_stats=True`` adds ``"<clipper>/top_leaf_share"``
+  and one key per leaf, ``"<clipper>/leaf_norm/<path>"``, with ``<path>`` the
+  leaf's path in the updates as
+  ``jax.tree_util.keystr(path, simple=True, separator="/")`` (e.g.
+  ``"clip_global/leaf_norm/params/Dense_0/kernel"``), and per layer for a
+  leaf with a ``layer_axis`` (``".../params/blocks/kernel/3"``). For a
+  histogram, :func:`leaf_norm_table` gives the same norms as one array.
+
+  The dict is flat, with str keys and scalar values: it goes as it is to
+  ``clu.metric_writers`` (``writer.write_scalars(step, stats)``), to
+  TensorBoard (one ``add_scalar``/``tf.summary.scalar`` per item) and to
+  ``wandb.log(stats, step=step)`` (see the docs' "Logging" page).
+
+  It reads values already in the state: calling it inside a jitted step adds
+  no pass over the gradients.
+
+  Args:
+    opt_state: any pytree holding optaxclip states.
+    prefix: put before every key, joined by ``"/"`` (``prefix="grads"``
+      gives ``"grads/clip_global/norm"``); empty for none.
+
+  Returns:
+    A dict from names to scalar arrays, in the order the states appear in the
+    tree. Each value has its state field's dtype: the statistics (``norm``,
+    ``clipped_norm``, ``clip_fraction``, ``threshold``, ``clip_norm``,
+    ``top_leaf_share`` and the leaf norms) are float32 (float64 for the
+    adaptive clippers and :func:`guard` when the parameters given to
+    ``init`` are float64, :func:`guard`'s ``z_score`` too; leaf norms stay
+    float32); the counters (:func:`guard`'s ``skipped``, ``nonfinite``,
+    ``consecutive_skips``, ``restarts`` and ``skipped_*`` cause counters,
+    :func:`clip_zscore`'s and :func:`clip_relative`'s ``restarts``,
+    :func:`clip_per_example`'s ``nonfinite``) are int32, exact at any step
+    count.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optaxclip
+    >>> tx = optax.chain(optaxclip.clip_global(1.0), optax.sgd(0.1))
+    >>> params = {"w": jnp.ones(4)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"w": jnp.full(4, 2.0)}, state, params)
+    >>> {k: round(float(v), 3) for k, v in optaxclip.stats(state).items()}
+    {'clip_global/norm': 4.0, 'clip_global/clipped_norm': 1.0,
+     'clip_global/clip_fraction': 1.0}
+    >>> tx = optaxclip.clip_global(1.0, leaf_stats=True)
+    >>> g = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0])}
+    >>> _, state = tx.update(g, tx.init(g))
+    >>> s = optaxclip.stats(state, prefix="train")
+    >>> float(s["train/clip_global/leaf_norm/a"]), float(
+    ...   s["train/clip_global/top_leaf_share"])
+    (5.0, 1.0)
+  """
+  _check_prefix("stats", prefix)
   out: dict[str, jax.Array] = {}
-  for prefix, (_, state) in zip(prefixes, found):
+  for key, state in _keyed_states(opt_state):
+    key = _with_prefix(prefix, key)
     for field in _REGISTRY[type(state)][1]:
-      out[f"{prefix}/{field}"] = _unwrap(getattr(state, field))
+      value = getattr(state, field)
+      if value is not None:
+        out[f"{key}/{field}"] = _unwrap(value)
+    share = getattr(state, "top_leaf_share", None)
+    if share is not None:
+      out[f"{key}/top_leaf_share"] = _unwrap(share)
+    out.update(_leaf_norm_items(key, state))
   return out
+
+
+def leaf_norm_table(
+  opt_state: Any, *, prefix: str = ""
+) -> tuple[list[str], jax.Array]:
+  """Every per-leaf (and per-layer) norm in a state, as names and one array.
+
+  The norms that :func:`stats` gives one key each (clippers built with
+  ``leaf_stats=True``), as ``(names, values)``: ``names`` are those keys,
+  ``values`` one float32 vector in the same order. It is a histogram one
+  call away: ``writer.write_histograms(step, {"leaf_norms": values})``
+  (``clu.metric_writers``), ``wandb.log({"leaf_norms":
+  wandb.Histogram(np.asarray(values))})``, ``tf.summary.histogram`` or
+  TensorBoardX's ``add_histogram``. Works inside ``jit`` (``names`` are
+  Python strings, known when tracing).
+
+  Args:
+    opt_state: any pytree holding optaxclip states.
+    prefix: as for :func:`stats`.
+
+  Returns:
+    ``(names, values)``; an empty list and a ``(0,)`` array when no state
+    keeps leaf norms.
+
+  Example:
+    >>> import jax.numpy as jnp, optaxclip
+    >>> tx = optaxclip.clip_global(1.0, leaf_stats=True, layer_axis=0)
+    >>> g = {"blocks": jnp.array([[3.0, 4.0], [0.0, 1.0]])}
+    >>> _, state = tx.update(g, tx.init(g))
+    >>> names, values = optaxclip.leaf_norm_table(state)
+    >>> names, values
+    (['clip_global/leaf_norm/blocks/0', 'clip_global/leaf_norm/blocks/1'],
+     Array([5., 1.], dtype=float32))
+  """
+  _check_prefix("leaf_norm_table", prefix)
+  names, values = [], []
+  for key, state in _keyed_states(opt_state):
+    tree = getattr(state, "leaf_norms", None)
+    if tree is None:
+      continue
+    key = _with_prefix(prefix, key)
+    for name, leaf in _leaf_norm_items(key, state):
+      del leaf
+      names.append(name)
+    values += [
+      jnp.ravel(_unwrap(x)).astype(jnp.float32) for x in jax.tree.leaves(tree)
+    ]
+  if not values:
+    return [], jnp.zeros((0,), jnp.float32)
+  return names, jnp.concatenate(values) if len(values) > 1 else values[0]
 
 
 _MISSING = object()

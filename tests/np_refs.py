@@ -129,3 +129,102 @@ def clip_value_complex(x, limit):
   x = f64(x)
   m = np.abs(x)
   return np.where(m > limit, x * limit / np.where(m > 0, m, 1), x)
+
+
+class GuardStat:
+  """One statistic of ``guard`` (a norm, or the loss), restated in floats.
+
+  ``window=None``: the plain mean and population variance of the first
+  ``warmup`` values, then an EMA (mean first, the variance with the new
+  mean). An int ``window``: ``np.mean`` and ``np.std(ddof=1)`` of the last
+  ``window`` values taken in (OLMo-core's SkipStepOptimizer rule). A
+  restart (after ``patience`` spikes in a row, or against a variance of 0)
+  moves the EMA to the value, or starts the window again from it.
+  """
+
+  def __init__(self, z, window=None, warmup=25, patience=25, alpha=0.97):
+    self.z, self.window, self.warmup = z, window, warmup
+    self.patience, self.alpha = patience, alpha
+    self.count = self.run = 0
+    self.values, self.mean, self.var = [], 0.0, 0.0
+
+  def judge(self, x):
+    """Returns (bound, spike?, restart?, z-score) of ``x``."""
+    finite = math.isfinite(x)
+    warming = self.count < self.warmup
+    std = math.sqrt(self.var)
+    z_score = (x - self.mean) / std if finite and not warming and std else 0.0
+    if self.z is None:
+      return math.inf, False, False, z_score
+    bound = math.inf if warming else self.mean + self.z * std
+    spike = finite and x > bound
+    restart = spike and (self.run >= self.patience or self.var == 0)
+    return bound, spike and not restart, restart, z_score
+
+  def learn(self, x, take, spike, restart):
+    """Takes ``x`` in (when finite and ``take``); ``spike`` as judged."""
+    if not math.isfinite(x):
+      return
+    self.run = self.run + 1 if spike else 0
+    if self.window is not None:
+      if restart:
+        self.values, self.count = [x], 1
+      elif take:
+        self.values = (self.values + [x])[-self.window :]
+        self.count = min(self.count + 1, self.warmup)
+      else:
+        return
+      self.mean = float(np.mean(self.values))
+      self.var = (
+        float(np.var(self.values, ddof=1)) if len(self.values) > 1 else 0.0
+      )
+      return
+    if restart:
+      self.var = self.alpha * self.var + (1 - self.alpha) * (x - self.mean) ** 2
+      self.mean = x
+    elif not take:
+      return
+    elif self.count < self.warmup:
+      self.values.append(x)
+      self.count += 1
+      self.mean, self.var = (
+        float(np.mean(self.values)),
+        float(np.var(self.values)),
+      )
+    else:
+      self.mean = self.alpha * self.mean + (1 - self.alpha) * x
+      self.var = self.alpha * self.var + (1 - self.alpha) * (x - self.mean) ** 2
+
+
+# --- optaxclip's per-leaf telemetry ---------------------------------------
+
+
+def leaf_norms(leaves, ord=2.0, layer_axes=None):
+  """Each leaf's p-norm, or per layer (a vector) for a leaf with a layer
+  axis: the flat list of every leaf's (or layer's) norm, in leaf order.
+  """
+  layer_axes = layer_axes or [None] * len(leaves)
+  out = []
+  for x, axis in zip(leaves, layer_axes):
+    x = f64(x)
+    if axis is None:
+      out.append(pnorm(x, ord))
+    else:
+      out += [
+        pnorm(np.take(x, k, axis=axis), ord) for k in range(x.shape[axis])
+      ]
+  return np.asarray(out, np.float64)
+
+
+def top_leaf(norms, ord=2.0):
+  """``(share, index)``: the largest entry's share of the ord-th power of
+  the whole's norm (1 for ord=inf; 0 for all zeros).
+  """
+  norms = np.asarray(norms, np.float64)
+  if norms.size == 0:
+    return 0.0, 0
+  index = int(np.argmax(norms))
+  if math.isinf(ord):
+    return (1.0 if norms[index] > 0 else 0.0), index
+  total = np.sum(norms**ord)
+  return (float(norms[index] ** ord / total) if total > 0 else 0.0), index

@@ -531,6 +531,78 @@ BAD = [
     ValueError,
     "be given",
   ),
+  ("spam", {"learning_rate": -1.0}, "learning_rate", ValueError, ">= 0"),
+  ("spam", {"learning_rate": 0.1, "b1": 1.0}, "b1", ValueError, "< 1"),
+  ("spam", {"learning_rate": 0.1, "eps": NAN}, "eps", ValueError, "real"),
+  (
+    "spam",
+    {"learning_rate": 0.1, "reset_interval": 0},
+    "reset_interval",
+    ValueError,
+    ">= 1",
+  ),
+  (
+    "spam",
+    {"learning_rate": 0.1, "warmup_steps": 1.5},
+    "warmup_steps",
+    ValueError,
+    "whole number",
+  ),
+  (
+    "spam",
+    {"learning_rate": 0.1, "grad_accu_steps": -1},
+    "grad_accu_steps",
+    ValueError,
+    ">= 0",
+  ),
+  ("clip_spikes", {"threshold": -1.0}, "threshold", ValueError, ">= 0"),
+  ("clip_spikes", {"b2": "0.9"}, "b2", TypeError, "real number"),
+  (
+    "clip_spikes",
+    {"reset_interval": None},
+    "reset_interval",
+    TypeError,
+    "whole number",
+  ),
+  ("clip_spikes_adaptive", {"gamma3": 1.0}, "gamma3", ValueError, "< 1"),
+  (
+    "clip_spikes_adaptive",
+    {"reset_interval": -2},
+    "reset_interval",
+    ValueError,
+    ">= 1",
+  ),
+  ("scale_by_norm_ema", {"gamma1": -0.1}, "gamma1", ValueError, ">= 0"),
+  ("scale_by_norm_ema", {"gamma2": 1.5}, "gamma2", ValueError, "< 1"),
+  ("scale_by_norm_ema", {"eps": -1.0}, "eps", ValueError, ">= 0"),
+  (
+    "stable_spam",
+    {"learning_rate": 0.1, "weight_decay": -0.1},
+    "weight_decay",
+    ValueError,
+    ">= 0",
+  ),
+  (
+    "stable_spam",
+    {"learning_rate": 0.1, "eta_min": 2.0},
+    "eta_min",
+    ValueError,
+    "<= 1",
+  ),
+  (
+    "stable_spam",
+    {"learning_rate": 0.1, "total_steps": 0},
+    "total_steps",
+    ValueError,
+    ">= 1",
+  ),
+  (
+    "stable_spam",
+    {"learning_rate": 0.1, "gamma3": True},
+    "gamma3",
+    TypeError,
+    "real number",
+  ),
 ]
 
 
@@ -565,6 +637,11 @@ def test_every_public_transformation_has_a_bad_argument_case():
     "clipped",
     "dp_noise",
     "clipped_grad",
+    "spam",
+    "stable_spam",
+    "clip_spikes",
+    "clip_spikes_adaptive",
+    "scale_by_norm_ema",
   }
   assert factories <= covered, factories - covered
   public = {n for n in optaxclip.__all__ if n[0].islower()}
@@ -606,6 +683,42 @@ TRACED = [
       "quantile_lr": 0.2,
     },
   ),
+  (
+    "spam",
+    {
+      "learning_rate": 0.1,
+      "b1": 0.9,
+      "b2": 0.999,
+      "eps": 1e-6,
+      "weight_decay": 0.1,
+      "threshold": 50.0,
+      "reset_interval": 4,
+      "warmup_steps": 2,
+      "grad_accu_steps": 1,
+    },
+  ),
+  (
+    "stable_spam",
+    {
+      "learning_rate": 0.1,
+      "b1": 0.9,
+      "b2": 0.999,
+      "eps": 1e-8,
+      "weight_decay": 0.1,
+      "gamma1": 0.7,
+      "gamma2": 0.9,
+      "gamma3": 0.999,
+      "total_steps": 10,
+      "eta_min": 0.5,
+      "reset_interval": 4,
+    },
+  ),
+  (
+    "clip_spikes",
+    {"threshold": 50.0, "b2": 0.9, "reset_interval": 4, "grad_accu_steps": 1},
+  ),
+  ("clip_spikes_adaptive", {"gamma3": 0.9, "reset_interval": 4}),
+  ("scale_by_norm_ema", {"gamma1": 0.7, "gamma2": 0.9, "eps": 1e-8}),
 ]
 
 

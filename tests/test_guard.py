@@ -2,6 +2,7 @@
 
 import math
 
+from absl.testing import parameterized
 import chex
 import hypothesis
 import hypothesis.strategies as st
@@ -11,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+import np_refs
 import optaxclip
 
 W = np.array([0.6, 0.8])  # two leaves sharing a global norm (unit L2 norm)
@@ -68,9 +70,13 @@ class GuardRule:
     self.margins = []
 
   def step(self, g):
-    """Returns (skip?, threshold)."""
+    """Returns (skip?, threshold); sets self.cause and self.z_score."""
     finite = math.isfinite(g)
     warming = len(self.gathered) < self.warmup_steps
+    std = self.var**0.5
+    self.z_score = (
+      (g - self.mean) / std if finite and not warming and std else 0.0
+    )
     cap = math.inf if self.cap is None else self.cap
     bound = math.inf
     if self.z is not None and not warming:
@@ -83,6 +89,14 @@ class GuardRule:
       self.margins.append(abs(g - threshold) / threshold)
     skip = g > cap or spike or (math.isinf(g) and bound < math.inf)
     skip = skip or (self.skip_nonfinite and not finite)
+    self.cause = None
+    if skip:
+      if self.skip_nonfinite and not finite:
+        self.cause = "nonfinite"
+      elif g > cap:
+        self.cause = "max_norm"
+      else:
+        self.cause = "spike"
     if finite:
       self.run = self.run + 1 if spike else 0
       if restart:
@@ -138,6 +152,7 @@ class GuardTest(chex.TestCase):
     update, inner_update = wrap(tx.update), jax.jit(inner.update)
     state, ref_state = tx.init(params), inner.init(params)
     skipped = nonfinite = run = 0
+    causes = {"nonfinite": 0, "max_norm": 0, "spike": 0}
     for t, (norm, bad) in enumerate(pairs):
       g = grads(norm, bad)
       before = state.inner_state
@@ -150,6 +165,8 @@ class GuardTest(chex.TestCase):
       )
       skip, threshold = rule.step(g_norm)
       skipped += skip
+      if skip:
+        causes[rule.cause] += 1
       nonfinite += not math.isfinite(g_norm)
       run = run + 1 if skip else 0
       if skip:
@@ -161,6 +178,11 @@ class GuardTest(chex.TestCase):
         chex.assert_trees_all_close(state.inner_state, ref_state, rtol=1e-6)
       self.assertEqual(int(state.skipped), skipped, f"step {t}")
       self.assertEqual(int(state.nonfinite), nonfinite)
+      for cause, n in causes.items():
+        self.assertEqual(int(getattr(state, f"skipped_{cause}")), n, cause)
+      np.testing.assert_allclose(
+        float(state.z_score), rule.z_score, rtol=1e-4, atol=1e-5
+      )
       self.assertEqual(int(state.consecutive_skips), run)
       np.testing.assert_allclose(float(state.threshold), threshold, rtol=2e-5)
       np.testing.assert_allclose(float(state.mean), rule.mean, rtol=2e-5)
@@ -230,12 +252,18 @@ class GuardTest(chex.TestCase):
       "guard/nonfinite",
       "guard/consecutive_skips",
       "guard/restarts",
+      "guard/skipped_nonfinite",
+      "guard/skipped_max_norm",
+      "guard/skipped_spike",
+      "guard/z_score",
+      "guard/skipped_loss_spike",
       "clip_percentile/norm",
       "clip_percentile/clipped_norm",
       "clip_percentile/clip_fraction",
       "clip_percentile/threshold",
     ]
     assert int(stats["guard/skipped"]) == 1
+    assert int(stats["guard/skipped_max_norm"]) == 1
     assert float(stats["guard/threshold"]) == 5.0
     # The skipped step left the inner clipper's state at the step before.
     np.testing.assert_allclose(
@@ -325,3 +353,281 @@ def test_bad_hyperparameters_fail_at_construction(kwargs, error, message):
 def test_inner_must_be_a_transformation():
   with pytest.raises(TypeError, match="inner must be"):
     optaxclip.guard(optax.sgd)
+
+
+# ------------------------------------ loss-aware, windows, per-leaf scope
+
+
+def guard_reference(pairs, *, skip_nonfinite=True, max_norm=None, **kw):
+  """Per step of ``(norm, bad, loss)``: (skip?, cause, norm z, loss z) and
+  the statistics after it, from np_refs.GuardStat.
+  """
+  z, loss_z = kw.pop("spike_z", None), kw.pop("loss_spike_z", None)
+  norms, losses = np_refs.GuardStat(z, **kw), np_refs.GuardStat(loss_z, **kw)
+  cap = math.inf if max_norm is None else max_norm
+  out = []
+  for g, loss in pairs:
+    bound, spike, restart, z_n = norms.judge(g)
+    spike_skip = spike or (math.isinf(g) and bound < math.inf)
+    nonfinite = skip_nonfinite and (not math.isfinite(g))
+    loss_nonfinite = skip_nonfinite and not math.isfinite(loss)
+    _, loss_spike, loss_restart, z_l = losses.judge(loss)
+    causes = [
+      ("nonfinite", nonfinite or loss_nonfinite),
+      ("max_norm", g > cap),
+      ("spike", spike_skip),
+      ("loss_spike", loss_spike),
+    ]
+    cause = next((name for name, hit in causes if hit), None)
+    skip = cause is not None
+    seen = min(g, bound) if spike and kw.get("window") is None else g
+    norms.learn(seen, kw.get("window") is None or not skip, spike, restart)
+    losses.learn(loss, not skip, loss_spike, loss_restart)
+    out.append(
+      (skip, cause, z_n, z_l, norms.mean, norms.var, losses.mean, losses.var)
+    )
+  return out
+
+
+def loss_stream(steps=40, seed=3):
+  """(norm, loss) pairs: noisy norms and losses, spikes of each, a NaN loss
+  and a lasting rise of the loss.
+  """
+  rng = np.random.default_rng(seed)
+  norms = np.exp(0.1 * rng.standard_normal(steps))
+  losses = 2.0 + 0.05 * rng.standard_normal(steps)
+  norms[[9, 23]] *= [8.0, 6.0]
+  losses[[12, 18]] += [3.0, 1.0]
+  losses[30:] += 1.5  # a new level: skipped `patience` times, then taken
+  losses = list(losses)
+  losses[15] = float("nan")
+  return list(zip(norms.tolist(), losses))
+
+
+class GuardLossWindowTest(chex.TestCase):
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters(None, 6)
+  def test_matches_the_reference(self, window):
+    kw = dict(
+      spike_z=3.0,
+      loss_spike_z=3.0,
+      max_norm=7.0,
+      warmup_steps=5,
+      patience=4,
+      window=window,
+    )
+    tx = optaxclip.guard(optax.adam(0.1), **kw)
+    kw_ref = {k: v for k, v in kw.items() if k != "warmup_steps"}
+    want = guard_reference(loss_stream(), warmup=5, **kw_ref)
+    params = grads(1.0)
+    update = self.variant(tx.update)
+    state = tx.init(params)
+    counts = dict.fromkeys(["nonfinite", "max_norm", "spike", "loss_spike"], 0)
+    for t, ((norm, loss), ref) in enumerate(zip(loss_stream(), want)):
+      skip, cause, z_n, z_l, mean, var, l_mean, l_var = ref
+      before = state.inner_state
+      out, state = update(grads(norm), state, params, value=jnp.float32(loss))
+      msg = f"step {t}"
+      self.assertEqual(int(state.consecutive_skips) > 0, skip, msg)
+      if skip:
+        counts[cause] += 1
+        chex.assert_trees_all_equal(state.inner_state, before)
+        chex.assert_trees_all_equal(out, jax.tree.map(jnp.zeros_like, out))
+      for name, n in counts.items():
+        self.assertEqual(int(getattr(state, f"skipped_{name}")), n, msg)
+      self.assertEqual(int(state.skipped), sum(counts.values()), msg)
+      close = lambda a, b, msg=msg: np.testing.assert_allclose(
+        float(a), b, rtol=1e-4, atol=1e-5, err_msg=msg
+      )
+      close(state.z_score, z_n)
+      close(state.loss_z_score, z_l)
+      close(state.mean, mean)
+      close(state.var, var)
+      close(state.loss_moments.mean, l_mean)
+      close(state.loss_moments.var, l_var)
+    # Not vacuous: every cause fired, and the new level of the loss passed.
+    self.assertTrue(all(counts.values()), counts)
+    self.assertGreater(int(state.restarts), 0)
+    self.assertFalse(want[-1][0])
+
+  def test_loss_aware_without_value_fails_when_traced(self):
+    tx = optaxclip.guard(optax.sgd(1.0), loss_spike_z=3.0)
+    params = grads(1.0)
+    with pytest.raises(ValueError, match=r"^guard: value must be passed"):
+      jax.eval_shape(tx.update, params, tx.init(params), params)
+    with pytest.raises(ValueError, match=r"^guard: value must be a scalar"):
+      tx.update(params, tx.init(params), params, value=jnp.ones(2))
+
+  def test_value_reaches_inner_in_a_chain_and_in_clipped(self):
+    # optax.chain passes `value` to guard, and guard passes it on.
+    inner = optax.contrib.reduce_on_plateau(patience=1, factor=0.5)
+    tx = optaxclip.clipped(
+      optax.chain(optaxclip.guard(inner, loss_spike_z=3.0), optax.sgd(1.0)),
+      clipnorm=10.0,
+    )
+    params = grads(1.0)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for loss in (1.0, 2.0, 3.0, 4.0):
+      _, state = update(params, state, params, value=loss)
+    guard_state = state[1][0]
+    self.assertLess(float(guard_state.inner_state.scale), 1.0)
+    self.assertEqual(float(guard_state.loss), 4.0)
+
+  def test_one_trace_with_value_no_host_transfer(self):
+    tx = optaxclip.guard(
+      optax.adam(1e-2), spike_z=3.0, loss_spike_z=3.0, window=4, scope="leaf"
+    )
+    traces = []
+
+    def step(params, state, g, loss):
+      traces.append(1)
+      updates, state = tx.update(g, state, params, value=loss)
+      return optax.apply_updates(params, updates), state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    params = grads(1.0)
+    state = tx.init(params)
+    data = [
+      (jax.device_put(grads(n)), jax.device_put(jnp.float32(loss)))
+      for n, loss in loss_stream()[:12]
+    ]
+    with jax.transfer_guard("disallow"):
+      for g, loss in data:
+        params, state = step(params, state, g, loss)
+    self.assertLen(traces, 1)
+    self.assertEqual(state.window.values.shape, (4, 2))
+
+  def test_eager_update_with_value_compiles_once(self):
+    tx = optaxclip.guard(optax.sgd(1.0), loss_spike_z=3.0, window=4)
+    params = grads(1.0)
+    state = tx.init(params)
+    _, state = tx.update(params, state, params, value=1.0)  # compiles
+    with (
+      jax.log_compiles(),
+      self.assertNoLogs("jax._src.interpreters.pxla", "WARNING"),
+    ):
+      _, state = tx.update(params, state, params, value=1.5)
+
+  @parameterized.parameters(
+    (dict(loss_spike_z=0.0), "loss_spike_z"),
+    (dict(window=1), "window"),
+    (dict(window=2.5), "window"),
+    (dict(scope="tensor"), "scope"),
+  )
+  def test_bad_new_arguments_fail_when_built(self, kwargs, name):
+    with pytest.raises((ValueError, TypeError), match=f"^guard: {name} must"):
+      optaxclip.guard(optax.sgd(1.0), **kwargs)
+
+
+class GuardLeafTest(chex.TestCase):
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters(None, 3)
+  def test_each_leaf_is_judged_alone(self, window):
+    kw = dict(spike_z=2.0, max_norm=50.0, warmup_steps=3, patience=3)
+    tx = optaxclip.guard(optax.adam(0.1), scope="leaf", window=window, **kw)
+    inner = optax.adam(0.1)
+    rng = np.random.default_rng(0)
+    leaves = ("a", "b")
+    refs = {k: np_refs.GuardStat(2.0, window, 3, 3) for k in leaves}
+    params = grads(1.0)
+    update = self.variant(tx.update)
+    state = tx.init(params)
+    partial = 0
+    for t in range(16):
+      scale = {k: float(np.exp(0.1 * rng.standard_normal())) for k in leaves}
+      if t in (6, 11):
+        scale["a"] *= 10.0
+      if t == 8:
+        scale["b"] *= 100.0  # above max_norm
+      g = {k: grads(scale[k])[k] for k in leaves}
+      if t == 13:
+        g["b"] = g["b"].at[0].set(jnp.nan)
+      before = state.inner_state
+      out, state = update(g, state, params)
+      skips = {}
+      for k in leaves:
+        n = float(np.sqrt(np.sum(np.asarray(g[k], np.float64) ** 2)))
+        bound, spike, restart, _ = refs[k].judge(n)
+        skips[k] = not math.isfinite(n) or n > 50.0 or spike
+        seen = min(n, bound) if spike and window is None else n
+        refs[k].learn(seen, window is None or not skips[k], spike, restart)
+      np.testing.assert_allclose(
+        state.mean, [refs[k].mean for k in leaves], rtol=1e-5
+      )
+      self.assertEqual(int(state.skipped_leaves), sum(skips.values()))
+      partial += 0 < sum(skips.values()) < 2
+      # The reference: adam on the gradient with the skipped leaves zeroed,
+      # kept where a leaf was skipped.
+      g_in = {k: jnp.zeros_like(g[k]) if skips[k] else g[k] for k in leaves}
+      ref_out, ref_inner = inner.update(g_in, before, params)
+      adam, adam_before, adam_ref = (
+        state.inner_state[0],
+        before[0],
+        ref_inner[0],
+      )
+      if all(skips.values()):  # a whole skip: nothing moves, count neither
+        chex.assert_trees_all_equal(state.inner_state, before)
+      else:  # a partial one: count moves on
+        self.assertEqual(int(adam.count), int(adam_ref.count))
+      for k in leaves:
+        if skips[k]:
+          np.testing.assert_array_equal(out[k], 0.0)
+          for slot in ("mu", "nu"):  # bit for bit as before
+            np.testing.assert_array_equal(
+              getattr(adam, slot)[k], getattr(adam_before, slot)[k]
+            )
+        else:
+          np.testing.assert_allclose(out[k], ref_out[k], rtol=1e-6)
+          for slot in ("mu", "nu"):
+            np.testing.assert_allclose(
+              getattr(adam, slot)[k], getattr(adam_ref, slot)[k], rtol=1e-6
+            )
+    self.assertGreaterEqual(partial, 3)
+
+  def test_masked_and_multi_transform_states_split(self):
+    labels = {"a": "adam", "b": "momentum"}
+    inner = optax.multi_transform(
+      {"adam": optax.adam(0.1), "momentum": optax.sgd(0.1, momentum=0.9)},
+      labels,
+    )
+    tx = optaxclip.guard(inner, scope="leaf")
+    params = grads(1.0)
+    state = tx.init(params)
+    _, state = tx.update(grads(1.0), state, params)
+    before = state.inner_state
+    _, state = tx.update(grads(1.0, float("nan")), state, params)  # b NaN
+    trace = lambda s: s.inner_states["momentum"].inner_state[0].trace["b"]
+    np.testing.assert_array_equal(trace(state.inner_state), trace(before))
+    mu = lambda s: s.inner_states["adam"].inner_state[0].mu["a"]
+    self.assertFalse(np.array_equal(mu(state.inner_state), mu(before)))
+
+  def test_an_inner_state_it_cannot_split_fails_at_init(self):
+    tx = optaxclip.guard(
+      optax.chain(optaxclip.clip_zscore(scope="leaf"), optax.adam(0.1)),
+      scope="leaf",
+    )
+    with pytest.raises(
+      ValueError,
+      match=r"^guard: with scope='leaf', inner's state must hold only "
+      r"scalars.*shape \(2,\) at inner_state\[0\]\.mean",
+    ):
+      tx.init(grads(1.0))
+
+
+def test_float64_window_and_loss_keep_float64():
+  with jax.enable_x64(True):
+    tx = optaxclip.guard(
+      optax.sgd(1.0), spike_z=3.0, loss_spike_z=3.0, window=4, warmup_steps=2
+    )
+    params = {"w": jnp.zeros(2, jnp.float64)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for scale in (1e200, 1.1e200, 0.9e200):
+      g = {"w": jnp.array([scale, 0.0], jnp.float64)}
+      _, state = update(g, state, params, value=jnp.float64(scale))
+    assert state.window.values.dtype == jnp.float64
+    assert state.loss_moments.window.values.dtype == jnp.float64
+    assert int(state.skipped) == 0 and int(state.nonfinite) == 0
+    np.testing.assert_allclose(float(state.mean), 1e200, rtol=1e-12)
+    np.testing.assert_allclose(float(state.loss_moments.mean), 1e200)

@@ -393,6 +393,17 @@ ADAPTIVE_CASES = {
   "guard": lambda **kw: optaxclip.guard(
     optax.sgd(1.0), max_norm=25.0, spike_z=1.0, warmup_steps=2, **kw
   ),
+  # Per leaf, over a window, loss-aware: Adam's moments split by leaf.
+  "guard_leaf": lambda **kw: optaxclip.guard(
+    optax.adam(0.1),
+    max_norm=25.0,
+    spike_z=1.0,
+    warmup_steps=2,
+    window=3,
+    scope="leaf",
+    loss_spike_z=3.0,
+    **kw,
+  ),
 }
 # Norm scales of the steps: warm-up, ordinary, a spike the clippers cut and
 # guard skips (global norm above 25), then ordinary again.
@@ -407,8 +418,15 @@ def _adaptive_run(grads_per_step, mapped_kwargs=None):
     for name, make in ADAPTIVE_CASES.items():
       tx = make(**(mapped_kwargs or {}))
 
-      def step(state, g, tx=tx):
-        updates, state = tx.update(g, state, params)
+      def step(state, g, tx=tx, name=name):
+        extra = {}
+        if name == "guard_leaf":
+          # w_out of norm 4 at every step: only some leaves are skipped. A
+          # loss every device sees alike (b is replicated), that does not
+          # spike with the gradients' scale.
+          g = dict(g, w_out=0.5 * jnp.sign(g["w_out"]))
+          extra["value"] = jnp.sum(g["b"]) / jnp.max(jnp.abs(g["b"]))
+        updates, state = tx.update(g, state, params, **extra)
         return state, (updates, optaxclip.stats(state))
 
       _, (updates, stats) = jax.lax.scan(step, tx.init(params), stacked)
@@ -443,7 +461,7 @@ def _check_adaptive(got, want, leaf_view=lambda x: x):
     stats = want[name][1]
     acted = (
       stats["guard/skipped"]
-      if name == "guard"
+      if name.startswith("guard")
       else stats[f"{name.replace('_leaf', '')}/clip_fraction"]
     )
     assert np.max(acted) > 0, name

@@ -407,7 +407,11 @@ class ClipperTest(chex.TestCase):
     self.assertGreater(fraction, 0)  # the input does get clipped.
     for (e_out, e_state), empty in zip(empties, ({}, [], ())):
       self.assertEqual(e_out, empty)
-      self.assertEqual([float(f) for f in e_state], [0.0, 0.0, 0.0])
+      self.assertEqual(
+        [float(getattr(e_state, f)) for f in ("norm", "clipped_norm")]
+        + [float(e_state.clip_fraction)],
+        [0.0, 0.0, 0.0],
+      )
 
 
 # --- dtypes: bf16 accuracy, outputs keep dtypes -------------------------------
@@ -432,7 +436,7 @@ class DtypeTest(parameterized.TestCase):
     for (name, _, needs), (out, state) in zip(clippers, results):
       for k in g:
         self.assertEqual(out[k].dtype, g[k].dtype, f"{name} {k}")
-      for field in state:
+      for field in jax.tree.leaves(state):  # None fields: none
         self.assertEqual(field.dtype, jnp.float32)
       expected = _reference(name, _leaves(g), _leaves(w) if needs else None)
       for (k, x), e in zip(sorted(out.items()), expected[0]):

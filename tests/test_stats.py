@@ -264,6 +264,11 @@ class StatsByTypeTest(parameterized.TestCase):
           "nonfinite",
           "consecutive_skips",
           "restarts",
+          "skipped_nonfinite",
+          "skipped_max_norm",
+          "skipped_spike",
+          "z_score",
+          "skipped_loss_spike",
         )
       ]
       + _keys("inner_state/0/clip_global")
@@ -299,10 +304,18 @@ class StatsByTypeTest(parameterized.TestCase):
     pe = optaxclip.clip_per_example(1.0)
     _, pe_state = jax.eval_shape(pe.update, {"w": jnp.ones((2, 2))}, pe.init(g))
     logs = {**optaxclip.stats(state), **optaxclip.stats(pe_state)}
-    # guard 6, five static clippers 3, the adaptive ones 4 (+ restarts for
+    # guard 11, five static clippers 3, the adaptive ones 4 (+ restarts for
     # clip_zscore and clip_relative), clip_per_example 5.
-    self.assertLen(logs, 6 + 5 * 3 + 3 * 4 + 2 + 5)
-    counters = ("skipped", "nonfinite", "consecutive_skips", "restarts")
+    self.assertLen(logs, 11 + 5 * 3 + 3 * 4 + 2 + 5)
+    counters = (
+      "skipped",
+      "nonfinite",
+      "consecutive_skips",
+      "restarts",
+      "skipped_max_norm",
+      "skipped_spike",
+      "skipped_loss_spike",
+    )
     for key, value in logs.items():
       want = jnp.int32 if key.endswith(counters) else jnp.float32
       self.assertEqual((key, value.dtype, value.shape), (key, want, ()))

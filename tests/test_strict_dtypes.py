@@ -49,6 +49,15 @@ CLIPPERS = {
     optax.identity(), spike_z=3.0, max_norm=100.0
   ),
   "clipped": lambda: optaxclip.clipped(optax.sgd(0.1), clipnorm=0.5),
+  "clip_spikes": lambda: optaxclip.clip_spikes(reset_interval=2),
+  "clip_spikes_adaptive": lambda: optaxclip.clip_spikes_adaptive(
+    reset_interval=2
+  ),
+  "scale_by_norm_ema": optaxclip.scale_by_norm_ema,
+  "spam": lambda: optaxclip.spam(0.1, weight_decay=0.1, reset_interval=2),
+  "stable_spam": lambda: optaxclip.stable_spam(
+    0.1, weight_decay=0.1, total_steps=4, reset_interval=2
+  ),
 }
 COMPLEX_OK = ("clip_value", "clip_norm", "clip_global", "clip_block_rms")
 

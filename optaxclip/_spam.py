@@ -1,0 +1,958 @@
+"""Spike-aware Adam variants, SPAM and Stable-SPAM, and the gradient
+transformations they are built from.
+
+SPAM (Huang et al., ICLR 2025) clips each coordinate whose square exceeds
+``threshold`` times Adam's second moment, resets both moments every
+``reset_interval`` steps and warms the step size up again (a cosine) after
+each reset. Stable-SPAM (Huang et al., 2025) clips elements against an EMA of
+each tensor's largest magnitude, rescales each tensor to an EMA of its own
+norm, and resets Adam's moments too. Both follow the authors' PyTorch classes
+step for step; the docstrings say where and why they differ.
+
+The parts that act on the gradient alone are public transformations, to chain
+before any optax optimizer: :func:`clip_spikes` (SPAM's clipping, with its own
+second moment), :func:`clip_spikes_adaptive` and :func:`scale_by_norm_ema`
+(Stable-SPAM's clipping and norm scaling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import math
+from typing import Any, NamedTuple, Optional, Union, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optaxclip import _checks
+from optaxclip import _compiled
+from optaxclip import _norms
+from optaxclip import _stats
+from optaxclip._typing import Scalar
+
+# A hyperparameter given as a number or as an optax schedule (step -> value),
+# evaluated at the transformation's own step count (0 on the first update).
+ScalarOrSchedule = Union[Scalar, Callable[[jax.Array], Any]]
+
+_F32 = jnp.float32
+
+
+# --- shared pieces ----------------------------------------------------------
+
+
+def _at(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:
+  """A number, or a schedule's value at ``count``, as a float32 scalar."""
+  if callable(value):
+    value = value(count)
+  return jnp.asarray(value).astype(_F32)
+
+
+def _log(base: Any) -> jax.Array:
+  """``log(base)`` as float32, taken in float64 when ``base`` is a number:
+  ``1 - 0.999`` is 1.3e-5 off in float32, ``log(0.999)`` is exact to 6e-8.
+  """
+  if _checks.is_concrete_number(base):
+    b = float(base)
+    return jnp.asarray(-np.inf if b == 0.0 else math.log(b), _F32)
+  return jnp.log(jnp.asarray(base).astype(_F32))
+
+
+def _one_minus_power(base: Any, n: jax.Array) -> jax.Array:
+  """``1 - base**n`` (bias correction) for ``n >= 1``, accurate near 1."""
+  return -jnp.expm1(n.astype(_F32) * _log(base))
+
+
+def _check_learning_rate(who: str, learning_rate: Any) -> None:
+  if not callable(learning_rate):
+    _checks.check_number("learning_rate", learning_rate, who=who, low=0.0)
+
+
+def _check_decay(who: str, name: str, value: Any) -> None:
+  _checks.check_number(name, value, who=who, low=0.0, high=1.0, high_open=True)
+
+
+def _check_interval(who: str, value: Any, *, allow_none: bool) -> Any:
+  """A reset interval: a positive whole number, possibly traced (or None / 0
+  for no resets, if allowed).
+  """
+  if allow_none and (value is None or (isinstance(value, int) and value == 0)):
+    return None
+  if value is None:
+    raise TypeError(f"{who}: reset_interval must be a whole number; got None.")
+  _checks.check_steps(who, "reset_interval", value)
+  return value
+
+
+def _float_leaves(updates: Any, who: str) -> tuple[list[jax.Array], Any]:
+  leaves, treedef = jax.tree.flatten(updates)
+  _checks.check_float_leaves(updates, f"{who}: updates")
+  return [jnp.asarray(x) for x in leaves], treedef
+
+
+def _leaf_scalars(params: Any, value: float = 0.0) -> Any:
+  """One float32 scalar per leaf of ``params`` (None leaves stay None)."""
+  return jax.tree.map(lambda _: jnp.full((), value, _F32), params)
+
+
+def _share(count: jax.Array, leaves: list[jax.Array]) -> jax.Array:
+  size = sum(x.size for x in leaves)
+  return (count / max(size, 1)).astype(_F32)
+
+
+def _ema_step_count(t: jax.Array, interval: Any) -> jax.Array:
+  """The step count of Stable-SPAM's reference for the EMAs of its clipping
+  and norm scaling: ``t``, restarting with 2 on the step after each reset
+  (the reference keeps one counter per tensor, set to 1 at a reset).
+  """
+  if interval is None:
+    return t
+  return jnp.where(t <= interval, t, (t - 1) % interval + 2)
+
+
+# --- SPAM -------------------------------------------------------------------
+
+
+def _spam_clock(
+  count: jax.Array, reset_interval: Any, grad_accu_steps: Any, threshold: Any
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """``(t, reset, clip_on, resets)`` of SPAM's step ``t = count + 1``.
+
+  The moments are reset when ``t`` is a multiple of ``reset_interval``;
+  clipping is on once ``grad_accu_steps`` steps have filled the second moment
+  since the last reset (``t mod reset_interval >= grad_accu_steps``), and
+  never with ``threshold == 0``.
+  """
+  t = count + 1
+  since = t % reset_interval
+  reset = since == 0
+  clip_on = (since >= grad_accu_steps) & (jnp.asarray(threshold) != 0)
+  return t, reset, clip_on, (t // reset_interval).astype(jnp.int32)
+
+
+def _spam_warmup(t: jax.Array, reset_interval: Any, warmup_steps: Any):
+  """SPAM's step-size factor: ``0.01 + 0.99 sin^2(pi c / (2 (W + 1)))`` for
+  the ``c``-th step (from 0) after a reset while ``c < W`` (``warmup_steps``),
+  else 1 -- the reference's ``1 - CosineDecay(0.99, W)``, written without
+  its cancellation. The reference restarts its warm-up after a step, so a
+  reset on the very first step (``reset_interval == 1``) has none.
+  """
+  since = t % reset_interval
+  restarted = (t >= reset_interval) & (t >= 2)
+  c = jnp.where(restarted, since, warmup_steps)
+  half_angle = (math.pi / 2) * c.astype(_F32) / (jnp.asarray(warmup_steps) + 1)
+  warm = 0.01 + 0.99 * jnp.square(jnp.sin(half_angle))
+  return jnp.where(c < warmup_steps, warm, 1.0).astype(_F32)
+
+
+def _clip_to_moment(
+  g: jax.Array, nu: jax.Array, threshold: Any, clip_on: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """SPAM's spike clipping: each coordinate with ``g^2 > threshold nu`` is
+  set to ``sign(g) sqrt(threshold nu)``. Returns ``(g, number clipped)``.
+  """
+  limit = jnp.asarray(threshold).astype(nu.dtype) * nu
+  spike = clip_on & (g * g > limit)
+  return jnp.where(spike, jnp.sign(g) * jnp.sqrt(limit), g), _norms.count(spike)
+
+
+def _check_spam_clip(who, threshold, b2, reset_interval, grad_accu_steps):
+  _checks.check_number("threshold", threshold, who=who, low=0.0)
+  _check_decay(who, "b2", b2)
+  reset_interval = _check_interval(who, reset_interval, allow_none=False)
+  _checks.check_steps(who, "grad_accu_steps", grad_accu_steps, low=0)
+  return reset_interval
+
+
+@_stats.register("clip_spikes", ("clipped", "clip_fraction", "resets"))
+class ClipSpikesState(NamedTuple):
+  """State of :func:`clip_spikes`.
+
+  Attributes:
+    count: updates so far (int32).
+    nu: the EMA of the squared clipped gradient, shaped like the updates.
+    clipped: coordinates clipped this step (float32: exact up to 2**24).
+    clip_fraction: the share of coordinates clipped this step.
+    resets: resets of ``nu`` so far (int32).
+  """
+
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  nu: optax.Updates
+  clipped: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar in [0, 1]
+  resets: jax.Array  # int32 scalar
+
+
+@_compiled.compiled_once
+def clip_spikes(
+  threshold: Scalar = 5000.0,
+  *,
+  b2: Scalar = 0.999,
+  reset_interval: Scalar = 500,
+  grad_accu_steps: Scalar = 20,
+) -> optax.GradientTransformation:
+  r"""SPAM's spike-aware clipping, to chain before any optimizer.
+
+  Each coordinate whose square exceeds ``threshold`` times its second moment
+  ``nu`` (before this step) is clipped to ``sign(g) sqrt(threshold nu)``;
+  then ``nu <- b2 nu + (1 - b2) g^2`` takes in the clipped gradient. ``nu``
+  is reset to zero on every step ``t`` (from 1) that is a multiple of
+  ``reset_interval``, and clipping waits ``grad_accu_steps`` steps after
+  each reset (``t mod reset_interval >= grad_accu_steps``), while ``nu``
+  fills again; as in the authors' code.
+
+  It keeps its own second moment rather than reading an inner Adam's: the
+  clip needs ``nu`` before this step's update, which an inner optimizer
+  holds in a layout of its own (``ScaleByAdamState``, ``ScaleByLionState``,
+  ...), updated after the clip, and only Adam-like optimizers have one; with
+  its own copy it chains before any of them. The cost is one buffer the size
+  of the parameters. Chained before ``optax.adam(b2=b2)``, its ``nu`` equals
+  Adam's until the first reset (Adam's is not reset). :func:`spam`, which
+  owns the Adam moments too, clips against them and holds ``nu`` once.
+
+  A coordinate whose gradient stayed exactly zero through the
+  ``grad_accu_steps`` steps after a reset has ``nu = 0``, and is clipped to
+  zero until the next reset (the reference does the same); keep
+  ``reset_interval`` finite and ``grad_accu_steps`` positive.
+
+  Args:
+    threshold: the spike threshold ``theta`` on ``g^2 / nu`` (>= 0; 0 turns
+      clipping off).
+    b2: the decay of ``nu``, in [0, 1).
+    reset_interval: reset ``nu`` every this many steps (a positive int).
+    grad_accu_steps: steps without clipping after each reset (>= 0).
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a
+    :class:`ClipSpikesState`.
+
+  References:
+    Huang et al., `SPAM: Spike-Aware Adam with Momentum Reset for Stable LLM
+    Training <https://arxiv.org/abs/2501.06842>`_, ICLR 2025; the authors'
+    code, github.com/TianjinYellow/SPAM-Optimizer, ``galore_torch/SPAM.py``.
+
+  Example:
+    >>> import jax.numpy as jnp, optaxclip
+    >>> tx = optaxclip.clip_spikes(4.0, b2=0.5, grad_accu_steps=2)
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> _, state = tx.update({"w": jnp.array([1.0, 1.0])}, state)
+    >>> g, state = tx.update({"w": jnp.array([1.0, 10.0])}, state)
+    >>> g["w"], float(state.clipped)  # 10^2 > 4 * 0.5: clipped to sqrt(2)
+    (Array([1.       , 1.4142135], dtype=float32), 1.0)
+  """
+  who = "clip_spikes"
+  reset_interval = _check_spam_clip(
+    who, threshold, b2, reset_interval, grad_accu_steps
+  )
+
+  def init_fn(params):
+    return ClipSpikesState(
+      count=jnp.zeros((), jnp.int32),
+      nu=jax.tree.map(jnp.zeros_like, params),
+      clipped=jnp.zeros((), _F32),
+      clip_fraction=jnp.zeros((), _F32),
+      resets=jnp.zeros((), jnp.int32),
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = _float_leaves(updates, who)
+    _, reset, clip_on, resets = _spam_clock(
+      state.count, reset_interval, grad_accu_steps, threshold
+    )
+    out, nus, clipped = [], [], jnp.zeros((), _F32)
+    for g, nu in zip(leaves, treedef.flatten_up_to(state.nu)):
+      nu = jnp.where(reset, jnp.zeros_like(nu), nu)
+      g, n = _clip_to_moment(g, nu, threshold, clip_on)
+      out.append(g)
+      nus.append(b2 * nu + (1 - b2) * g * g)
+      clipped = clipped + n
+    return treedef.unflatten(out), ClipSpikesState(
+      count=optax.safe_int32_increment(state.count),
+      nu=treedef.unflatten(nus),
+      clipped=clipped,
+      clip_fraction=_share(clipped, leaves),
+      resets=resets,
+    )
+
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
+
+
+@_stats.register("spam", ("clipped", "clip_fraction", "resets", "scale"))
+class SpamState(NamedTuple):
+  """State of :func:`spam`'s Adam part.
+
+  Attributes:
+    count: updates so far (int32).
+    mu: the first moment of the clipped gradient.
+    nu: the second moment of the clipped gradient.
+    clipped: coordinates clipped this step (float32: exact up to 2**24).
+    clip_fraction: the share of coordinates clipped this step.
+    resets: moment resets so far (int32).
+    scale: this step's warm-up factor of the step size, in [0.01, 1].
+  """
+
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  mu: optax.Updates
+  nu: optax.Updates
+  clipped: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar in [0, 1]
+  resets: jax.Array  # int32 scalar
+  scale: jax.Array  # float32 scalar
+
+
+def _scale_by_spam(
+  b1, b2, eps, threshold, reset_interval, warmup_steps, grad_accu_steps
+) -> optax.GradientTransformation:
+  """SPAM's direction, before the learning rate: spike clipping, Adam with
+  moment resets, the reference's bias correction, the warm-up factor.
+  """
+  who = "spam"
+
+  def init_fn(params):
+    return SpamState(
+      count=jnp.zeros((), jnp.int32),
+      mu=jax.tree.map(jnp.zeros_like, params),
+      nu=jax.tree.map(jnp.zeros_like, params),
+      clipped=jnp.zeros((), _F32),
+      clip_fraction=jnp.zeros((), _F32),
+      resets=jnp.zeros((), jnp.int32),
+      scale=jnp.ones((), _F32),
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = _float_leaves(updates, who)
+    t, reset, clip_on, resets = _spam_clock(
+      state.count, reset_interval, grad_accu_steps, threshold
+    )
+    scale = _spam_warmup(t, reset_interval, warmup_steps)
+    # The reference counts bias correction from the first step and never
+    # restarts it: after a reset, the fresh moments are divided by
+    # 1 - b**t for the global t (the warm-up makes up for it).
+    step = jnp.sqrt(_one_minus_power(b2, t)) / _one_minus_power(b1, t)
+    factor = step * scale
+    out, mus, nus, clipped = [], [], [], jnp.zeros((), _F32)
+    mu_leaves = treedef.flatten_up_to(state.mu)
+    nu_leaves = treedef.flatten_up_to(state.nu)
+    for g, mu, nu in zip(leaves, mu_leaves, nu_leaves):
+      mu = jnp.where(reset, jnp.zeros_like(mu), mu)
+      nu = jnp.where(reset, jnp.zeros_like(nu), nu)
+      g, n = _clip_to_moment(g, nu, threshold, clip_on)
+      mu = b1 * mu + (1 - b1) * g
+      nu = b2 * nu + (1 - b2) * g * g
+      direction = mu / (jnp.sqrt(nu) + eps)
+      out.append((direction * factor.astype(direction.dtype)).astype(g.dtype))
+      mus.append(mu)
+      nus.append(nu)
+      clipped = clipped + n
+    return treedef.unflatten(out), SpamState(
+      count=optax.safe_int32_increment(state.count),
+      mu=treedef.unflatten(mus),
+      nu=treedef.unflatten(nus),
+      clipped=clipped,
+      clip_fraction=_share(clipped, leaves),
+      resets=resets,
+      scale=scale,
+    )
+
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
+
+
+def _step_then_decay(
+  learning_rate: ScalarOrSchedule, weight_decay: Any
+) -> optax.GradientTransformation:
+  """``-lr d``, then weight decay on the stepped parameters, as SPAM's
+  reference applies it: ``p <- (p - lr d) (1 - lr wd)``.
+  """
+
+  def init_fn(params):
+    del params
+    return optax.ScaleByScheduleState(count=jnp.zeros((), jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    lr = _at(learning_rate, state.count)
+    decays = not (
+      _checks.is_concrete_number(weight_decay) and float(weight_decay) == 0.0
+    )
+    if decays and params is None:
+      raise ValueError(
+        "spam: params must be passed to update when weight_decay is "
+        "not 0; got params=None."
+      )
+
+    def step(d, p):
+      wide = _norms.accumulation_dtype(d.dtype)
+      u = -lr.astype(wide) * d.astype(wide)
+      if decays:
+        rate = (lr * weight_decay).astype(wide)
+        u = u - rate * (p.astype(wide) + u)
+      return u.astype(d.dtype)
+
+    stepped = jax.tree.map(step, updates, params if decays else updates)
+    count = optax.safe_int32_increment(state.count)
+    return stepped, optax.ScaleByScheduleState(count=count)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+@_compiled.compiled_once
+def spam(
+  learning_rate: ScalarOrSchedule,
+  *,
+  b1: Scalar = 0.9,
+  b2: Scalar = 0.999,
+  eps: Scalar = 1e-6,
+  weight_decay: Scalar = 0.0,
+  threshold: Scalar = 5000.0,
+  reset_interval: Scalar = 500,
+  warmup_steps: Scalar = 150,
+  grad_accu_steps: Scalar = 20,
+) -> optax.GradientTransformation:
+  r"""SPAM: Adam with spike-aware clipping, moment resets and re-warm-up.
+
+  Step ``t`` (from 1), as the authors' ``AdamW`` class does it:
+
+  1. if ``t`` is a multiple of ``reset_interval``, ``m`` and ``v`` are reset
+     to zero;
+  2. once ``t mod reset_interval >= grad_accu_steps``, each coordinate with
+     ``g^2 > threshold v`` is clipped to ``sign(g) sqrt(threshold v)``;
+  3. ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2) g^2``;
+  4. ``p <- p - lr s_t sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps)``,
+     with the bias correction counted from the first step, never restarted
+     (so fresh moments after a reset are not debiased: the warm-up factor
+     ``s_t`` makes up for it), and ``eps`` added to ``sqrt(v)`` before the
+     correction (the reference's order, not optax's);
+  5. ``p <- p - lr weight_decay p`` on the stepped parameters.
+
+  ``s_t`` is 1 but for the ``warmup_steps`` steps that start with each
+  reset, where it rises from 0.01 as ``0.01 + 0.99 sin^2(pi c / (2
+  (warmup_steps + 1)))`` on the ``c``-th of them (the reference's
+  ``1 - CosineDecay(0.99, warmup_steps)``).
+
+  Differences from the reference: its random-mask ``density`` option
+  (sparse momentum) is not offered; ``learning_rate`` may be an optax
+  schedule (the reference reads a PyTorch scheduler's value), used for the
+  step and the decay alike.
+
+  Built as ``optax.chain`` of SPAM's direction (state :class:`SpamState`,
+  which clips against its own ``v``: see :func:`clip_spikes` for the same
+  clip before any other optimizer) and the step with weight decay.
+
+  Args:
+    learning_rate: a number (>= 0) or an optax schedule ``step -> lr``.
+    b1: the first moment's decay, in [0, 1).
+    b2: the second moment's decay, in [0, 1).
+    eps: added to ``sqrt(v)`` (>= 0).
+    weight_decay: decoupled weight decay (>= 0).
+    threshold: the spike threshold on ``g^2 / v`` (>= 0; 0 turns clipping
+      off).
+    reset_interval: reset the moments every this many steps (a positive
+      int; ``DeltaT`` in the paper).
+    warmup_steps: steps of cosine warm-up after each reset (>= 0).
+    grad_accu_steps: steps without clipping after each reset (>= 0).
+
+  Returns:
+    An ``optax.GradientTransformation``; :func:`stats` reports
+    ``spam/clipped``, ``spam/clip_fraction``, ``spam/resets`` and
+    ``spam/scale`` (the warm-up factor).
+
+  References:
+    Huang et al., `SPAM: Spike-Aware Adam with Momentum Reset for Stable LLM
+    Training <https://arxiv.org/abs/2501.06842>`_, ICLR 2025; the authors'
+    code, github.com/TianjinYellow/SPAM-Optimizer, ``galore_torch/SPAM.py``
+    (class ``AdamW``).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optaxclip
+    >>> tx = optaxclip.spam(1e-2, reset_interval=3, warmup_steps=2)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for _ in range(4):
+    ...   updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> logs = optaxclip.stats(state)
+    >>> int(logs["spam/resets"]), round(float(logs["spam/scale"]), 4)
+    (1, 0.2575)
+  """
+  who = "spam"
+  _check_learning_rate(who, learning_rate)
+  _check_decay(who, "b1", b1)
+  _checks.check_number("eps", eps, who=who, low=0.0)
+  _checks.check_number("weight_decay", weight_decay, who=who, low=0.0)
+  reset_interval = _check_spam_clip(
+    who, threshold, b2, reset_interval, grad_accu_steps
+  )
+  _checks.check_steps(who, "warmup_steps", warmup_steps, low=0)
+  return optax.chain(
+    _scale_by_spam(
+      b1, b2, eps, threshold, reset_interval, warmup_steps, grad_accu_steps
+    ),
+    _step_then_decay(learning_rate, weight_decay),
+  )
+
+
+# --- Stable-SPAM ------------------------------------------------------------
+
+
+@_stats.register("clip_spikes_adaptive", ("clipped", "clip_fraction"))
+class ClipSpikesAdaptiveState(NamedTuple):
+  """State of :func:`clip_spikes_adaptive`.
+
+  Attributes:
+    count: updates so far (int32).
+    max_ema: per leaf, the EMA of its largest magnitude ``max |g|`` (a
+      float32 scalar per leaf).
+    clipped: elements clipped this step (float32: exact up to 2**24).
+    clip_fraction: the share of elements clipped this step.
+  """
+
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  max_ema: Any  # a float32 scalar per leaf
+  clipped: jax.Array  # float32 scalar
+  clip_fraction: jax.Array  # float32 scalar in [0, 1]
+
+
+@_compiled.compiled_once
+def clip_spikes_adaptive(
+  gamma3: Scalar = 0.999, *, reset_interval: Optional[Scalar] = None
+) -> optax.GradientTransformation:
+  r"""Stable-SPAM's adaptive spike clipping (AdaClip), per leaf.
+
+  Each leaf keeps ``T``, an EMA of its largest magnitude:
+  ``T <- gamma3 T + (1 - gamma3) max|g|``, bias-corrected as
+  ``T_hat = T / (1 - gamma3^k)``. Every element with ``|g| > T_hat`` is
+  scaled by ``T_hat / max|g|``: the largest comes down to ``T_hat`` and the
+  clipped elements keep their sign and their ratios to one another.
+
+  ``k`` is the step count, from 1. With ``reset_interval``, ``k`` restarts
+  as Stable-SPAM's reference counts it (the reference keeps one step count
+  per tensor for all its statistics and sets it to 1 when it resets Adam's
+  moments): 2 on the step after each multiple of ``reset_interval``. ``T``
+  itself is never reset, so for a while after each reset ``T_hat`` is
+  inflated and little is clipped. :func:`stable_spam` passes its own
+  ``reset_interval``; standalone, leave it None (the paper's formula).
+
+  Args:
+    gamma3: the decay of the EMA, in [0, 1).
+    reset_interval: None, or restart ``k`` as described (a positive int).
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a
+    :class:`ClipSpikesAdaptiveState`.
+
+  References:
+    Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than
+    16-Bit Adam <https://arxiv.org/abs/2502.17055>`_, 2025 (AdaClip); the
+    authors' code, github.com/TianjinYellow/StableSPAM,
+    ``galore_torch/stablespam.py``.
+
+  Example:
+    >>> import jax.numpy as jnp, optaxclip
+    >>> tx = optaxclip.clip_spikes_adaptive(0.5)
+    >>> state = tx.init({"w": jnp.zeros(3)})
+    >>> _, state = tx.update({"w": jnp.array([1.0, 0.5, 0.0])}, state)
+    >>> g, state = tx.update({"w": jnp.array([4.0, -3.5, 2.0])}, state)
+    >>> g["w"]  # T_hat = (0.25 + 2) / 0.75 = 3: above it, scaled by 3 / 4
+    Array([ 3.   , -2.625,  2.   ], dtype=float32)
+  """
+  who = "clip_spikes_adaptive"
+  _check_decay(who, "gamma3", gamma3)
+  interval = _check_interval(who, reset_interval, allow_none=True)
+
+  def init_fn(params):
+    return ClipSpikesAdaptiveState(
+      count=jnp.zeros((), jnp.int32),
+      max_ema=_leaf_scalars(params),
+      clipped=jnp.zeros((), _F32),
+      clip_fraction=jnp.zeros((), _F32),
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = _float_leaves(updates, who)
+    k = _ema_step_count(state.count + 1, interval)
+    correction = _one_minus_power(gamma3, k)
+    out, emas, clipped = [], [], jnp.zeros((), _F32)
+    for g, ema in zip(leaves, treedef.flatten_up_to(state.max_ema)):
+      largest = _norms.largest_magnitude(g).astype(_F32)
+      ema = gamma3 * ema + (1 - gamma3) * largest
+      limit = ema / correction
+      wide = _norms.accumulation_dtype(g.dtype)
+      spike = _norms.magnitude(g, wide) > limit
+      # limit / largest < 1 where anything is clipped: no tiny reciprocal.
+      factor = (limit / jnp.where(largest > 0, largest, 1.0)).astype(wide)
+      shrunk = (g.astype(wide) * factor).astype(g.dtype)
+      out.append(jnp.where(spike, shrunk, g))
+      emas.append(ema.astype(_F32))
+      clipped = clipped + _norms.count(spike)
+    return treedef.unflatten(out), ClipSpikesAdaptiveState(
+      count=optax.safe_int32_increment(state.count),
+      max_ema=treedef.unflatten(emas),
+      clipped=clipped,
+      clip_fraction=_share(clipped, leaves),
+    )
+
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
+
+
+@_stats.register("scale_by_norm_ema", ("norm", "scaled_norm", "scale"))
+class ScaleByNormEmaState(NamedTuple):
+  """State of :func:`scale_by_norm_ema`.
+
+  Attributes:
+    count: updates so far (int32).
+    mu: per leaf, the EMA of its L2 norm (a float32 scalar per leaf).
+    nu: per leaf, the EMA of its squared L2 norm.
+    norm: this step's global L2 norm before scaling.
+    scaled_norm: the global L2 norm after scaling.
+    scale: ``scaled_norm / norm`` (1 for a zero gradient).
+  """
+
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  mu: Any  # a float32 scalar per leaf
+  nu: Any  # a float32 scalar per leaf
+  norm: jax.Array  # float32 scalar
+  scaled_norm: jax.Array  # float32 scalar
+  scale: jax.Array  # float32 scalar
+
+
+@_compiled.compiled_once
+def scale_by_norm_ema(
+  gamma1: ScalarOrSchedule = 0.7,
+  gamma2: Scalar = 0.9,
+  *,
+  eps: Scalar = 1e-8,
+  reset_interval: Optional[Scalar] = None,
+) -> optax.GradientTransformation:
+  r"""Stable-SPAM's adaptive norm scaling (AdaGN), per leaf.
+
+  Each leaf's L2 norm ``n`` feeds two EMAs, ``m <- g1 m + (1 - g1) n`` and
+  ``v <- gamma2 v + (1 - gamma2) n^2``, bias-corrected with ``1 - g1^k`` and
+  ``1 - gamma2^k``; the leaf is then rescaled to norm ``m_hat / (sqrt(v_hat)
+  + eps)``. A leaf of norm 0 passes as it is. So each leaf's size follows
+  the first-to-second moment ratio of its recent norms: a spike in one step
+  is brought down to the recent level.
+
+  ``g1`` is ``gamma1``, or its value at this step when ``gamma1`` is a
+  schedule (:func:`stable_spam` decays it with a cosine); its bias
+  correction uses this step's value. ``k`` counts steps from 1, or, with
+  ``reset_interval``, restarts as in Stable-SPAM's reference (see
+  :func:`clip_spikes_adaptive`). ``n^2`` is capped at float32's largest
+  value, so that a huge finite gradient cannot leave ``v`` infinite.
+
+  Args:
+    gamma1: the decay of the norm's EMA, in [0, 1), or a schedule.
+    gamma2: the decay of the squared norm's EMA, in [0, 1).
+    eps: added to ``sqrt(v_hat)`` (>= 0).
+    reset_interval: None, or restart ``k`` as Stable-SPAM's reference does.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a
+    :class:`ScaleByNormEmaState`.
+
+  References:
+    Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than
+    16-Bit Adam <https://arxiv.org/abs/2502.17055>`_, 2025 (AdaGN); the
+    authors' code, github.com/TianjinYellow/StableSPAM,
+    ``galore_torch/stablespam.py``.
+
+  Example:
+    >>> import jax.numpy as jnp, optaxclip
+    >>> tx = optaxclip.scale_by_norm_ema(0.5, 0.5, eps=0.0)
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> g, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
+    >>> g["w"]  # first step: m_hat = 5, sqrt(v_hat) = 5, norm 1
+    Array([0.6, 0.8], dtype=float32)
+    >>> g, state = tx.update({"w": jnp.array([30.0, 40.0])}, state)
+    >>> round(float(state.scaled_norm), 3)  # a 10x spike comes out at 0.855
+    0.855
+  """
+  who = "scale_by_norm_ema"
+  if not callable(gamma1):
+    _check_decay(who, "gamma1", gamma1)
+  _check_decay(who, "gamma2", gamma2)
+  _checks.check_number("eps", eps, who=who, low=0.0)
+  interval = _check_interval(who, reset_interval, allow_none=True)
+  largest = float(jnp.finfo(_F32).max)
+
+  def init_fn(params):
+    return ScaleByNormEmaState(
+      count=jnp.zeros((), jnp.int32),
+      mu=_leaf_scalars(params),
+      nu=_leaf_scalars(params),
+      norm=jnp.zeros((), _F32),
+      scaled_norm=jnp.zeros((), _F32),
+      scale=jnp.ones((), _F32),
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = _float_leaves(updates, who)
+    k = _ema_step_count(state.count + 1, interval)
+    g1 = _at(gamma1, state.count)
+    correction1 = _one_minus_power(g1, k)
+    correction2 = _one_minus_power(gamma2, k)
+    norms = [n.reshape(()).astype(_F32) for n in _norms.unit_norms(leaves)]
+    out, mus, nus, before, after = [], [], [], [], []
+    mu_leaves = treedef.flatten_up_to(state.mu)
+    nu_leaves = treedef.flatten_up_to(state.nu)
+    for g, n, mu, nu in zip(leaves, norms, mu_leaves, nu_leaves):
+      mu = g1 * mu + (1 - g1) * n
+      nu = gamma2 * nu + (1 - gamma2) * jnp.minimum(n * n, largest)
+      target = (mu / correction1) / (jnp.sqrt(nu / correction2) + eps)
+      positive = n > 0
+      factor = jnp.where(positive, target / jnp.where(positive, n, 1.0), 1.0)
+      wide = _norms.accumulation_dtype(g.dtype)
+      out.append((g.astype(wide) * factor.astype(wide)).astype(g.dtype))
+      mus.append(mu.astype(_F32))
+      nus.append(nu.astype(_F32))
+      before.append(n)
+      after.append(jnp.where(positive, target, 0.0))
+    norm = _global(before)
+    scaled = _global(after)
+    return treedef.unflatten(out), ScaleByNormEmaState(
+      count=optax.safe_int32_increment(state.count),
+      mu=treedef.unflatten(mus),
+      nu=treedef.unflatten(nus),
+      norm=norm,
+      scaled_norm=scaled,
+      scale=jnp.where(norm > 0, scaled / jnp.where(norm > 0, norm, 1.0), 1.0),
+    )
+
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
+
+
+def _global(norms: list[jax.Array]) -> jax.Array:
+  """The L2 norm of per-leaf norms (overflow-safe), a float32 scalar."""
+  if not norms:
+    return jnp.zeros((), _F32)
+  return _norms.combine_norms(norms).astype(_F32).reshape(())
+
+
+@_stats.register("stable_spam", ("resets", "scale"))
+class StableSpamState(NamedTuple):
+  """State of :func:`stable_spam`'s Adam part.
+
+  Attributes:
+    count: updates so far (int32).
+    mu: Adam's first moment.
+    nu: Adam's second moment.
+    resets: moment resets so far (int32).
+    scale: this step's cosine factor on ``b1`` and ``gamma1`` (1 without
+      ``total_steps``).
+  """
+
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  mu: optax.Updates
+  nu: optax.Updates
+  resets: jax.Array  # int32 scalar
+  scale: jax.Array  # float32 scalar
+
+
+class _Cosine(NamedTuple):
+  """Stable-SPAM's factor at step ``count + 1``, times ``base``: ``eta_min +
+  (1 - eta_min) cos^2(pi t / (2 (total_steps + 1)))``, held at ``eta_min``
+  after ``total_steps``; 1 without ``total_steps``. A NamedTuple, so that two
+  equal configurations share one compiled update (see _compiled).
+  """
+
+  total_steps: Any
+  eta_min: Any
+  base: Any = 1.0
+
+  def __call__(self, count: jax.Array) -> jax.Array:
+    if self.total_steps is None:
+      return jnp.asarray(self.base).astype(_F32)
+    end = jnp.asarray(self.total_steps) + 1
+    t = jnp.minimum(count + 1, end).astype(_F32)
+    half_angle = (math.pi / 2) * t / end.astype(_F32)
+    cos2 = jnp.square(jnp.cos(half_angle))
+    return (self.base * (self.eta_min + (1 - self.eta_min) * cos2)).astype(_F32)
+
+
+def _scale_by_stable_spam_adam(
+  b1, b2, eps, scale_at: Callable, interval: Any
+) -> optax.GradientTransformation:
+  """Adam with moment resets, ``b1`` scaled by ``scale_at(count)``; the
+  moments are reset before the step that takes in the gradient (the paper's
+  order), and the bias correction restarts at 1 on the reset step.
+  """
+  who = "stable_spam"
+
+  def init_fn(params):
+    return StableSpamState(
+      count=jnp.zeros((), jnp.int32),
+      mu=jax.tree.map(jnp.zeros_like, params),
+      nu=jax.tree.map(jnp.zeros_like, params),
+      resets=jnp.zeros((), jnp.int32),
+      scale=jnp.ones((), _F32),
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = _float_leaves(updates, who)
+    t = state.count + 1
+    scale = scale_at(state.count)
+    if interval is None:
+      reset, k, resets = jnp.zeros((), bool), t, jnp.zeros((), jnp.int32)
+    else:
+      reset = t % interval == 0
+      k = jnp.where(t < interval, t, t % interval + 1)
+      resets = (t // interval).astype(jnp.int32)
+    beta1 = b1 * scale
+    correction1 = _one_minus_power(beta1, k)
+    root2 = jnp.sqrt(_one_minus_power(b2, k))
+    out, mus, nus = [], [], []
+    mu_leaves = treedef.flatten_up_to(state.mu)
+    nu_leaves = treedef.flatten_up_to(state.nu)
+    for g, mu, nu in zip(leaves, mu_leaves, nu_leaves):
+      dtype = mu.dtype
+      mu = jnp.where(reset, jnp.zeros_like(mu), mu)
+      nu = jnp.where(reset, jnp.zeros_like(nu), nu)
+      mu = beta1.astype(dtype) * mu + (1 - beta1).astype(dtype) * g
+      nu = b2 * nu + (1 - b2) * g * g
+      denom = jnp.sqrt(nu) / root2.astype(dtype) + eps
+      out.append(((mu / correction1.astype(dtype)) / denom).astype(g.dtype))
+      mus.append(mu)
+      nus.append(nu)
+    return treedef.unflatten(out), StableSpamState(
+      count=optax.safe_int32_increment(state.count),
+      mu=treedef.unflatten(mus),
+      nu=treedef.unflatten(nus),
+      resets=resets,
+      scale=scale,
+    )
+
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
+
+
+@_compiled.compiled_once
+def stable_spam(
+  learning_rate: ScalarOrSchedule,
+  *,
+  b1: Scalar = 0.9,
+  b2: Scalar = 0.999,
+  eps: Scalar = 1e-8,
+  weight_decay: Scalar = 0.0,
+  gamma1: Scalar = 0.7,
+  gamma2: Scalar = 0.9,
+  gamma3: Scalar = 0.999,
+  total_steps: Optional[Scalar] = None,
+  eta_min: Scalar = 0.5,
+  reset_interval: Optional[Scalar] = 1000,
+) -> optax.GradientTransformation:
+  r"""Stable-SPAM: adaptive spike clipping, norm scaling and Adam with
+  moment resets.
+
+  Step ``t`` (from 1), per parameter tensor, as the authors' ``StableSPAM``
+  class does it:
+
+  1. decoupled weight decay, ``p <- p (1 - lr weight_decay)``;
+  2. :func:`clip_spikes_adaptive` (``gamma3``): elements above the EMA of
+     the tensor's largest magnitude are scaled down to it;
+  3. :func:`scale_by_norm_ema` (``gamma1 s_t``, ``gamma2``, ``eps``): the
+     tensor is rescaled to the EMA ratio of its recent norms;
+  4. Adam with ``b1 s_t`` and ``b2``, ``p <- p - lr m_hat / (sqrt(v_hat) +
+     eps)``, its moments reset to zero when ``t`` is a multiple of
+     ``reset_interval``.
+
+  ``s_t`` is 1 without ``total_steps``; with it, ``eta_min + (1 - eta_min)
+  cos^2(pi t / (2 (total_steps + 1)))``, from 1 down to ``eta_min``. The
+  reference keeps one step count per tensor for every bias correction and
+  sets it to 1 at a reset: Adam's moments are debiased as fresh ones, and
+  the clipping's and norm scaling's EMAs (not reset) with a count that
+  restarts too; this does the same.
+
+  Differences from the reference:
+
+  * At a reset step the reference binds new zero buffers for ``m`` and
+    ``v`` in its state, but updates the old ones, which it still holds, and
+    takes that step from them (debiased as if fresh: about 0.3 times an
+    ordinary step); the zeros take in a gradient only from the next step, on
+    which the bias correction counts 2. This follows the paper (Algorithm 1:
+    reset, then update): the reset step's gradient goes into the zeroed
+    moments and the step is taken from them, debiased with a count of 1.
+    Both agree on every step before the first reset; parity tests against a
+    NumPy transcription of the reference, with and without this artifact,
+    are in ``tests/test_spam.py``.
+  * The reference's cosine rises again after ``total_steps`` (a closed-form
+    ``CosineAnnealingLR`` called past its period); here ``s_t`` stays at
+    ``eta_min``.
+  * ``learning_rate`` may be an optax schedule; ``reset_interval=None`` (the
+    reference's 0) turns resets off; the reference's ``amsgrad`` option and
+    ``gamma1=-1`` (meaning ``b1``) are not offered.
+
+  Built as ``optax.chain`` of :func:`clip_spikes_adaptive`,
+  :func:`scale_by_norm_ema`, the Adam part (state :class:`StableSpamState`),
+  ``optax.add_decayed_weights`` and ``optax.scale_by_learning_rate``. The
+  first two chain before any optimizer, e.g. ``optax.chain(
+  optaxclip.clip_spikes_adaptive(), optaxclip.scale_by_norm_ema(),
+  optax.adamw(1e-3))``.
+
+  Args:
+    learning_rate: a number (>= 0) or an optax schedule ``step -> lr``.
+    b1: Adam's first-moment decay, in [0, 1).
+    b2: Adam's second-moment decay, in [0, 1).
+    eps: added to ``sqrt(v_hat)`` in Adam and in the norm scaling (>= 0).
+    weight_decay: decoupled weight decay (>= 0).
+    gamma1: the decay of the norm's EMA, in [0, 1).
+    gamma2: the decay of the squared norm's EMA, in [0, 1).
+    gamma3: the decay of the largest magnitude's EMA, in [0, 1).
+    total_steps: None, or the training length over which ``s_t`` decays
+      (a positive whole number).
+    eta_min: the final ``s_t``, in [0, 1].
+    reset_interval: reset Adam's moments every this many steps (a positive
+      int), or None / 0 for never.
+
+  Returns:
+    An ``optax.GradientTransformation``; :func:`stats` reports
+    ``clip_spikes_adaptive/clipped`` and ``/clip_fraction``,
+    ``scale_by_norm_ema/norm``, ``/scaled_norm`` and ``/scale``, and
+    ``stable_spam/resets`` and ``/scale`` (``s_t``).
+
+  References:
+    Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than
+    16-Bit Adam <https://arxiv.org/abs/2502.17055>`_, 2025; the authors'
+    code, github.com/TianjinYellow/StableSPAM, ``galore_torch/stablespam.py``
+    (class ``StableSPAM``).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optaxclip
+    >>> tx = optaxclip.stable_spam(1e-2, reset_interval=2)
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> for g in ([1.0, 1.0, 1.0], [1.0, 1.0, 50.0], [1.0, 1.0, 1.0]):
+    ...   updates, state = tx.update({"w": jnp.array(g)}, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> logs = optaxclip.stats(state)
+    >>> int(logs["stable_spam/resets"]), float(logs["stable_spam/scale"])
+    (1, 1.0)
+  """
+  who = "stable_spam"
+  _check_learning_rate(who, learning_rate)
+  _check_decay(who, "b1", b1)
+  _check_decay(who, "b2", b2)
+  _checks.check_number("eps", eps, who=who, low=0.0)
+  _checks.check_number("weight_decay", weight_decay, who=who, low=0.0)
+  _check_decay(who, "gamma1", gamma1)
+  _check_decay(who, "gamma2", gamma2)
+  _check_decay(who, "gamma3", gamma3)
+  if total_steps is not None:
+    _checks.check_steps(who, "total_steps", total_steps)
+  _checks.check_number("eta_min", eta_min, who=who, low=0.0, high=1.0)
+  interval = _check_interval(who, reset_interval, allow_none=True)
+  scale_at = _Cosine(total_steps, eta_min)
+  return optax.chain(
+    clip_spikes_adaptive(gamma3, reset_interval=interval),
+    scale_by_norm_ema(
+      _Cosine(total_steps, eta_min, gamma1),
+      gamma2,
+      eps=eps,
+      reset_interval=interval,
+    ),
+    _scale_by_stable_spam_adam(b1, b2, eps, scale_at, interval),
+    optax.add_decayed_weights(cast(Any, weight_decay)),
+    optax.scale_by_learning_rate(cast(Any, learning_rate)),
+  )

@@ -1,0 +1,406 @@
+"""SPAM and Stable-SPAM against NumPy transcriptions of the authors' classes.
+
+The references (tests/np_spam_refs.py) run in float32 as the PyTorch classes
+do; each test runs enough steps to pass through several moment resets and
+warm-ups, with spikes injected so that the clipping triggers. ``python
+tests/test_spam.py`` prints the parity figures.
+"""
+
+import functools
+from typing import NamedTuple
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import np_spam_refs
+import optaxclip
+
+SHAPES = ((4, 5), (7,), ())
+STEPS = 40
+SPIKE_STEPS = (5, 14, 26, 33)  # 1-based; some right after resets
+
+SPAM_KW = dict(
+  b1=0.9,
+  b2=0.999,
+  eps=1e-6,
+  weight_decay=0.1,
+  threshold=50.0,
+  reset_interval=12,  # resets at t = 12, 24, 36
+  warmup_steps=5,
+  grad_accu_steps=3,
+)
+STABLE_KW = dict(
+  b1=0.9,
+  b2=0.999,
+  eps=1e-8,
+  weight_decay=0.1,
+  gamma1=0.7,
+  gamma2=0.9,
+  gamma3=0.999,
+  total_steps=STEPS,
+  eta_min=0.5,
+  reset_interval=10,  # resets at t = 10, 20, 30, 40
+)
+LR = 1e-2
+SPAM_TX = optaxclip.spam(LR, **SPAM_KW)
+STABLE_TX = optaxclip.stable_spam(LR, **STABLE_KW)
+
+
+def _params(seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+
+
+def _grads(seed=1, steps=STEPS, spikes=SPIKE_STEPS, size=1e3):
+  """Gaussian gradients; on the spike steps, a few coordinates of each
+  tensor are multiplied by ``size``.
+  """
+  rng = np.random.default_rng(seed)
+  out = []
+  for t in range(1, steps + 1):
+    step = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    if t in spikes:
+      for g in step:
+        flat = g.reshape(-1)
+        flat[rng.integers(0, flat.size, size=min(2, flat.size))] *= size
+    out.append(step)
+  return out
+
+
+def _as_tree(arrays):
+  return {f"p{i}": jnp.asarray(a) for i, a in enumerate(arrays)}
+
+
+def _from_tree(tree):
+  return [np.asarray(tree[f"p{i}"]) for i in range(len(tree))]
+
+
+def _run(tx, params, grads, update=None):
+  """Params after each step, and the states."""
+  trajectory, states, _ = _run_with_updates(tx, params, grads, update)
+  return trajectory, states
+
+
+def _run_with_updates(tx, params, grads, update=None):
+  update = tx.update if update is None else update
+  p = _as_tree(params)
+  state = tx.init(p)
+  trajectory, states, updates = [], [], []
+  for g in grads:
+    u, state = update(_as_tree(g), state, p)
+    p = optax.apply_updates(p, u)
+    trajectory.append(_from_tree(p))
+    states.append(state)
+    updates.append(_from_tree(u))
+  return trajectory, states, updates
+
+
+def _run_reference(ref, grads):
+  """Params after each step, the updates (differences of the params, in the
+  reference's dtype) and the count clipped on each step.
+  """
+  trajectory, updates, clipped = [], [], []
+  for g in grads:
+    before = [p.copy() for p in ref.params]
+    ref.step(g)
+    trajectory.append([p.copy() for p in ref.params])
+    updates.append([a - b for a, b in zip(ref.params, before)])
+    clipped.append(ref.clipped)
+  return trajectory, updates, clipped
+
+
+def _worst(ours, theirs, steps=None):
+  """The worst, over the steps (1-based) and tensors, of max |a - b| /
+  max |b|: the error relative to the tensor's size.
+  """
+  worst = 0.0
+  for t, (a, b) in enumerate(zip(ours, theirs)):
+    if steps is None or t + 1 in steps:
+      for x, y in zip(a, b):
+        scale = float(np.max(np.abs(y)))
+        worst = max(worst, float(np.max(np.abs(x - y))) / scale)
+  return worst
+
+
+class Parity(NamedTuple):
+  states: list
+  clipped: list  # by the float32 reference, each step
+  update_error: list  # per step: ours against the float64 reference
+  param_error: list  # per step: ours against the float32 reference
+
+
+def _parity(tx, make_ref):
+  params, grads = _params(), _grads()
+  ours, states, updates = _run_with_updates(tx, params, grads)
+  ref32, _, clipped = _run_reference(make_ref(params, np.float32), grads)
+  _, ref64_updates, clipped64 = _run_reference(
+    make_ref(params, np.float64), grads
+  )
+  assert clipped64 == clipped  # no decision on a float32 rounding edge
+  return Parity(
+    states,
+    clipped,
+    [_worst([u], [r]) for u, r in zip(updates, ref64_updates)],
+    [_worst([p], [r]) for p, r in zip(ours, ref32)],
+  )
+
+
+def spam_parity():
+  kw = SPAM_KW
+  return _parity(
+    SPAM_TX,
+    lambda params, dtype: np_spam_refs.SpamReference(
+      params,
+      lr=LR,
+      b1=kw["b1"],
+      b2=kw["b2"],
+      eps=kw["eps"],
+      weight_decay=kw["weight_decay"],
+      warmup_steps=kw["warmup_steps"],
+      threshold=kw["threshold"],
+      delta_t=kw["reset_interval"],
+      grad_accu_steps=kw["grad_accu_steps"],
+      dtype=dtype,
+    ),
+  )
+
+
+def stable_parity(rebind):
+  kw = STABLE_KW
+  return _parity(
+    STABLE_TX,
+    lambda params, dtype: np_spam_refs.StableSpamReference(
+      params,
+      lr=LR,
+      b1=kw["b1"],
+      b2=kw["b2"],
+      eps=kw["eps"],
+      weight_decay=kw["weight_decay"],
+      gamma1=kw["gamma1"],
+      gamma2=kw["gamma2"],
+      gamma3=kw["gamma3"],
+      total_t=kw["total_steps"],
+      eta_min=kw["eta_min"],
+      update_proj_gap=kw["reset_interval"],
+      rebind=rebind,
+      dtype=dtype,
+    ),
+  )
+
+
+# Each step's update within 1e-5 of its size of the float64 reference's, and
+# the parameters within 2e-6 of the float32 reference's: float32 precision.
+UPDATE_TOL, PARAM_TOL = 1e-5, 2e-6
+
+
+@functools.cache
+def _spam_run():
+  return spam_parity()
+
+
+@functools.cache
+def _stable_run(rebind):
+  return stable_parity(rebind)
+
+
+def test_spam_matches_the_reference_through_three_resets():
+  run = _spam_run()
+  assert max(run.update_error) < UPDATE_TOL
+  assert max(run.param_error) < PARAM_TOL
+  assert [int(s[0].clipped) for s in run.states] == run.clipped
+  assert sum(c > 0 for c in run.clipped) >= 4  # spikes, post-reset steps
+  assert int(run.states[-1][0].resets) == 3
+  scales = [float(s[0].scale) for s in run.states]
+  assert scales[11] == pytest.approx(0.01) and scales[10] == 1.0
+  assert scales[16] == 1.0 and 0.01 < scales[13] < 1.0
+
+
+def test_stable_spam_matches_the_reference_before_its_first_reset():
+  run = _stable_run(True)
+  assert max(run.update_error[:9]) < UPDATE_TOL
+  assert max(run.param_error[:9]) < PARAM_TOL
+  # At the reset step the reference steps from its old moments.
+  assert run.update_error[9] > 0.1
+
+
+def test_stable_spam_matches_the_paper_order_through_four_resets():
+  run = _stable_run(False)
+  assert max(run.update_error) < UPDATE_TOL
+  assert max(run.param_error) < PARAM_TOL
+  assert [int(s[0].clipped) for s in run.states] == run.clipped
+  assert sum(c > 0 for c in run.clipped) >= 4
+  assert int(run.states[-1][2].resets) == 4
+
+
+class VariantsTest(chex.TestCase):
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_same_updates_with_and_without_jit_and_no_retrace(self):
+    params, grads = _params(), _grads(steps=14)
+    for tx in (SPAM_TX, STABLE_TX):
+      traces = []
+
+      def update(g, state, p, tx=tx, traces=traces):
+        traces.append(1)
+        return tx.update(g, state, p)
+
+      ref, _ = _run(tx, params, grads)
+      ours, _ = _run(tx, params, grads, update=self.variant(update))
+      chex.assert_trees_all_close(ours, ref, rtol=1e-6, atol=1e-7)
+      # Traced once under jit: the state keeps its dtypes and shapes.
+      jitted = self.variant.type == chex.ChexVariantType.WITH_JIT
+      assert len(traces) == (1 if jitted else len(grads))
+
+
+def test_clip_spikes_before_adam_is_spam_without_resets():
+  params, grads = _params(), _grads(steps=20)
+  kw = dict(threshold=50.0, b2=0.999, reset_interval=1000, grad_accu_steps=3)
+  chained = optax.chain(
+    optaxclip.clip_spikes(**kw), optax.adam(LR, b1=0.9, b2=0.999, eps=0.0)
+  )
+  ours, states = _run(chained, params, grads)
+  spam, spam_states = _run(
+    optaxclip.spam(LR, eps=0.0, warmup_steps=5, **kw), params, grads
+  )
+  chex.assert_trees_all_close(ours, spam, rtol=1e-5, atol=1e-6)
+  assert [float(s[0].clipped) for s in states] == [
+    float(s[0].clipped) for s in spam_states
+  ]
+  assert sum(float(s[0].clipped) for s in states) > 0
+
+
+def test_stable_spam_parts_chain_before_adam():
+  params, grads = _params(), _grads(steps=20)
+  chained = optax.chain(
+    optaxclip.clip_spikes_adaptive(0.999),
+    optaxclip.scale_by_norm_ema(0.7, 0.9, eps=1e-8),
+    optax.adam(LR, b1=0.9, b2=0.999, eps=1e-8),
+  )
+  ours, _ = _run(chained, params, grads)
+  stable, _ = _run(
+    optaxclip.stable_spam(LR, reset_interval=None), params, grads
+  )
+  chex.assert_trees_all_close(ours, stable, rtol=1e-5, atol=1e-6)
+
+
+def test_stats_report_clipped_resets_and_scale():
+  p = _as_tree(_params())
+  spam, stable = SPAM_TX, STABLE_TX
+  s1, s2 = spam.init(p), stable.init(p)
+  for g in _grads(steps=13):
+    _, s1 = spam.update(_as_tree(g), s1, p)
+    _, s2 = stable.update(_as_tree(g), s2, p)
+  logs = optaxclip.stats(s1)
+  assert set(logs) == {
+    "spam/clipped",
+    "spam/clip_fraction",
+    "spam/resets",
+    "spam/scale",
+  }
+  assert int(logs["spam/resets"]) == 1
+  assert float(logs["spam/scale"]) == pytest.approx(
+    1 - 0.99 * (1 + np.cos(np.pi / 6)) / 2
+  )
+  assert set(optaxclip.stats(s2)) == {
+    "clip_spikes_adaptive/clipped",
+    "clip_spikes_adaptive/clip_fraction",
+    "scale_by_norm_ema/norm",
+    "scale_by_norm_ema/scaled_norm",
+    "scale_by_norm_ema/scale",
+    "stable_spam/resets",
+    "stable_spam/scale",
+  }
+
+
+def test_learning_rate_schedule_matches_the_reference_lr_per_step():
+  params, grads = _params(), _grads(steps=6, spikes=())
+  schedule = optax.linear_schedule(LR, 0.0, 6)
+  _, _, ours = _run_with_updates(
+    optaxclip.spam(schedule, **SPAM_KW), params, grads
+  )
+  ref = np_spam_refs.SpamReference(
+    params,
+    lr=LR,
+    eps=SPAM_KW["eps"],
+    weight_decay=SPAM_KW["weight_decay"],
+    warmup_steps=5,
+    threshold=50.0,
+    delta_t=12,
+    grad_accu_steps=3,
+    dtype=np.float64,
+  )
+  theirs = []
+  for t, g in enumerate(grads):
+    ref.lr = float(schedule(t))
+    before = [p.copy() for p in ref.params]
+    ref.step(g)
+    theirs.append([a - b for a, b in zip(ref.params, before)])
+  assert _worst(ours[:5], theirs[:5]) < UPDATE_TOL
+
+
+def test_stable_spam_cosine_holds_eta_min_after_total_steps():
+  from optaxclip import _spam  # pylint: disable=import-outside-toplevel
+
+  scales = np.asarray(_spam._Cosine(3, 0.25)(jnp.arange(6)))
+  expected = 0.25 + 0.75 * np.cos(np.pi * np.arange(1, 4) / 8) ** 2
+  np.testing.assert_allclose(scales[:3], expected, rtol=1e-6)
+  np.testing.assert_array_equal(scales[3:], [0.25] * 3)
+  # The parity run's factors: the reference's cosine at each step.
+  run = _stable_run(False)
+  ours = [float(s[2].scale) for s in run.states]
+  t = np.arange(1, STEPS + 1)
+  np.testing.assert_allclose(
+    ours, 0.5 + 0.5 * (1 + np.cos(np.pi * t / (STEPS + 1))) / 2, rtol=1e-6
+  )
+
+
+def test_zero_empty_none_and_bfloat16_leaves():
+  p = {
+    "zero": jnp.zeros(3),
+    "none": None,
+    "empty": jnp.zeros((0,)),
+    "half": jnp.ones((3, 2), jnp.bfloat16),
+  }
+  for tx in (
+    optaxclip.spam(LR, reset_interval=2, grad_accu_steps=1),
+    optaxclip.stable_spam(LR, reset_interval=2),
+  ):
+    state = tx.init(p)
+    for _ in range(3):
+      u, state = tx.update(p, state, p)
+    assert u["none"] is None and u["empty"].shape == (0,)
+    assert u["half"].dtype == jnp.bfloat16 and u["zero"].dtype == jnp.float32
+    for leaf in (u["zero"], u["half"]):
+      assert np.all(np.isfinite(np.asarray(leaf, np.float32)))
+  tx = optaxclip.stable_spam(LR)
+  assert tx.update({}, tx.init({}), {})[0] == {}
+
+
+def test_inject_hyperparams_learning_rate():
+  p = _as_tree(_params())
+  tx = optax.inject_hyperparams(optaxclip.spam)(learning_rate=LR, **SPAM_KW)
+  plain = SPAM_TX
+  s, s0 = tx.init(p), plain.init(p)
+  for g in _grads(steps=3, spikes=()):
+    u, s = tx.update(_as_tree(g), s, p)
+    u0, s0 = plain.update(_as_tree(g), s0, p)
+    # Traced b1, b2 are float32 (the plain ones enter the bias correction
+    # through float64 logarithms): 1 - b2 is 1.3e-5 off.
+    chex.assert_trees_all_close(u, u0, rtol=3e-5)
+
+
+if __name__ == "__main__":
+  for name, run in (
+    ("spam (3 resets)", spam_parity()),
+    ("stable_spam, paper order (4 resets)", stable_parity(False)),
+    ("stable_spam, reference as written", stable_parity(True)),
+  ):
+    print(
+      f"{name}: {STEPS} steps, {sum(run.clipped)} coordinates clipped on "
+      f"{sum(c > 0 for c in run.clipped)} steps; worst update error vs "
+      f"float64 {max(run.update_error):.2e} (steps 1-9: "
+      f"{max(run.update_error[:9]):.2e}), worst parameter error vs float32 "
+      f"{max(run.param_error):.2e}"
+    )

@@ -1,0 +1,327 @@
+"""leaf_stats= and layer_axis=: per-leaf and per-layer norms in the states,
+top_leaf_share / top_leaf, and their stats() keys.
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import np_refs
+import optaxclip
+
+TOL = 1e-5
+
+
+def _tree():
+  rng = np.random.default_rng(0)
+  return {
+    "blocks": {
+      "kernel": jnp.asarray(rng.normal(size=(4, 3, 5)), jnp.float32),
+      "bias": jnp.asarray(rng.normal(size=(4, 5)), jnp.float32),
+    },
+    "head": jnp.asarray(3.0 * rng.normal(size=(5, 2)), jnp.float32),
+    "scale": jnp.asarray(rng.normal(size=(5,)), jnp.float32),
+    "tiny": jnp.asarray(rng.normal(size=(5,)), jnp.bfloat16),
+  }
+
+
+def _params():
+  return jax.tree.map(lambda x: jnp.ones_like(x) * 2, _tree())
+
+
+# name -> (factory(**kwargs), ord, extra kwargs). The ord is that of the
+# leaf norms each clipper reports.
+CLIPPERS = {
+  "clip_global": (optaxclip.clip_global, 2.0, {"max_norm": 1.0}),
+  "clip_global_ord1": (
+    optaxclip.clip_global,
+    1.0,
+    {"max_norm": 1.0, "ord": 1},
+  ),
+  "clip_global_inf": (
+    optaxclip.clip_global,
+    np.inf,
+    {"max_norm": 1.0, "ord": np.inf},
+  ),
+}
+
+LAYERS = {"blocks": 0, "head": None, "scale": None, "tiny": None}
+
+
+def _expected(tree, ord, layers=None):
+  leaves = jax.tree.leaves(tree)
+  axes = None
+  if layers is not None:
+    axes = optaxclip._telemetry.layer_axes("test", tree, layers)
+  return np_refs.leaf_norms(leaves, ord, axes)
+
+
+def _flat_norms(state):
+  return np.concatenate(
+    [np.ravel(np.asarray(x)) for x in jax.tree.leaves(state.leaf_norms)]
+  )
+
+
+class LeafNormsTest(chex.TestCase, parameterized.TestCase):
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(
+    *[(f"{n}_{k}", n, k) for n in CLIPPERS for k in ("leaf", "layer")]
+  )
+  def test_leaf_norms_match_numpy(self, name, layered):
+    make, ord_, kwargs = CLIPPERS[name]
+    layers = LAYERS if layered == "layer" else None
+    tx = make(**kwargs, leaf_stats=True, layer_axis=layers)
+    plain = make(**kwargs)
+    g, p = _tree(), _params()
+    out, state = self.variant(tx.update)(g, tx.init(p), p)
+    want_out, want_state = plain.update(g, plain.init(p), p)
+    chex.assert_trees_all_close(out, want_out, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(state.norm, want_state.norm, rtol=TOL)
+    expected = _expected(g, ord_, layers)
+    got = _flat_norms(state)
+    self.assertEqual(got.dtype, np.float32)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    share, index = np_refs.top_leaf(expected, ord_)
+    np.testing.assert_allclose(state.top_leaf_share, share, rtol=1e-5)
+    self.assertEqual(int(state.top_leaf), index)
+    self.assertEqual(state.top_leaf.dtype, jnp.int32)
+    if layered == "layer":
+      self.assertEqual(state.leaf_norms["blocks"]["kernel"].shape, (4,))
+      self.assertEqual(state.leaf_norms["head"].shape, ())
+
+  @parameterized.named_parameters(*[(n, n) for n in CLIPPERS])
+  def test_off_keeps_none(self, name):
+    make, _, kwargs = CLIPPERS[name]
+    tx = make(**kwargs)
+    g, p = _tree(), _params()
+    _, state = tx.update(g, tx.init(p), p)
+    self.assertIsNone(state.leaf_norms)
+    self.assertIsNone(state.top_leaf_share)
+    self.assertIsNone(state.top_leaf)
+    self.assertFalse(any("leaf" in k for k in optaxclip.stats(state)))
+
+  @parameterized.named_parameters(*[(n, n) for n in CLIPPERS])
+  def test_second_step_does_not_retrace_nor_transfer(self, name):
+    make, _, kwargs = CLIPPERS[name]
+    tx = optax.chain(
+      make(**kwargs, leaf_stats=True, layer_axis=LAYERS), optax.sgd(0.1)
+    )
+    traces = []
+
+    @jax.jit
+    def step(p, s, g):
+      traces.append(1)
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s, optaxclip.stats(s)
+
+    p, g = _params(), _tree()
+    s = tx.init(p)
+    p, s, _ = step(p, s, g)
+    with jax.transfer_guard("disallow"):
+      p, s, logs = step(p, s, g)
+    self.assertLen(traces, 1)
+    self.assertIn(f"{make.__name__}/leaf_norm/blocks/kernel/3", logs)
+
+
+class StatsKeysTest(absltest.TestCase):
+  def test_keys_paths_layers_and_prefix(self):
+    g = _tree()
+    tx = optax.chain(
+      optaxclip.clip_global(1.0, leaf_stats=True, layer_axis=LAYERS),
+      optax.sgd(1.0),
+    )
+    _, state = tx.update(g, tx.init(g), g)
+    logs = optaxclip.stats(state, prefix="train/")
+    leaf_keys = [k for k in logs if "/leaf_norm/" in k]
+    self.assertEqual(
+      leaf_keys,
+      [f"train/clip_global/leaf_norm/blocks/bias/{k}" for k in range(4)]
+      + [f"train/clip_global/leaf_norm/blocks/kernel/{k}" for k in range(4)]
+      + [
+        "train/clip_global/leaf_norm/head",
+        "train/clip_global/leaf_norm/scale",
+        "train/clip_global/leaf_norm/tiny",
+      ],
+    )
+    self.assertIn("train/clip_global/top_leaf_share", logs)
+    self.assertNotIn("train/clip_global/top_leaf", logs)
+    for value in logs.values():
+      self.assertEqual(np.shape(value), ())
+    names, values = optaxclip.leaf_norm_table(state, prefix="train")
+    self.assertEqual(names, leaf_keys)
+    self.assertEqual(values.shape, (len(names),))
+    np.testing.assert_array_equal(values, [logs[k] for k in names])
+
+  def test_nested_clippers_keep_their_prefixes(self):
+    g = {"w": jnp.array([3.0, 4.0])}
+    tx = optaxclip.guard(
+      optax.chain(
+        optaxclip.clip_global(1.0, leaf_stats=True),
+        optaxclip.clip_global(10.0, leaf_stats=True),
+      ),
+      max_norm=100.0,
+    )
+    _, state = tx.update(g, tx.init(g))
+    logs = optaxclip.stats(state)
+    self.assertIn("inner_state/0/clip_global/leaf_norm/w", logs)
+    np.testing.assert_allclose(
+      logs["inner_state/1/clip_global/leaf_norm/w"], 1.0
+    )
+    names, values = optaxclip.leaf_norm_table(state)
+    self.assertLen(names, 2)
+    np.testing.assert_allclose(values, [5.0, 1.0], rtol=1e-6)
+
+  def test_no_leaf_norms_gives_an_empty_table(self):
+    tx = optaxclip.clip_global(1.0)
+    g = {"w": jnp.ones(2)}
+    names, values = optaxclip.leaf_norm_table(tx.update(g, tx.init(g))[1])
+    self.assertEqual((names, values.shape), ([], (0,)))
+
+  def test_prefix_must_be_a_string(self):
+    with self.assertRaisesRegex(TypeError, r"^stats: prefix must be a str"):
+      optaxclip.stats({}, prefix=3)
+
+
+class LayerAxisTest(parameterized.TestCase):
+  def test_callable_prefix_and_int_agree(self):
+    g = {"a": jnp.ones((3, 2)), "b": jnp.arange(6.0).reshape(3, 2)}
+    by_int = optaxclip.clip_global(1.0, leaf_stats=True, layer_axis=0)
+    by_prefix = optaxclip.clip_global(
+      1.0, leaf_stats=True, layer_axis={"a": 0, "b": 0}
+    )
+    by_fn = optaxclip.clip_global(
+      1.0, leaf_stats=True, layer_axis=lambda path, leaf: 0
+    )
+    states = [tx.update(g, tx.init(g))[1] for tx in (by_int, by_prefix, by_fn)]
+    for s in states[1:]:
+      chex.assert_trees_all_equal(s.leaf_norms, states[0].leaf_norms)
+    np.testing.assert_allclose(
+      states[0].leaf_norms["b"],
+      np.linalg.norm(np.arange(6.0).reshape(3, 2), axis=1),
+      rtol=1e-6,
+    )
+
+  @parameterized.parameters(
+    (
+      {"a": 2},
+      ValueError,
+      r"^clip_global: layer_axis must be an axis of the leaf \['a'\]",
+    ),
+    (
+      {"b": 0},
+      ValueError,
+      r"^clip_global: layer_axis must be a pytree prefix of the updates",
+    ),
+    ({"a": "x"}, TypeError, r"^clip_global: layer_axis must be an int or None"),
+    (1.5, TypeError, r"^clip_global: layer_axis must be an int or None"),
+    (True, TypeError, r"^clip_global: layer_axis must be an int or None"),
+  )
+  def test_bad_layer_axis(self, layer_axis, error, message):
+    g = {"a": jnp.ones((3, 2))}
+    with self.assertRaisesRegex(error, message):
+      tx = optaxclip.clip_global(1.0, leaf_stats=True, layer_axis=layer_axis)
+      tx.update(g, tx.init(g))
+
+  def test_layer_axis_needs_leaf_stats(self):
+    with self.assertRaisesRegex(
+      ValueError, r"^clip_global: layer_axis must come with leaf_stats=True"
+    ):
+      optaxclip.clip_global(1.0, layer_axis=0)
+    with self.assertRaisesRegex(
+      TypeError, r"^clip_global: leaf_stats must be a bool; got 1"
+    ):
+      optaxclip.clip_global(1.0, leaf_stats=1)
+
+
+class NumericsTest(absltest.TestCase):
+  def test_a_leaf_norm_beyond_float32_reads_inf_and_the_clip_stays_exact(self):
+    g = {"big": jnp.full((4,), 3e38, jnp.float32), "small": jnp.ones(3)}
+    tx = optaxclip.clip_global(1.0, leaf_stats=True)
+    out, state = tx.update(g, tx.init(g))
+    self.assertEqual(float(state.leaf_norms["big"]), np.inf)
+    np.testing.assert_allclose(state.leaf_norms["small"], np.sqrt(3), rtol=1e-6)
+    np.testing.assert_allclose(out["big"], 0.5, rtol=1e-6)
+    self.assertEqual(int(state.top_leaf), 0)
+    np.testing.assert_allclose(state.top_leaf_share, 1.0, rtol=1e-6)
+
+  def test_nan_leaf_is_the_top_leaf(self):
+    g = {"a": jnp.ones(2), "b": jnp.array([jnp.nan, 1.0])}
+    tx = optaxclip.clip_global(1.0, leaf_stats=True)
+    _, state = tx.update(g, tx.init(g))
+    self.assertEqual(int(state.top_leaf), 1)
+    self.assertTrue(np.isnan(state.top_leaf_share))
+    self.assertTrue(np.isnan(state.leaf_norms["b"]))
+
+  def test_zero_update(self):
+    g = {"a": jnp.zeros(2), "b": jnp.zeros((2, 2))}
+    tx = optaxclip.clip_global(1.0, leaf_stats=True, layer_axis=0)
+    _, state = tx.update(g, tx.init(g))
+    self.assertEqual(float(state.top_leaf_share), 0.0)
+    np.testing.assert_array_equal(_flat_norms(state), np.zeros(4))
+
+  def test_gradient_through_update_is_finite_at_zero(self):
+    tx = optaxclip.clip_global(1.0, leaf_stats=True, layer_axis={"a": 0})
+    g = {"a": jnp.zeros((2, 3))}
+    s = tx.init(g)
+    grad = jax.grad(lambda g: jnp.sum(tx.update(g, s)[0]["a"]))(g)
+    self.assertTrue(np.all(np.isfinite(grad["a"])))
+
+
+def test_old_checkpoint_upgrades_into_a_leaf_stats_state():
+  g = {"w": jnp.ones((2, 3))}
+  template = optaxclip.clip_global(1.0, leaf_stats=True, layer_axis=0).init(g)
+  saved = {"norm": 2.0, "clipped_norm": 1.0, "clip_fraction": 1.0}
+  state = optaxclip.upgrade_state(saved, template)
+  assert isinstance(state, optaxclip.ClipGlobalState)
+  assert float(state.norm) == 2.0
+  assert state.leaf_norms["w"].shape == (2,)
+  assert state.top_leaf.dtype == jnp.int32
+
+
+SHARD_CLIPPERS = {
+  "clip_global": lambda **kw: optaxclip.clip_global(1.0, **kw),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARD_CLIPPERS))
+def test_sharded_leaf_norms_equal_one_device(name):
+  P = jax.sharding.PartitionSpec
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  rng = np.random.default_rng(1)
+  g = {
+    "stack": jnp.asarray(rng.normal(size=(3, 16, 4)), jnp.float32),
+    "w": jnp.asarray(rng.normal(size=(8, 2)), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
+  }
+  specs = {"stack": P(None, "d"), "w": P("d"), "b": P()}
+  layers = {"stack": 0, "w": None, "b": None}
+  make = SHARD_CLIPPERS[name]
+
+  def run(g, mapped):
+    kw = {"axis_name": "d", "sharded": specs} if mapped else {}
+    tx = make(leaf_stats=True, layer_axis=layers, **kw)
+    return tx.update(g, tx.init(g), g)[1]
+
+  want = jax.jit(functools.partial(run, mapped=False))(g)
+  mapped = jax.shard_map(
+    functools.partial(run, mapped=True),
+    mesh=mesh,
+    in_specs=(specs,),
+    out_specs=P(),
+  )
+  got = jax.jit(mapped)(g)
+  chex.assert_trees_all_close(got.leaf_norms, want.leaf_norms, rtol=TOL)
+  np.testing.assert_allclose(got.top_leaf_share, want.top_leaf_share, rtol=TOL)
+  assert int(got.top_leaf) == int(want.top_leaf)
+  np.testing.assert_allclose(got.norm, want.norm, rtol=TOL)
+
+
+if __name__ == "__main__":
+  absltest.main()
