@@ -565,7 +565,11 @@ class UnitLayout:
   leaves themselves are never sliced back out of a concatenation).
   """
 
-  def __init__(self, leaves, axes, keys):
+  def __init__(self, leaves, axes, keys, several_units: bool = False):
+    """``several_units``: pack leaves of several units too (otherwise they
+    are parts of their own, as for callers that read parts' values as one
+    per leaf; :meth:`unpack` and :meth:`scale` handle both).
+    """
     self.shapes = [tuple(x.shape) for x in leaves]
     self.axes = [_reduce_axes(x, ax) for x, ax in zip(leaves, axes)]
     # Per part: ("rows" or "stack", [(leaf, row offset, rows)], key) or
@@ -578,6 +582,9 @@ class UnitLayout:
         continue
       unit = math.prod(x.shape[d] for d in ax)
       n = x.size // unit
+      if n > 1 and not several_units:
+        self.parts.append(("leaf", i, key))
+        continue
       acc = accumulation_dtype(x.dtype)
       # Leaves of a part have the same number of units: each takes its
       # units' values back as one row of a (leaves, units) matrix.
@@ -873,17 +880,19 @@ def unit_norms_packed(
   axis_name: AxisName = None,
   sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
   keys: Optional[Sequence[Any]] = None,
+  several_units: bool = False,
 ) -> tuple[UnitLayout, list[Scaled]]:
   """:func:`unit_norms_scaled` as ``(layout, norms per part)`` (see UnitLayout).
 
   ``keys``: per leaf, a hashable that leaves stacked together must share
   (beyond their unit size, dtype and ``sharded`` entry).
+  ``several_units``: stack leaves of several units too (see UnitLayout).
   """
   leaves = list(leaves)
   axes = [None] * len(leaves) if axes is None else list(axes)
   flags = _sharded_flags(leaves, sharded, axis_name)
   keys = [None] * len(leaves) if keys is None else list(keys)
-  layout = UnitLayout(leaves, axes, list(zip(flags, keys)))
+  layout = UnitLayout(leaves, axes, list(zip(flags, keys)), several_units)
   return layout, _part_norms(
     layout.pack(leaves),
     ord,

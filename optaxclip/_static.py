@@ -373,6 +373,7 @@ def clip_norm(
       axis_name=axis_name,
       sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)],
       keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)],
+      several_units=True,
     )
     out, stats = _per_unit_clip(
       leaves, layout, norms, [max_norm] * len(norms), p
@@ -728,6 +729,7 @@ def clip_unitwise(
       axis_name=axis_name,
       sharded=flags,
       keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)],
+      several_units=True,
     )
     w_norms = _norms.part_norms(layout, param_leaves, 2.0, axis_name=axis_name)
     limits = [_unitwise_limit(w, clipping, eps) for w in w_norms]
