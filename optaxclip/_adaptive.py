@@ -41,10 +41,12 @@ import optax
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _schedules
 from optaxclip import _static
 from optaxclip import _stats
 from optaxclip._typing import AxisName
 from optaxclip._typing import Scalar
+from optaxclip._typing import ScalarOrSchedule
 from optaxclip._typing import Scope
 
 _F32 = jnp.float32
@@ -75,6 +77,8 @@ class ClipZscoreState(NamedTuple):
     var: the variance of the norm, likewise.
     consecutive_spikes: spikes in a row clipped so far, per unit.
     restarts: how often a unit's statistics restarted at a new level.
+    step: updates so far (int32, saturating): the step at which a schedule
+      of ``z_thresh`` or ``max_norm`` is evaluated.
   """
 
   norm: jax.Array  # float scalar
@@ -86,6 +90,7 @@ class ClipZscoreState(NamedTuple):
   var: jax.Array  # float: as mean
   consecutive_spikes: jax.Array  # int32: as mean
   restarts: jax.Array  # int32 scalar
+  step: jax.Array  # int32 scalar
 
 
 @_stats.register("clip_percentile", ADAPTIVE_FIELDS)
@@ -106,6 +111,8 @@ class ClipPercentileState(NamedTuple):
       zero norm, which does not count.
     ordered: the same values as ``history``, sorted along the first axis
       (kept so that a step costs one insertion and one removal, no sort).
+    count: updates so far (int32, saturating): the step at which a
+      schedule of ``percentile`` is evaluated.
   """
 
   norm: jax.Array  # float scalar
@@ -116,6 +123,7 @@ class ClipPercentileState(NamedTuple):
   index: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
   history: jax.Array  # float, (history,) or (history, n_leaves)
   ordered: jax.Array  # float: as history
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
 
 
 @_stats.register("clip_relative", (*ADAPTIVE_FIELDS, "restarts"))
@@ -135,6 +143,8 @@ class ClipRelativeState(NamedTuple):
       a nonzero gradient).
     consecutive_clips: per leaf, steps in a row clipped after the warm-up.
     restarts: how often a leaf's ``gamma`` restarted at a new level.
+    step: updates so far (int32, saturating): the step at which a schedule
+      of ``factor`` or ``warmup_max_norm`` is evaluated.
   """
 
   norm: jax.Array  # float scalar
@@ -145,6 +155,7 @@ class ClipRelativeState(NamedTuple):
   gamma: jax.Array  # float, (n_leaves,)
   consecutive_clips: jax.Array  # int32, (n_leaves,)
   restarts: jax.Array  # int32 scalar
+  step: jax.Array  # int32 scalar
 
 
 # --- Shared pieces ------------------------------------------------------------
@@ -283,8 +294,13 @@ def _keep_if(finite: jax.Array, new, old):
   return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
-def _no_limit(max_norm: Any) -> Any:
-  return math.inf if max_norm is None else max_norm
+def _nan_if_nan(limit: Any, value: Any) -> Any:
+  """``limit``, or NaN where the hyperparameter ``value`` (a schedule's or
+  an injected one) is NaN: the non-finite policy, not a silent pass.
+  """
+  if not isinstance(value, jax.Array):
+    return limit
+  return jnp.where(jnp.isnan(value), jnp.nan, limit)
 
 
 def welford(count, mean, var, x):
@@ -456,8 +472,8 @@ def add_count(total: jax.Array, n: jax.Array) -> jax.Array:
 def clip_zscore(
   *,
   alpha: Scalar = 0.97,
-  z_thresh: Scalar = 2.5,
-  max_norm: Optional[Scalar] = None,
+  z_thresh: ScalarOrSchedule = 2.5,
+  max_norm: Optional[ScalarOrSchedule] = None,
   eps: Scalar = 1e-6,
   warmup_steps: Scalar = 25,
   mode: Literal["zscore", "percentile"] = "zscore",
@@ -519,9 +535,14 @@ def clip_zscore(
 
   Args:
     alpha: EMA smoothing of the norm's mean and variance, in (0, 1).
-    z_thresh: the z-score above which a norm is a spike (> 0).
+    z_thresh: the z-score above which a norm is a spike (> 0): a number or
+      a schedule (``step -> value``; values below 0 count as 0, where
+      every norm above the mean is a spike clipped to the mean), evaluated
+      at this clipper's step count (0 on the first update).
     max_norm: a fixed cap on the norm (on each leaf's with
-      ``scope="leaf"``), applied during warm-up too; ``None`` for none.
+      ``scope="leaf"``), applied during warm-up too: a number or a
+      schedule, likewise (one that reaches 0 gives zero updates); ``None``
+      for none.
     eps: added to the standard deviation in the z-score (>= 0).
     warmup_steps: steps whose norms start the statistics (>= 1).
     mode: ``"zscore"`` or ``"percentile"`` (see above).
@@ -562,9 +583,9 @@ def clip_zscore(
   """
   who = "clip_zscore"
   _checks.check_probability("alpha", alpha, who=who)
-  _checks.check_number("z_thresh", z_thresh, who=who, low=0.0, low_open=True)
-  _checks.check_number(
-    "max_norm", max_norm, who=who, low=0.0, allow_inf=True, allow_none=True
+  _schedules.check(who, "z_thresh", z_thresh, low=0.0, low_open=True)
+  _schedules.check(
+    who, "max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
   )
   _checks.check_number("eps", eps, who=who, low=0.0)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
@@ -581,7 +602,6 @@ def clip_zscore(
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
   _checks.check_steps(who, "patience", patience)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
-  cap = _no_limit(max_norm)
 
   def init_fn(params):
     shape = _unit_shape(params, scope)
@@ -593,9 +613,10 @@ def clip_zscore(
       var=jnp.zeros(shape, dtype),
       consecutive_spikes=jnp.zeros(shape, jnp.int32),
       restarts=jnp.zeros((), jnp.int32),
+      step=jnp.zeros((), jnp.int32),
     )
 
-  def spike_rule(g, mean, var):
+  def spike_rule(g, mean, var, z_thresh):
     """Returns (spike?, value to clip to on a spike, spike boundary)."""
     std = jnp.sqrt(var)
     if mode == "percentile":
@@ -625,9 +646,15 @@ def clip_zscore(
     mean = state.mean.astype(measured.dtype)
     var = state.var.astype(measured.dtype)
     warming = state.count < warmup_steps
+    z_now = _schedules.value_at(z_thresh, state.step, who=who, name="z_thresh")
+    cap = (
+      math.inf
+      if max_norm is None
+      else _schedules.value_at(max_norm, state.step, who=who, name="max_norm")
+    )
 
     # After warm-up: detect a spike against the statistics so far.
-    spike, value, boundary = spike_rule(g, mean, var)
+    spike, value, boundary = spike_rule(g, mean, var, z_now)
     spike = spike & ~warming & measured.unit_finite
     no_scale = var == 0  # equal norms so far: no spread to judge by
     restart = spike & ((state.consecutive_spikes >= patience) | no_scale)
@@ -645,7 +672,7 @@ def clip_zscore(
     )
 
     limit = jnp.minimum(jnp.where(spike, value, jnp.inf), cap)
-    new_updates, stats = measured.clip(limit)
+    new_updates, stats = measured.clip(_nan_if_nan(limit, z_now))
     threshold = jnp.minimum(jnp.where(warming, jnp.inf, boundary), cap)
     stats = stats[:3] + (_total(threshold, state.mean.dtype),)
     return new_updates, ClipZscoreState(
@@ -657,6 +684,7 @@ def clip_zscore(
       restarts=jnp.where(
         finite, add_count(state.restarts, restart), state.restarts
       ),
+      step=_schedules.next_count(state.step),
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
@@ -752,7 +780,7 @@ def _as_is(history, ordered, filled):
 
 @_compiled.compiled_once
 def clip_percentile(
-  percentile: Scalar = 10.0,
+  percentile: ScalarOrSchedule = 10.0,
   *,
   history: int = 1024,
   scope: Scope = "global",
@@ -781,7 +809,9 @@ def clip_percentile(
 
   Args:
     percentile: which percentile of the recent norms to clip to, in
-      [0, 100]; the paper recommends 10.
+      [0, 100]; the paper recommends 10. A number or a schedule (``step ->
+      value``; values outside [0, 100] count as the nearer end), evaluated
+      at this clipper's step count (0 on the first update).
     history: how many recent norms to keep (>= 1); the state holds twice
       this many values (per leaf with ``scope="leaf"``) in the statistics
       dtype.
@@ -809,7 +839,7 @@ def clip_percentile(
     (2.5, Array([2.5], dtype=float32))
   """
   who = "clip_percentile"
-  _checks.check_number("percentile", percentile, who=who, low=0.0, high=100.0)
+  _schedules.check(who, "percentile", percentile, low=0.0, high=100.0)
   history = _checks.check_count(who, "history", history)
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
@@ -823,6 +853,7 @@ def clip_percentile(
       index=jnp.zeros((), jnp.int32),
       history=jnp.full(shape, jnp.inf, dtype),
       ordered=jnp.full(shape, jnp.inf, dtype),
+      count=jnp.zeros((), jnp.int32),
     )
 
   def update_fn(updates, state, params=None):
@@ -865,10 +896,18 @@ def clip_percentile(
       (state.history, state.ordered, state.filled, state.index),
     )
     counted = jnp.sum(ordered < jnp.inf, axis=0, dtype=jnp.int32)
-    threshold = percentile_sorted(ordered, counted, percentile)
+    q = _schedules.value_at(
+      percentile, state.count, who=who, name="percentile", high=100.0
+    )
+    threshold = _nan_if_nan(percentile_sorted(ordered, counted, q), q)
     new_updates, stats = measured.clip(threshold.astype(measured.dtype))
     return new_updates, ClipPercentileState(
-      *stats, filled=filled, index=index, history=recorded, ordered=ordered
+      *stats,
+      filled=filled,
+      index=index,
+      history=recorded,
+      ordered=ordered,
+      count=_schedules.next_count(state.count),
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
@@ -879,11 +918,11 @@ def clip_percentile(
 
 @_compiled.compiled_once
 def clip_relative(
-  factor: Scalar = 1.05,
+  factor: ScalarOrSchedule = 1.05,
   *,
   beta: Scalar = 0.98,
   warmup_steps: Scalar = 100,
-  warmup_max_norm: Scalar = 1.0,
+  warmup_max_norm: ScalarOrSchedule = 1.0,
   patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
@@ -915,11 +954,15 @@ def clip_relative(
 
   Args:
     factor: the relative threshold (``lambda_rel`` in the paper; >= 1:
-      below 1 every leaf's limit, and so its update, decays to zero).
+      below 1 every leaf's limit, and so its update, decays to zero). A
+      number or a schedule (``step -> value``), evaluated at this
+      clipper's step count (0 on the first update); a schedule's values
+      are not held to >= 1 (below 0 they count as 0). A step clipped by a
+      limit of 0 gives a zero update and leaves ``gamma`` as it was.
     beta: EMA smoothing of each ``gamma_i``, in (0, 1).
     warmup_steps: steps of global clipping that set the ``gamma_i`` (>= 1).
     warmup_max_norm: the global norm limit during warm-up (``lambda_abs``;
-      >= 0).
+      >= 0): a number or a schedule, likewise.
     patience: clipped steps in a row, per leaf, before a lasting new level
       is accepted (>= 1).
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
@@ -947,18 +990,18 @@ def clip_relative(
     (Array([1.2], dtype=float32), Array([0.8], dtype=float32))
   """
   who = "clip_relative"
-  _checks.check_number(
+  _schedules.check(
+    who,
     "factor",
     factor,
-    who=who,
     low=1.0,
     why="below 1 a leaf's limit is under its own recent clipped norm: every"
     " step is clipped and the limit keeps shrinking",
   )
   _checks.check_probability("beta", beta, who=who)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
-  _checks.check_number(
-    "warmup_max_norm", warmup_max_norm, who=who, low=0.0, allow_inf=True
+  _schedules.check(
+    who, "warmup_max_norm", warmup_max_norm, low=0.0, allow_inf=True
   )
   _checks.check_steps(who, "patience", patience)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
@@ -972,6 +1015,7 @@ def clip_relative(
       gamma=jnp.full(shape, jnp.inf, dtype),
       consecutive_clips=jnp.zeros(shape, jnp.int32),
       restarts=jnp.zeros((), jnp.int32),
+      step=jnp.zeros((), jnp.int32),
     )
 
   def update_fn(updates, state, params=None):
@@ -987,6 +1031,10 @@ def clip_relative(
     )
     norms, finite = measured.stat_norm, measured.finite
     gamma = state.gamma.astype(measured.dtype)
+    factor_now = _schedules.value_at(factor, state.step, who=who, name="factor")
+    warmup_max_norm_now = _schedules.value_at(
+      warmup_max_norm, state.step, who=who, name="warmup_max_norm"
+    )
     warming = state.count < warmup_steps
     total = _norms.combine_norms([norms])
     # Each leaf's share of the global limit, norm_i / total * limit: the
@@ -994,10 +1042,13 @@ def clip_relative(
     # (limit / total is subnormal for a total above ~1e38 in float32).
     share = _norms.clip_scale(total, norms).as_float()
     warm_limit = jnp.where(
-      total > warmup_max_norm, share * warmup_max_norm, jnp.inf
+      total > warmup_max_norm_now, share * warmup_max_norm_now, jnp.inf
     )
-    relative = factor * gamma
+    # A factor of 0 (a schedule's) is a limit of 0 also where gamma is
+    # still +inf (0 * inf would be NaN).
+    relative = jnp.where(factor_now == 0, 0.0, factor_now * gamma)
     over = ~warming & (norms > relative) & measured.unit_finite
+    over = over & (factor_now > 0)  # a zero limit is not a new level
     restart = over & (state.consecutive_clips >= patience)
     over = over & ~restart
     limit = jnp.where(
@@ -1005,16 +1056,19 @@ def clip_relative(
     )
     new_updates, stats = measured.clip(limit)
     clipped = jnp.minimum(norms, limit)
+    # A limit of 0 (a zero factor or warm-up limit) says nothing of the
+    # norm's scale: gamma stays, as for a zero norm.
+    scaled = (norms > 0) & (limit > 0)
     unseen = jnp.isinf(gamma)  # no nonzero norm yet
     new_gamma = jnp.where(
       warming,
       jnp.minimum(gamma, clipped),
       jnp.where(unseen | restart, clipped, beta * gamma + (1 - beta) * clipped),
     )
-    new_gamma = jnp.where(norms > 0, new_gamma, gamma)  # zero: no scale
+    new_gamma = jnp.where(scaled, new_gamma, gamma)  # zero: no scale
     threshold = jnp.where(
       warming,
-      jnp.asarray(warmup_max_norm, stats[3].dtype),
+      jnp.asarray(warmup_max_norm_now, stats[3].dtype),
       _total(relative, stats[3].dtype),
     )
     count, new_gamma, restarts = _keep_if(
@@ -1033,6 +1087,7 @@ def clip_relative(
       gamma=new_gamma,
       consecutive_clips=streak(state.consecutive_clips, over, finite),
       restarts=restarts,
+      step=_schedules.next_count(state.step),
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))

@@ -17,6 +17,7 @@ from optaxclip import _ghost
 from optaxclip import _norms
 from optaxclip import _per_example
 from optaxclip import _stats
+from optaxclip._typing import ScalarOrSchedule
 
 WHO = "clipped_grad"
 
@@ -558,6 +559,9 @@ class DpNoiseState(NamedTuple):
       :func:`clipped_grad` function as ``l2_clip=``).
     key: the random key of the noise.
     nonfinite: the number of examples left out for a non-finite gradient.
+    threshold: the clip norm this step used.
+    count: updates so far (int32, saturating), the step at which a
+      schedule is evaluated.
   """
 
   norm: jax.Array  # float32 scalar
@@ -566,10 +570,12 @@ class DpNoiseState(NamedTuple):
   clip_norm: jax.Array  # float32 scalar
   key: jax.Array  # a PRNG key
   nonfinite: jax.Array  # int32 scalar
+  threshold: jax.Array  # float32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
 
 
 def dp_noise(
-  l2_clip: float,
+  l2_clip: ScalarOrSchedule,
   *,
   noise_multiplier: float = 0.0,
   seed: int = 0,
@@ -592,7 +598,11 @@ def dp_noise(
   ``l2_clip=`` (a scalar clip norm only). No privacy accounting is done.
 
   Args:
-    l2_clip: the clip norm ``C`` (its starting value when adaptive).
+    l2_clip: the clip norm ``C``: a number or a schedule (``step ->
+      value``), evaluated at this transformation's step count (0 on the
+      first update; ``state.clip_norm`` holds the next step's value, to
+      pass to the clipped-gradient function); a number, its starting
+      value, when adaptive.
     noise_multiplier: noise standard deviation in units of ``C`` (>= 0).
     seed: seeds the key kept in the state.
     target_quantile: the share of examples to leave unclipped, or ``None``.
@@ -611,9 +621,7 @@ def dp_noise(
     >>> float(state.clip_fraction), float(state.clipped_norm)
     (0.5, 0.75)
   """
-  _checks.check_number(
-    "l2_clip", l2_clip, who="dp_noise", low=0.0, allow_inf=True
-  )
+  _per_example.check_l2_clip("dp_noise", l2_clip, target_quantile)
   _checks.check_number(
     "noise_multiplier", noise_multiplier, who="dp_noise", low=0.0
   )
@@ -652,11 +660,7 @@ def dp_noise(
     _per_example.check_batch_for_count_noise(
       "dp_noise", batch, noise_multiplier, adaptive, no_noise
     )
-    clip = (
-      state.clip_norm
-      if adaptive
-      else jnp.asarray(l2_clip, jnp.float32).reshape(())
-    )
+    clip = _per_example.clip_at("dp_noise", l2_clip, state, adaptive)
     real = (
       None
       if is_padding_example is None
@@ -678,7 +682,7 @@ def dp_noise(
     )
     out = [s.astype(jnp.asarray(x).dtype) for s, x in zip(noised.out, leaves)]
     return jax.tree.unflatten(treedef, out), _per_example.state_from_counts(
-      DpNoiseState, counts, batch, noised
+      DpNoiseState, counts, batch, noised, clip, state, l2_clip
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -13,9 +13,11 @@ import optax
 from optaxclip import _adaptive
 from optaxclip import _checks
 from optaxclip import _compiled
+from optaxclip import _schedules
 from optaxclip import _stats
 from optaxclip._typing import AxisName
 from optaxclip._typing import Scalar
+from optaxclip._typing import ScalarOrSchedule
 from optaxclip._typing import Scope
 
 Window = _adaptive.Window
@@ -86,7 +88,9 @@ class GuardState(NamedTuple):
       ``skip_nonfinite=False`` they pass and are still counted here).
     consecutive_skips: skipped steps in a row, ending with this one (0 when
       this step went through).
-    count: finite norms gathered for the warm-up, at most ``warmup_steps``.
+    count: finite norms gathered for the warm-up, at most ``warmup_steps``
+      (with ``window``: norms of steps that went through, back to 1 when the
+      window restarts).
     mean: the mean of the norm (the warm-up's plain mean, then an EMA; with
       ``window``, the mean of the window).
     var: the variance of the norm, likewise.
@@ -94,6 +98,9 @@ class GuardState(NamedTuple):
     consecutive_spikes: spikes in a row skipped so far.
     restarts: how often the statistics (of the norm or of the loss)
       restarted at a new level.
+    step: updates so far, skipped ones included (int32, saturating): the
+      step at which a schedule of ``max_norm``, ``spike_z`` or
+      ``loss_spike_z`` is evaluated.
     skipped_nonfinite: steps skipped because the gradient (or, when
       loss-aware, the loss) held NaN/Inf.
     skipped_max_norm: steps skipped because the norm was above ``max_norm``
@@ -130,6 +137,7 @@ class GuardState(NamedTuple):
   inner_state: Any
   consecutive_spikes: jax.Array  # int32: as count
   restarts: jax.Array  # int32 scalar
+  step: jax.Array  # int32 scalar
   skipped_nonfinite: jax.Array  # int32 scalar
   skipped_max_norm: jax.Array  # int32 scalar
   skipped_spike: jax.Array  # int32 scalar
@@ -281,14 +289,14 @@ def guard(
   inner: optax.GradientTransformation,
   *,
   skip_nonfinite: bool = True,
-  spike_z: Optional[Scalar] = None,
-  max_norm: Optional[Scalar] = None,
+  spike_z: Optional[ScalarOrSchedule] = None,
+  max_norm: Optional[ScalarOrSchedule] = None,
   alpha: Scalar = 0.97,
   warmup_steps: Scalar = 25,
   patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
-  loss_spike_z: Optional[Scalar] = None,
+  loss_spike_z: Optional[ScalarOrSchedule] = None,
   window: Optional[int] = None,
   scope: Scope = "global",
 ) -> optax.GradientTransformationExtraArgs:
@@ -389,8 +397,13 @@ def guard(
     skip_nonfinite: skip steps whose gradient norm (or, when loss-aware,
       loss) is NaN or infinite.
     spike_z: skip steps more than this many standard deviations above the
-      mean of the norm (> 0); ``None`` to skip no spikes of the norm.
-    max_norm: skip steps whose norm is above it (>= 0); ``None`` for none.
+      mean of the norm (> 0): a number or a schedule (``step -> value``;
+      values below 0 count as 0), evaluated at the guard's step count (0 on
+      the first update); ``None`` to skip no spikes of the norm.
+    max_norm: skip steps whose norm is above it (>= 0): a number or a
+      schedule, likewise; ``None`` for none. A bound of 0 skips every step
+      (a schedule that reaches 0 stops training: zero updates). A NaN from
+      a schedule skips the step.
     alpha: EMA smoothing of the means and variances, in (0, 1) (unused with
       ``window``).
     warmup_steps: finite values to gather before spikes are detected (>= 1),
@@ -402,8 +415,9 @@ def guard(
     sharded: which leaves are split over ``axis_name``: a bool, a pytree
       prefix of bools or a callable ``(path, leaf) -> bool``.
     loss_spike_z: skip steps whose loss is more than this many standard
-      deviations above its mean (> 0); ``None`` (the default) to ignore the
-      loss. Needs ``value=loss`` at every update.
+      deviations above its mean (> 0): a number or a schedule, as
+      ``spike_z``; ``None`` (the default) to ignore the loss. Needs
+      ``value=loss`` at every update.
     window: ``None`` for the EMA statistics, or the number of recent
       accepted values (>= 2) whose exact mean and standard deviation judge
       the next one; the state then holds ``window`` values per statistic
@@ -466,23 +480,18 @@ def guard(
   who = "guard"
   _checks.check_transformation(who, "inner", inner)
   skip_nonfinite = _checks.check_bool(who, "skip_nonfinite", skip_nonfinite)
-  _checks.check_number(
-    "spike_z", spike_z, who=who, low=0.0, low_open=True, allow_none=True
+  _schedules.check(
+    who, "spike_z", spike_z, low=0.0, low_open=True, allow_none=True
   )
-  _checks.check_number(
-    "max_norm", max_norm, who=who, low=0.0, allow_inf=True, allow_none=True
+  _schedules.check(
+    who, "max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
   )
   _checks.check_probability("alpha", alpha, who=who)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
   _checks.check_steps(who, "patience", patience)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
-  _checks.check_number(
-    "loss_spike_z",
-    loss_spike_z,
-    who=who,
-    low=0.0,
-    low_open=True,
-    allow_none=True,
+  _schedules.check(
+    who, "loss_spike_z", loss_spike_z, low=0.0, low_open=True, allow_none=True
   )
   if window is not None:
     window = _checks.check_count(who, "window", window, low=2)
@@ -524,6 +533,7 @@ def guard(
       inner_state=inner_state,
       consecutive_spikes=counter(units),
       restarts=counter(),
+      step=counter(),
       skipped_nonfinite=counter(),
       skipped_max_norm=counter(),
       skipped_spike=counter(),
@@ -597,7 +607,12 @@ def guard(
     nonfinite = ~measured.unit_finite
     finite = jnp.isfinite(g)
     mean, var = state.mean.astype(dtype), state.var.astype(dtype)
-    cap = jnp.asarray(jnp.inf if max_norm is None else max_norm, dtype)
+    cap = jnp.asarray(
+      jnp.inf
+      if max_norm is None
+      else _schedules.value_at(max_norm, state.step, who=who, name="max_norm"),
+      dtype,
+    )
     bound, spike, restart, z_score = _judge(
       g,
       finite,
@@ -605,18 +620,25 @@ def guard(
       mean,
       var,
       state.consecutive_spikes,
-      z=spike_z,
+      z=None
+      if spike_z is None
+      else _schedules.value_at(spike_z, state.step, who=who, name="spike_z"),
       warmup_steps=warmup_steps,
       patience=patience,
     )
     # An infinite norm is above any finite bound, whatever skip_nonfinite.
-    spike_skip = spike | (jnp.isinf(g) & (bound < jnp.inf))
-    skip = (g > cap) | spike_skip
+    # A NaN bound (from a schedule) skips the step.
+    spike_skip = spike | (jnp.isinf(g) & (bound < jnp.inf)) | jnp.isnan(bound)
+    # A bound of 0 lets nothing through, not even a zero gradient (whose
+    # inner update, with momentum, need not be zero); nor does a NaN one.
+    above_cap = (g > cap) | ~(cap > 0)
+    skip = above_cap | spike_skip
     if skip_nonfinite:
       skip = skip | nonfinite
 
     no = jnp.zeros((), bool)
     loss_skip = loss_nonfinite = loss_spike = l_restart = loss_finite = no
+    loss_spike_skip = no
     loss = l_mean = l_var = l_z = jnp.zeros((), dtype)
     if loss_aware:
       moments = state.loss_moments
@@ -631,13 +653,16 @@ def guard(
         l_mean,
         l_var,
         moments.consecutive_spikes,
-        z=loss_spike_z,
+        z=_schedules.value_at(
+          loss_spike_z, state.step, who=who, name="loss_spike_z"
+        ),
         warmup_steps=warmup_steps,
         patience=patience,
       )
-      del l_bound
+      # A NaN bound (from a schedule) skips the step, as a spike would.
+      loss_spike_skip = loss_spike | jnp.isnan(l_bound)
       loss_nonfinite = ~loss_finite if skip_nonfinite else no
-      loss_skip = loss_spike | loss_nonfinite
+      loss_skip = loss_spike_skip | loss_nonfinite
       skip = skip | loss_skip
     skip_any = jnp.any(skip)
     applied = ~skip  # per unit
@@ -645,9 +670,9 @@ def guard(
     by_nonfinite, by_max_norm, by_spike, by_loss = _one_cause(
       skip_any,
       jnp.any(nonfinite) & skip_nonfinite | loss_nonfinite,
-      jnp.any(g > cap),
+      jnp.any(above_cap),
       jnp.any(spike_skip),
-      loss_spike,
+      loss_spike_skip,
     )
     new_updates, new_inner = _apply(
       updates, state.inner_state, params, skip, **extra_args
@@ -725,6 +750,7 @@ def guard(
       skipped_loss_spike=_adaptive.add_count(state.skipped_loss_spike, by_loss),
       window=new_window,
       skipped_leaves=jnp.sum(skip, dtype=jnp.int32) if per_leaf else None,
+      step=_schedules.next_count(state.step),
       **loss_fields,
     )
 

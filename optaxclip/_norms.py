@@ -45,6 +45,23 @@ transformations: :func:`clip_scale` (the factor, NaN for a non-finite
 norm), :func:`scale_leaf`, :func:`is_scaled_down` (for ``clip_fraction``),
 :func:`combine_norms` (NaN/inf-aware).
 
+Derivatives
+-----------
+
+A :class:`Scaled` factor scales a leaf by its exact powers of two first and
+its mantissa last (:func:`scale_leaf`), so that the mantissa's cotangent is
+``sum(ct * x * 2**E)``, of the size of the result, not ``sum(ct * x)``
+(inf for leaves near float32's largest value: the gradient was NaN). A zero
+limit gives a zero factor whose derivative does not depend on the norm
+(:func:`clip_scale`). Known limits of float32 derivatives, left as they
+are: where the clipped update's inner product with the cotangent itself
+exceeds the dtype's range (a limit near 3.4e38 on several values of that
+size), the factor's cotangent overflows; and the second derivative of a
+norm below about 2**-63 on the exact recompute (a tree of values below
+1e-19) overflows in the scaled frame, so a Hessian-vector product there
+may be inf, or NaN where a branch that is not taken (an unclipped unit)
+meets it.
+
 ``axis_name`` support: inside ``shard_map`` or ``pmap``, the partial sums of
 leaves that are sharded over the named axis (or axes) are ``psum``-ed, and the
 maxima ``pmax``-ed, so each device sees the norm of the whole array; leaves
@@ -407,12 +424,21 @@ def _scaled_sum_plain(x, p, axes, dtype):
 def _scaled_sum_fast(x, p, axes, dtype):
   def merge(u, v):
     # Element-wise divisions (no broadcast scalar): XLA keeps them divisions.
+    # One ratio, of the smaller to the larger (at most 1): the partial of
+    # the larger is not rescaled at all.
     (m1, q1), (m2, q2) = u, v
-    m = jnp.maximum(m1, m2)
-    safe = jnp.where(m > 0, m, 1)
-    return m, q1 * _power(m1 / safe, p) + q2 * _power(m2 / safe, p)
+    first = m1 >= m2
+    m = jnp.where(first, m1, m2)
+    small = jnp.where(first, m2, m1)
+    ratio = small / jnp.where(m > 0, m, 1)
+    q_big, q_small = jnp.where(first, q1, q2), jnp.where(first, q2, q1)
+    return m, q_big + q_small * _power(ratio, p)
 
+  # Subnormal magnitudes as 0, whether or not the compiled code flushes
+  # them (XLA:CPU without LLVM optimisation, GPUs without ftz do not): a
+  # merge would divide by one, and 1 / 2**-149 overflows. (NaN stays NaN.)
   a = magnitude(x, dtype)
+  a = jnp.where(a < jnp.finfo(dtype).tiny, 0, a)
   zero = jnp.zeros((), dtype)
   m, q = jax.lax.reduce((a, jnp.ones_like(a)), (zero, zero), merge, axes)
   m, q = jnp.expand_dims(m, axes), jnp.expand_dims(q, axes)
@@ -439,6 +465,13 @@ def _scaled_sum(x: jax.Array, p: float, axes, dtype):
   """
   axes = _reduce_axes(x, axes)
   dtype = np.dtype(dtype)
+  if any(x.shape[d] == 0 for d in axes):
+    # Units of no elements: norm 0. (XLA:CPU returns NaN for the two-output
+    # reduction over an empty axis: not its initial values.)
+    zero = jnp.zeros(
+      tuple(1 if d in axes else n for d, n in enumerate(x.shape))
+    )
+    return zero.astype(dtype), _scale_exponent(zero.astype(dtype))
   if may_span_devices(x):
     q, m = _scaled_sum_plain(x, p, axes, dtype)
   else:
@@ -1411,7 +1444,12 @@ def clip_scale(
     & ((limit.value == 0) | (n_e > l_e) | ((n_e == l_e) & (n_m > l_m)))
   )
   # Both operands masked: no inf (an infinite limit) or 0 in the branch
-  # not taken, whose derivative would be 0 * inf = NaN.
+  # not taken, whose derivative would be 0 * inf = NaN. A zero limit makes
+  # the factor 0 whatever the norm: the norm's tangent is dropped there (it
+  # would meet 0 * inf in the second derivative, the normalised norm's
+  # tangent being 2**-E times the norm's, huge for a tiny norm); the
+  # limit's is kept.
+  n_m = jnp.where(above & (l_m > 0), n_m, jax.lax.stop_gradient(n_m))
   value = jnp.where(
     above, jnp.where(above, l_m, 1) / jnp.where(above, n_m, 1), 1
   )
@@ -1506,20 +1544,27 @@ def _multipliers(factor: Union[jax.Array, Scaled], dtype) -> list[jax.Array]:
   if not isinstance(factor, Scaled):
     return [factor.astype(wide)]
   acc = accumulation_dtype(dtype)
-  lo, hi = _exp_range(acc)
-  # value is in [0.5, 2] (or 1, or NaN): value * 2**first stays normal.
-  first = jnp.clip(factor.exponent, lo + 1, hi - 1)
-  head = (factor.value.astype(acc) * pow2(first, acc)).astype(wide)
-  # The rest, 2**(exponent - first), in two normal powers (as ldexp).
+  # factor = m * 2**k with m in [0.5, 1) for a factor below 1 and in [1, 2)
+  # otherwise: x * 2**k then lies between the result and twice it (a factor
+  # below 1) or half of it (above), so it neither overflows nor is flushed
+  # where the result does not.
+  m, k = _normalized(Scaled(factor.value.astype(acc), factor.exponent))
+  up = (k >= 1) & (m > 0)
+  m = jnp.where(up, 2 * m, m)
+  k = k - up.astype(k.dtype)
+  # The powers of two first, m last: the only multiplier with a derivative
+  # then has the cotangent sum(ct * x * 2**k), whose size is that of the
+  # result's, not sum(ct * x) (which overflows for leaves near the dtype's
+  # largest value while the derivative with respect to x is finite).
   real = jnp.finfo(wide).dtype
   lo, hi = _exp_range(real)
-  k = jnp.asarray(factor.exponent - first, jnp.int32)
   steps = []
-  for _ in range(2):
+  for _ in range(3):
     step = jnp.clip(k, lo, hi)
     steps.append(pow2(step, real))
     k = k - step
-  return [head, *steps]
+  # The last step is 1 unless the total exceeds two normal powers.
+  return [steps[0], steps[1], (m * steps[2].astype(acc)).astype(wide)]
 
 
 def _apply_multipliers(x: jax.Array, multipliers) -> jax.Array:

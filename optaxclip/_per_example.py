@@ -25,9 +25,11 @@ import optax
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _schedules
 from optaxclip import _stats
 from optaxclip._typing import AxisName
 from optaxclip._typing import Scalar
+from optaxclip._typing import ScalarOrSchedule
 from optaxclip._typing import Scope
 from optaxclip._typing import Seed
 
@@ -37,6 +39,7 @@ STAT_FIELDS = (
   "clip_fraction",
   "nonfinite",
   "clip_norm",
+  "threshold",
 )
 
 
@@ -55,6 +58,11 @@ class ClipPerExampleState(NamedTuple):
     key: the random key of the noise.
     nonfinite: the number of examples whose norm was not finite (an Inf or
       NaN element), zeroed this step instead of entering the sum.
+    threshold: the clip norm this step used (``l2_clip``, a schedule's value
+      at the step, or the adapted clip norm; before the first update, the
+      clip norm of the first).
+    count: updates so far (int32, saturating), the step at which a schedule
+      is evaluated.
   """
 
   norm: jax.Array  # float32 scalar
@@ -66,6 +74,9 @@ class ClipPerExampleState(NamedTuple):
   # a 0.1.0 checkpoint (restore with the five older fields as the target)
   # upgrades with ClipPerExampleState(*old), this count starting at 0.
   nonfinite: jax.typing.ArrayLike = np.int32(0)
+  # New after release 0.1.0 too (optaxclip.upgrade_state fills them in).
+  threshold: jax.typing.ArrayLike = np.float32(0)
+  count: jax.typing.ArrayLike = np.int32(0)  # pyright: ignore[reportIncompatibleMethodOverride]
 
 
 # Andrew et al. 2021 recommend noising the unclipped count with a standard
@@ -190,17 +201,25 @@ def _scale_by_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
 
 def noise_state_init(state_cls: type, l2_clip: Any, make_key: Callable):
   """The ``init`` of a state laid out as :class:`ClipPerExampleState` (norm,
-  clipped_norm, clip_fraction, clip_norm, key, nonfinite): zero statistics,
-  the clip norm ``l2_clip`` and a fresh key. Shared with ``dp_noise``.
+  clipped_norm, clip_fraction, clip_norm, key, nonfinite, threshold,
+  count): zero statistics, the clip norm ``l2_clip`` (a schedule's value at
+  step 0) and a fresh key. Shared with ``dp_noise``.
   """
 
   def init_fn(params):
     del params
+    first = _stats.as_stat(
+      _schedules.first_value(
+        l2_clip, who=_stats.short_name(state_cls), name="l2_clip"
+      )
+    )
     return state_cls(
       *_stats.zeros(3),
-      clip_norm=_stats.as_stat(l2_clip),
+      clip_norm=first,
       key=make_key(),
       nonfinite=jnp.zeros((), jnp.int32),
+      threshold=first,
+      count=jnp.zeros((), jnp.int32),
     )
 
   return init_fn
@@ -405,6 +424,28 @@ def adapt_clip_norm(
   )
 
 
+def check_l2_clip(who: str, l2_clip: Any, target_quantile: Any) -> None:
+  """``l2_clip``: a number >= 0 (or inf), or a schedule when the clip norm
+  does not adapt (with ``target_quantile`` it is the adaptation's start).
+  """
+  _schedules.check(who, "l2_clip", l2_clip, low=0.0, allow_inf=True)
+  if target_quantile is not None and _schedules.is_schedule(l2_clip):
+    raise ValueError(
+      f"{who}: l2_clip must be a number when target_quantile is set (the "
+      "adaptive clip norm starts from it); got a schedule."
+    )
+
+
+def clip_at(who: str, l2_clip: Any, state: Any, adaptive: bool) -> jax.Array:
+  """The clip norm of this step: the adapted one kept in ``state``, or
+  ``l2_clip`` (a schedule's value at the state's step count), float32.
+  """
+  if adaptive:
+    return state.clip_norm
+  value = _schedules.value_at(l2_clip, state.count, who=who, name="l2_clip")
+  return jnp.asarray(value, jnp.float32).reshape(())
+
+
 class Noised(NamedTuple):
   out: list  # the noised (and reduced) sums
   clip_norm: jax.Array  # the next step's clip norm
@@ -483,7 +524,7 @@ def noise_and_adapt(
 
 @_compiled.compiled_once
 def clip_per_example(
-  l2_clip: Scalar,
+  l2_clip: ScalarOrSchedule,
   *,
   scope: Scope = "global",
   reduce: Literal["mean", "sum"] = "mean",
@@ -540,8 +581,11 @@ def clip_per_example(
 
   Args:
     l2_clip: the clip norm ``C`` per example (>= 0, or ``inf`` for no
-      clipping without noise, as in optax's examples); with
-      ``target_quantile``, its starting value.
+      clipping without noise, as in optax's examples): a number or a
+      schedule (``step -> value``), evaluated at this clipper's step count
+      (0 on the first update); the noise follows it (``noise_multiplier *
+      C`` of the step). With ``target_quantile``, the starting value (a
+      number).
     scope: ``"global"`` (the example's whole gradient) or ``"leaf"`` (each
       leaf at ``C / sqrt(K)``).
     reduce: ``"mean"`` (divide the noised sum by ``B``) or ``"sum"``.
@@ -583,7 +627,7 @@ def clip_per_example(
     (7.5, 0.5)
   """
   who = "clip_per_example"
-  _checks.check_number("l2_clip", l2_clip, who=who, low=0.0, allow_inf=True)
+  check_l2_clip(who, l2_clip, target_quantile)
   # "layer" was this scope's name before "leaf", the word clip_zscore and
   # clip_percentile use.
   scope = _checks.check_choice(
@@ -623,12 +667,8 @@ def clip_per_example(
       "clip_per_example", batch, noise_multiplier, adaptive, no_noise
     )
     # A fixed C is read from the hyperparameter (optax.inject_hyperparams can
-    # change it); an adaptive one lives in the state.
-    clip = (
-      state.clip_norm
-      if adaptive
-      else jnp.asarray(l2_clip, jnp.float32).reshape(())
-    )
+    # change it) or its schedule; an adaptive one lives in the state.
+    clip = clip_at(who, l2_clip, state, adaptive)
     sums, _, counts = clip_and_sum(leaves, clip, scope)
     if axis_name:
       sums = [jax.lax.psum(s, axis_name) for s in sums]
@@ -647,19 +687,38 @@ def clip_per_example(
     )
     out = [s.astype(x.dtype) for s, x in zip(noised.out, leaves)]
     return jax.tree.unflatten(treedef, out), state_from_counts(
-      ClipPerExampleState, counts, batch, noised
+      ClipPerExampleState, counts, batch, noised, clip, state, l2_clip
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
 
 
-def state_from_counts(cls, counts: ClipCounts, batch: int, noised: Noised):
-  """A state of ``cls`` (the fields of :data:`STAT_FIELDS` and ``key``)."""
+def state_from_counts(
+  cls,
+  counts: ClipCounts,
+  batch: int,
+  noised: Noised,
+  clip: jax.Array,
+  state: Any,
+  l2_clip: Any,
+):
+  """A state of ``cls`` (the fields of :data:`STAT_FIELDS`, ``key`` and
+  ``count``) after a step that clipped to ``clip``. Its ``clip_norm`` is the
+  next step's: adapted, or a schedule's value at the next step.
+  """
+  count = _schedules.next_count(state.count)
+  clip_norm = noised.clip_norm
+  if _schedules.is_schedule(l2_clip):  # never adapted (check_l2_clip)
+    clip_norm = _schedules.value_at(
+      l2_clip, count, who=_stats.short_name(cls), name="l2_clip"
+    )
   return cls(
     norm=_stats.as_stat(counts.norm_sum / batch),
     clipped_norm=_stats.as_stat(counts.clipped_norm_sum / batch),
     clip_fraction=_stats.as_stat(counts.clipped / batch),
-    clip_norm=_stats.as_stat(noised.clip_norm),
+    clip_norm=_stats.as_stat(clip_norm),
     key=noised.key,
     nonfinite=counts.nonfinite.astype(jnp.int32).reshape(()),
+    threshold=_stats.as_stat(clip),
+    count=count,
   )

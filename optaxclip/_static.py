@@ -15,6 +15,7 @@ import optax
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _schedules
 from optaxclip import _sharding
 from optaxclip import _stats
 from optaxclip import _telemetry
@@ -22,9 +23,13 @@ from optaxclip._typing import Axis
 from optaxclip._typing import AxisName
 from optaxclip._typing import Ord
 from optaxclip._typing import Scalar
+from optaxclip._typing import ScalarOrSchedule
+
+# The statistics of every fixed-threshold clipper.
+STAT_FIELDS = (*_stats.CLIP_FIELDS, "threshold")
 
 
-@_stats.register("clip_value")
+@_stats.register("clip_value", STAT_FIELDS)
 class ClipValueState(NamedTuple):
   """State of :func:`clip_value`: this step's statistics.
 
@@ -35,14 +40,20 @@ class ClipValueState(NamedTuple):
     clip_fraction: the share of elements clipped (every element of a leaf
       made NaN counts); in leaves of more than 65536 elements, estimated
       from every 257th element (see :func:`clip_value`).
+    threshold: the ``max_delta`` this step used (a schedule's value at the
+      step; before the first update, its value at step 0).
+    count: updates so far (int32, saturating), the step at which a
+      schedule is evaluated.
   """
 
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
+  threshold: jax.Array  # float32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
 
 
-@_stats.register("clip_norm")
+@_stats.register("clip_norm", STAT_FIELDS)
 class ClipNormState(NamedTuple):
   """State of :func:`clip_norm`: this step's statistics.
 
@@ -50,14 +61,20 @@ class ClipNormState(NamedTuple):
     norm: the ``ord``-norm of the whole tree before clipping.
     clipped_norm: the same norm after clipping.
     clip_fraction: the share of units (leaves or slices) scaled down.
+    threshold: the ``max_norm`` this step used (a schedule's value at the
+      step; before the first update, its value at step 0).
+    count: updates so far (int32, saturating), the step at which a
+      schedule is evaluated.
   """
 
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
+  threshold: jax.Array  # float32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
 
 
-@_stats.register("clip_global")
+@_stats.register("clip_global", STAT_FIELDS)
 class ClipGlobalState(NamedTuple):
   """State of :func:`clip_global`: this step's statistics.
 
@@ -65,6 +82,10 @@ class ClipGlobalState(NamedTuple):
     norm: the global ``ord``-norm before clipping.
     clipped_norm: the global ``ord``-norm after clipping.
     clip_fraction: 1.0 when the tree was scaled down, else 0.0.
+    threshold: the ``max_norm`` this step used (a schedule's value at the
+      step; before the first update, its value at step 0).
+    count: updates so far (int32, saturating), the step at which a
+      schedule is evaluated.
     leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip ``ord``-norm
       (a ``(L,)`` vector per layer for a leaf with a ``layer_axis``), a
       pytree shaped like the updates; else ``None``.
@@ -77,12 +98,14 @@ class ClipGlobalState(NamedTuple):
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
+  threshold: jax.Array  # float32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
   leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
   top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
   top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
-@_stats.register("clip_block_rms")
+@_stats.register("clip_block_rms", STAT_FIELDS)
 class ClipBlockRMSState(NamedTuple):
   """State of :func:`clip_block_rms`: this step's statistics.
 
@@ -90,14 +113,20 @@ class ClipBlockRMSState(NamedTuple):
     norm: the global L2 norm before clipping.
     clipped_norm: the global L2 norm after clipping.
     clip_fraction: the share of leaves scaled down.
+    threshold: the ``threshold`` this step used (a schedule's value at the
+      step; before the first update, its value at step 0).
+    count: updates so far (int32, saturating), the step at which a
+      schedule is evaluated.
   """
 
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
+  threshold: jax.Array  # float32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
 
 
-@_stats.register("clip_unitwise")
+@_stats.register("clip_unitwise", STAT_FIELDS)
 class ClipUnitwiseState(NamedTuple):
   """State of :func:`clip_unitwise`: this step's statistics.
 
@@ -105,24 +134,45 @@ class ClipUnitwiseState(NamedTuple):
     norm: the global L2 norm of the gradient before clipping.
     clipped_norm: the global L2 norm after clipping.
     clip_fraction: the share of units scaled down.
+    threshold: the ``clipping`` ratio this step used (a schedule's value at the
+      step; before the first update, its value at step 0).
+    count: updates so far (int32, saturating), the step at which a
+      schedule is evaluated.
   """
 
   norm: jax.Array  # float32 scalar
   clipped_norm: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
+  threshold: jax.Array  # float32 scalar
+  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
 
 
 Sharded = Union[bool, Any, Callable[[Any, jax.Array], bool]]
 
 
-def _init_stats(state_cls, who="", leaf_stats=False, layer_axis=None):
+def _init_stats(
+  state_cls,
+  threshold,
+  who: str,
+  name: str,
+  leaf_stats: bool = False,
+  layer_axis: Any = None,
+):
+  """``init`` of a fixed-threshold state: zero statistics, the threshold at
+  step 0, a zero step count (and the telemetry fields, when on).
+  """
+
   def init_fn(params):
-    if not leaf_stats:
-      return state_cls(*_stats.zeros())
-    layers = _telemetry.layer_axes(who, params, layer_axis)
-    return state_cls(
-      *_stats.zeros(), *_telemetry.init(params, leaf_stats, layers)
+    fields = dict(
+      threshold=_stats.as_stat(
+        _schedules.first_value(threshold, who=who, name=name)
+      ),
+      count=jnp.zeros((), jnp.int32),
     )
+    if leaf_stats:
+      layers = _telemetry.layer_axes(who, params, layer_axis)
+      fields.update(_telemetry.init(params, leaf_stats, layers)._asdict())
+    return state_cls(*_stats.zeros(), **fields)
 
   return init_fn
 
@@ -153,7 +203,7 @@ def sharded_flags(
 
 
 @_compiled.compiled_once
-def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
+def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
   """Clips each element of the updates into ``[-max_delta, max_delta]``.
 
   The element-wise clipping of ``tf.clip_by_value``, Keras' ``clipvalue``,
@@ -172,9 +222,19 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
   largest one was). An exact count there would be a reduction of a
   comparison, which XLA on CPU does not vectorise: it made the step of
   ``chain(clip_value, adam)`` cost 1.4x to 1.9x Adam's (benchmarks/floors.py).
+  The exact ``norm`` costs one read pass of the gradients (XLA:CPU fuses
+  no reduction into the clip's or Adam's element-wise loop), the floor of
+  ``adam + read`` (1.12x to 1.22x Adam's step): this step measures 1.3x to
+  1.4x on a loaded machine. Statistics from a sample alone reach 1.0x but
+  give up the exact ``norm`` and the leaf-wise non-finite policy, and an
+  exact count costs 1.9x to 3.7x (benchmarks/value_formulations.py;
+  FLOORS.md).
 
   Args:
-    max_delta: the largest absolute value an element may keep (>= 0).
+    max_delta: the largest absolute value an element may keep (>= 0): a
+      number or a schedule (``step -> value``, such as an optax schedule),
+      evaluated at this clipper's step count (0 on the first update); see
+      "Threshold schedules" in the docs.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -194,13 +254,16 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
     >>> round(float(state.clip_fraction), 4)
     0.6667
   """
-  _checks.check_number(
-    "max_delta", max_delta, who="clip_value", low=0.0, allow_inf=True
+  _schedules.check(
+    "clip_value", "max_delta", max_delta, low=0.0, allow_inf=True
   )
 
   def update_fn(updates, state, params=None):
-    del params, state
+    del params
     leaves, treedef = _flatten(updates, "clip_value")
+    max_delta_now = _schedules.value_at(
+      max_delta, _schedules.count_of(state), who="clip_value", name="max_delta"
+    )
     # Small leaves are stacked (one reduction for many: compile time on
     # many-leaf trees); each leaf gets its own poison back.
     layout = _norms.UnitLayout(
@@ -210,7 +273,7 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
     clipped, total, finite = jnp.zeros((), jnp.float32), 0, jnp.array(True)
     poisons = []
     for biggest, n_over, size in _norms.largest_and_count_parts(
-      layout, leaves, max_delta
+      layout, leaves, max_delta_now
     ):
       # 0 for a finite leaf, NaN otherwise: a leaf holding a NaN or an inf
       # comes out all NaN (the non-finite policy). Adding it to the limit
@@ -220,7 +283,7 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
       poisons.append(poison)
       if size == 0:
         continue
-      limit = jnp.asarray(max_delta, biggest.dtype) + poison
+      limit = jnp.asarray(max_delta_now, biggest.dtype) + poison
       largest = jnp.maximum(largest, jnp.max(biggest).astype(jnp.float32))
       # In the leaf's own dtype: a finite float64 may be inf in float32.
       finite = finite & jnp.all(biggest < jnp.inf)
@@ -234,7 +297,7 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
       if x.size == 0:
         out.append(x)
         continue
-      limit = jnp.asarray(max_delta, poison.dtype) + poison
+      limit = jnp.asarray(max_delta_now, poison.dtype) + poison
       if jnp.iscomplexobj(x):
         mag = _norms.magnitude(x)
         over = mag > limit
@@ -244,18 +307,21 @@ def clip_value(max_delta: Scalar) -> optax.GradientTransformation:
         out.append(
           jnp.clip(x.astype(limit.dtype), -limit, limit).astype(x.dtype)
         )
-    limit = jnp.asarray(max_delta, jnp.float32)
+    limit = jnp.asarray(max_delta_now, jnp.float32)
     new_state = ClipValueState(
       norm=_stats.as_stat(largest),
       clipped_norm=_stats.as_stat(
         jnp.where(finite, jnp.minimum(largest, limit), jnp.nan)
       ),
       clip_fraction=_fraction(clipped, total),
+      threshold=_stats.as_stat(limit),
+      count=_schedules.next_count(_schedules.count_of(state)),
     )
     return jax.tree.unflatten(treedef, out), new_state
 
   return optax.GradientTransformation(
-    _init_stats(ClipValueState), _compiled.jit_update(update_fn)
+    _init_stats(ClipValueState, max_delta, "clip_value", "max_delta"),
+    _compiled.jit_update(update_fn),
   )
 
 
@@ -297,7 +363,7 @@ def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redef
 
 @_compiled.compiled_once
 def clip_norm(
-  max_norm: Scalar,
+  max_norm: ScalarOrSchedule,
   *,
   ord: Ord = None,
   axis: Axis = None,
@@ -313,7 +379,9 @@ def clip_norm(
   column of a matrix).
 
   Args:
-    max_norm: the largest norm a leaf (or slice) may keep (>= 0).
+    max_norm: the largest norm a leaf (or slice) may keep (>= 0): a number
+      or a schedule (``step -> value``), evaluated at this clipper's step
+      count (0 on the first update).
     ord: the norm's order: any p >= 1, or ``inf`` (the largest magnitude);
       ``None`` (the default) means 2, the Euclidean norm, as in
       ``numpy.linalg.norm``. Not a traceable hyperparameter: with
@@ -353,14 +421,17 @@ def clip_norm(
     0.5
   """
   who = "clip_norm"
-  _checks.check_number("max_norm", max_norm, who=who, low=0.0, allow_inf=True)
+  _schedules.check(who, "max_norm", max_norm, low=0.0, allow_inf=True)
   p = _checks.check_ord("ord", ord, who=who)
   axis = _checks.check_axis("axis", axis, who=who)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
-    del params, state
+    del params
     leaves, treedef = _flatten(updates, "clip_norm")
+    limit = _schedules.value_at(
+      max_norm, _schedules.count_of(state), who=who, name="max_norm"
+    )
     paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
     axes = [
       _checks.leaf_axes(who, axis, x, path) for x, path in zip(leaves, paths)
@@ -375,19 +446,22 @@ def clip_norm(
       keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)],
       several_units=True,
     )
-    out, stats = _per_unit_clip(
-      leaves, layout, norms, [max_norm] * len(norms), p
+    out, stats = _per_unit_clip(leaves, layout, norms, [limit] * len(norms), p)
+    return jax.tree.unflatten(treedef, out), ClipNormState(
+      *stats,
+      _stats.as_stat(limit),
+      _schedules.next_count(_schedules.count_of(state)),
     )
-    return jax.tree.unflatten(treedef, out), ClipNormState(*stats)
 
   return optax.GradientTransformation(
-    _init_stats(ClipNormState), _compiled.jit_update(update_fn)
+    _init_stats(ClipNormState, max_norm, who, "max_norm"),
+    _compiled.jit_update(update_fn),
   )
 
 
 @_compiled.compiled_once
 def clip_global(
-  max_norm: Scalar,
+  max_norm: ScalarOrSchedule,
   *,
   ord: Ord = None,
   axis_name: AxisName = None,
@@ -406,7 +480,9 @@ def clip_global(
   PyTorch divides by ``norm + 1e-6``; this uses the exact ratio.
 
   Args:
-    max_norm: the largest global norm the update may keep (>= 0).
+    max_norm: the largest global norm the update may keep (>= 0): a number
+      or a schedule (``step -> value``), evaluated at this clipper's step
+      count (0 on the first update).
     ord: the norm's order: any p >= 1, or ``inf``; torch's ``norm_type``.
       ``None`` (the default) means 2, the Euclidean norm, as in
       ``numpy.linalg.norm``. Not a traceable hyperparameter: with
@@ -450,9 +526,19 @@ def clip_global(
     Array([-3., -4.], dtype=float32)
     >>> float(optaxclip.stats(state)["clip_global/norm"])
     10.0
+
+    A schedule instead of a number (here 10, then 5 from step 1):
+
+    >>> tx = optaxclip.clip_global(
+    ...     optax.piecewise_constant_schedule(10.0, {1: 0.5}))
+    >>> state = tx.init(params)
+    >>> for _ in range(2):
+    ...   clipped, state = tx.update(g, state)
+    >>> clipped["a"], float(state.threshold), int(state.count)
+    (Array([3., 4.], dtype=float32), 5.0, 2)
   """
   who = "clip_global"
-  _checks.check_number("max_norm", max_norm, who=who, low=0.0, allow_inf=True)
+  _schedules.check(who, "max_norm", max_norm, low=0.0, allow_inf=True)
   p = _checks.check_ord("ord", ord, who=who)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
   leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
@@ -460,6 +546,8 @@ def clip_global(
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = _flatten(updates, who)
+    count = _schedules.count_of(state)
+    limit = _schedules.value_at(max_norm, count, who=who, name="max_norm")
     telemetry = _telemetry.LeafStats()
     if leaf_stats:
       norm, telemetry = _telemetry.global_norm(
@@ -479,25 +567,29 @@ def clip_global(
         axis_name=axis_name,
         sharded=sharded_flags(updates, sharded, who, axis_name),
       )
-    factor = _norms.clip_scale(norm, max_norm)
+    factor = _norms.clip_scale(norm, limit)
     out = _norms.scale_all(leaves, factor)
     new_state = ClipGlobalState(
       _stats.as_stat(norm.as_float()),
       _stats.as_stat((norm * factor).as_float()),
       _stats.as_stat(_norms.is_scaled_down(factor)),
+      _stats.as_stat(limit),
+      _schedules.next_count(count),
       *telemetry,
     )
     return jax.tree.unflatten(treedef, out), new_state
 
   return optax.GradientTransformation(
-    _init_stats(ClipGlobalState, who, leaf_stats, layer_axis),
+    _init_stats(
+      ClipGlobalState, max_norm, who, "max_norm", leaf_stats, layer_axis
+    ),
     _compiled.jit_update(update_fn),
   )
 
 
 @_compiled.compiled_once
 def clip_block_rms(
-  threshold: Scalar,
+  threshold: ScalarOrSchedule,
   *,
   axis_name: AxisName = None,
   sharded: Sharded = True,
@@ -509,7 +601,9 @@ def clip_block_rms(
   size, since the RMS does not grow with the leaf's element count.
 
   Args:
-    threshold: the largest RMS a leaf may keep (>= 0).
+    threshold: the largest RMS a leaf may keep (>= 0): a number or a
+      schedule (``step -> value``), evaluated at this clipper's step count
+      (0 on the first update).
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
       which sharded leaves are split: their squared norms are summed and
       their element counts multiplied by the number of devices, so each
@@ -538,12 +632,15 @@ def clip_block_rms(
     Array([ 1., -1.,  1., -1.], dtype=float32)
   """
   who = "clip_block_rms"
-  _checks.check_number("threshold", threshold, who=who, low=0.0, allow_inf=True)
+  _schedules.check(who, "threshold", threshold, low=0.0, allow_inf=True)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
-    del params, state
+    del params
     leaves, treedef = _flatten(updates, "clip_block_rms")
+    rms = _schedules.value_at(
+      threshold, _schedules.count_of(state), who=who, name="threshold"
+    )
     flags = sharded_flags(updates, sharded, "clip_block_rms", axis_name)
     layout, norms = _norms.unit_norms_packed(
       leaves, 2.0, axis_name=axis_name, sharded=flags, keys=[()] * len(leaves)
@@ -555,14 +652,19 @@ def clip_block_rms(
       ]
     )
     limits = [
-      jnp.asarray(threshold, n.value.dtype) * r.astype(n.value.dtype)
+      jnp.asarray(rms, n.value.dtype) * r.astype(n.value.dtype)
       for r, n in zip(roots, norms)
     ]
     out, stats = _per_unit_clip(leaves, layout, norms, limits, 2.0)
-    return jax.tree.unflatten(treedef, out), ClipBlockRMSState(*stats)
+    return jax.tree.unflatten(treedef, out), ClipBlockRMSState(
+      *stats,
+      _stats.as_stat(rms),
+      _schedules.next_count(_schedules.count_of(state)),
+    )
 
   return optax.GradientTransformation(
-    _init_stats(ClipBlockRMSState), _compiled.jit_update(update_fn)
+    _init_stats(ClipBlockRMSState, threshold, who, "threshold"),
+    _compiled.jit_update(update_fn),
   )
 
 
@@ -639,7 +741,7 @@ def _global_unit_axes(x, split: _sharding.LeafSharding, path: str):
 
 @_compiled.compiled_once
 def clip_unitwise(
-  clipping: Scalar = 0.01,
+  clipping: ScalarOrSchedule = 0.01,
   *,
   eps: Scalar = 1e-3,
   axis: Axis = None,
@@ -655,7 +757,9 @@ def clip_unitwise(
   the exact ratio). Needs ``params`` in ``update``.
 
   Args:
-    clipping: the largest allowed ratio of gradient to parameter norm (>= 0).
+    clipping: the largest allowed ratio of gradient to parameter norm (>= 0):
+      a number or a schedule (``step -> value``), evaluated at this
+      clipper's step count (0 on the first update).
     eps: parameter norms below it count as ``eps``, so zero-initialised
       parameters still move (>= 0).
     axis: the axes a unit spans, for every leaf; ``None`` picks them by rank.
@@ -697,14 +801,16 @@ def clip_unitwise(
     0.5
   """
   who = "clip_unitwise"
-  _checks.check_number("clipping", clipping, who=who, low=0.0, allow_inf=True)
+  _schedules.check(who, "clipping", clipping, low=0.0, allow_inf=True)
   _checks.check_number("eps", eps, who=who, low=0.0)
   axis = _checks.check_axis("axis", axis, who=who)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def update_fn(updates, state, params=None):
-    del state
     _checks.check_same_structure(updates, params, "clip_unitwise")
+    ratio = _schedules.value_at(
+      clipping, _schedules.count_of(state), who=who, name="clipping"
+    )
     leaves, treedef = _flatten(updates, "clip_unitwise")
     try:
       param_leaves = [jnp.asarray(w) for w in treedef.flatten_up_to(params)]
@@ -732,10 +838,15 @@ def clip_unitwise(
       several_units=True,
     )
     w_norms = _norms.part_norms(layout, param_leaves, 2.0, axis_name=axis_name)
-    limits = [_unitwise_limit(w, clipping, eps) for w in w_norms]
+    limits = [_unitwise_limit(w, ratio, eps) for w in w_norms]
     out, stats = _per_unit_clip(leaves, layout, g_norms, limits, 2.0)
-    return jax.tree.unflatten(treedef, out), ClipUnitwiseState(*stats)
+    return jax.tree.unflatten(treedef, out), ClipUnitwiseState(
+      *stats,
+      _stats.as_stat(ratio),
+      _schedules.next_count(_schedules.count_of(state)),
+    )
 
   return optax.GradientTransformation(
-    _init_stats(ClipUnitwiseState), _compiled.jit_update(update_fn)
+    _init_stats(ClipUnitwiseState, clipping, who, "clipping"),
+    _compiled.jit_update(update_fn),
   )

@@ -47,6 +47,11 @@ def register(short: str, stat_fields: tuple[str, ...] = CLIP_FIELDS):
   return decorate
 
 
+def short_name(state_cls: type) -> str:
+  """The name a registered state class is reported under (``"clip_global"``)."""
+  return _REGISTRY[state_cls][0]
+
+
 def zeros(n: int = len(CLIP_FIELDS)) -> tuple[jax.Array, ...]:
   """``n`` float32 zero scalars, the initial value of the statistics."""
   return tuple(jnp.zeros((), jnp.float32) for _ in range(n))
@@ -221,7 +226,7 @@ def stats(opt_state: Any, *, prefix: str = "") -> dict[str, jax.Array]:
     >>> _, state = tx.update({"w": jnp.full(4, 2.0)}, state, params)
     >>> {k: round(float(v), 3) for k, v in optaxclip.stats(state).items()}
     {'clip_global/norm': 4.0, 'clip_global/clipped_norm': 1.0,
-     'clip_global/clip_fraction': 1.0}
+     'clip_global/clip_fraction': 1.0, 'clip_global/threshold': 1.0}
     >>> tx = optaxclip.clip_global(1.0, leaf_stats=True)
     >>> g = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0])}
     >>> _, state = tx.update(g, tx.init(g))

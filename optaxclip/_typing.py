@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, Optional, Union
 
+import jax
 from jax.typing import ArrayLike
 
 # A hyperparameter that may be traced: a Python or NumPy number, or a JAX
@@ -26,3 +27,7 @@ Axis = Optional[Union[int, Sequence[int]]]
 
 # What a clipping unit is: the whole tree (or example), or each leaf.
 Scope = Literal["global", "leaf"]
+
+# A threshold: a number (as Scalar) or a schedule, any callable from the
+# step count (an int32 scalar) to the value (an optax schedule).
+ScalarOrSchedule = Union[ArrayLike, Callable[[jax.Array], ArrayLike]]

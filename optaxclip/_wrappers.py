@@ -7,16 +7,17 @@ from typing import Optional
 import optax
 
 from optaxclip import _checks
+from optaxclip import _schedules
 from optaxclip import _static
-from optaxclip._typing import Scalar
+from optaxclip._typing import ScalarOrSchedule
 
 
 def clipped(
   inner: optax.GradientTransformation,
   *,
-  clipvalue: Optional[Scalar] = None,
-  clipnorm: Optional[Scalar] = None,
-  global_clipnorm: Optional[Scalar] = None,
+  clipvalue: Optional[ScalarOrSchedule] = None,
+  clipnorm: Optional[ScalarOrSchedule] = None,
+  global_clipnorm: Optional[ScalarOrSchedule] = None,
 ) -> optax.GradientTransformation:
   """Returns ``inner`` with Keras-style gradient clipping chained before it.
 
@@ -29,9 +30,12 @@ def clipped(
 
   Args:
     inner: the optimizer (any ``optax.GradientTransformation``).
-    clipvalue: the element-wise limit, or None.
-    clipnorm: the per-tensor L2 norm limit, or None.
-    global_clipnorm: the global L2 norm limit, or None.
+    clipvalue: the element-wise limit (a number or a schedule, ``step ->
+      value``), or None.
+    clipnorm: the per-tensor L2 norm limit (a number or a schedule), or
+      None.
+    global_clipnorm: the global L2 norm limit (a number or a schedule), or
+      None.
 
   Returns:
     ``optax.chain(clipper, inner)``, whose state's first entry holds the
@@ -71,7 +75,7 @@ def clipped(
   if not given:
     return inner
   name, value = next(iter(given.items()))
-  _checks.check_number(name, value, who="clipped", low=0.0, allow_inf=True)
+  _schedules.check("clipped", name, value, low=0.0, allow_inf=True)
   clipper = {
     "clipvalue": _static.clip_value,
     "clipnorm": _static.clip_norm,

@@ -289,7 +289,14 @@ def test_dp_noise_is_clip_per_example_on_the_clipped_sum():
     )
   assert set(optaxclip.stats(state)) == {
     "dp_noise/" + f
-    for f in ("norm", "clipped_norm", "clip_fraction", "nonfinite", "clip_norm")
+    for f in (
+      "norm",
+      "clipped_norm",
+      "clip_fraction",
+      "nonfinite",
+      "clip_norm",
+      "threshold",
+    )
   }
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLES = ("lstm_exploding", "adaptive_spikes", "nnx_quickstart")
+EXAMPLES = ("lstm_exploding", "adaptive_spikes", "nnx_quickstart", "spikes")
 
 
 def _load(name):
@@ -94,6 +94,21 @@ BAD = [
     "adaptive_spikes",
     ["--steps", "ten"],
     "argument --steps: must be a whole number >= 1; got 'ten'",
+  ),
+  (
+    "spikes",
+    ["--variants", "spam,adamw"],
+    "argument --variants: unknown ['adamw']",
+  ),
+  (
+    "spikes",
+    ["--dim", "5", "--heads", "2"],
+    "argument --dim: must be a multiple of --heads; got 5",
+  ),
+  (
+    "spikes",
+    ["--steps", "3"],
+    "argument --steps: must be a whole number >= 10; got '3'",
   ),
   (
     "nnx_quickstart",

@@ -365,7 +365,14 @@ def test_chained_with_adam_jitted_without_retrace_or_host_transfer():
   keys = set(optaxclip.stats(state))
   assert keys == {
     "clip_per_example/" + f
-    for f in ("norm", "clipped_norm", "clip_fraction", "nonfinite", "clip_norm")
+    for f in (
+      "norm",
+      "clipped_norm",
+      "clip_fraction",
+      "nonfinite",
+      "clip_norm",
+      "threshold",
+    )
   }
   chex.assert_trees_all_equal_shapes(
     params, jax.tree.map(lambda x: jnp.zeros(x.shape[1:]), _batch(0))

@@ -412,6 +412,7 @@ class ClipperTest(chex.TestCase):
         + [float(e_state.clip_fraction)],
         [0.0, 0.0, 0.0],
       )
+      self.assertEqual(int(e_state.count), 1)
 
 
 # --- dtypes: bf16 accuracy, outputs keep dtypes -------------------------------
@@ -436,8 +437,10 @@ class DtypeTest(parameterized.TestCase):
     for (name, _, needs), (out, state) in zip(clippers, results):
       for k in g:
         self.assertEqual(out[k].dtype, g[k].dtype, f"{name} {k}")
-      for field in jax.tree.leaves(state):  # None fields: none
+      # None fields: none; the step count is int32.
+      for field in jax.tree.leaves(state._replace(count=None)):
         self.assertEqual(field.dtype, jnp.float32)
+      self.assertEqual(state.count.dtype, jnp.int32)
       expected = _reference(name, _leaves(g), _leaves(w) if needs else None)
       for (k, x), e in zip(sorted(out.items()), expected[0]):
         wide = x.astype(jnp.complex64 if k == "c64" else jnp.float32)
@@ -1013,7 +1016,7 @@ class JitTest(parameterized.TestCase):
     self.assertEqual(step._cache_size(), 1)
     for name in opts:
       self.assertEqual(params[name]["b"].dtype, jnp.bfloat16)
-      self.assertEqual(len(logs[name]), 3)
+      self.assertEqual(len(logs[name]), 4)
       for value in logs[name].values():
         self.assertEqual(value.dtype, jnp.float32)
         self.assertTrue(np.isfinite(float(value)))

@@ -11,7 +11,9 @@ import optax
 import np_refs
 import optaxclip
 
-FIELDS = ("norm", "clipped_norm", "clip_fraction")
+CLIP_FIELDS = ("norm", "clipped_norm", "clip_fraction")
+# A fixed-threshold clipper also reports its threshold (a schedule's value).
+FIELDS = (*CLIP_FIELDS, "threshold")
 
 
 def _keys(prefix):
@@ -48,6 +50,9 @@ class StatsTest(parameterized.TestCase):
       "clip_global/norm": global_norm,
       "clip_global/clipped_norm": np_refs.tree_norm(after_global),
       "clip_global/clip_fraction": 1.0,
+      "clip_value/threshold": 10.0,
+      "clip_norm/threshold": 6.0,
+      "clip_global/threshold": 5.0,
     }
     for key, value in logs.items():
       self.assertEqual(value.dtype, jnp.float32)
@@ -273,7 +278,7 @@ class StatsByTypeTest(parameterized.TestCase):
       ]
       + _keys("inner_state/0/clip_global")
       + _keys("inner_state/1/clip_global")
-      + [f"clip_zscore/{f}" for f in (*FIELDS, "threshold", "restarts")],
+      + [f"clip_zscore/{f}" for f in (*CLIP_FIELDS, "threshold", "restarts")],
     )
 
   def test_one_walk_of_the_state_whatever_the_number_of_state_classes(self):
@@ -304,9 +309,9 @@ class StatsByTypeTest(parameterized.TestCase):
     pe = optaxclip.clip_per_example(1.0)
     _, pe_state = jax.eval_shape(pe.update, {"w": jnp.ones((2, 2))}, pe.init(g))
     logs = {**optaxclip.stats(state), **optaxclip.stats(pe_state)}
-    # guard 11, five static clippers 3, the adaptive ones 4 (+ restarts for
-    # clip_zscore and clip_relative), clip_per_example 5.
-    self.assertLen(logs, 11 + 5 * 3 + 3 * 4 + 2 + 5)
+    # guard 11, five static clippers 4, the adaptive ones 4 (+ restarts for
+    # clip_zscore and clip_relative), clip_per_example 6.
+    self.assertLen(logs, 11 + 5 * 4 + 3 * 4 + 2 + 6)
     counters = (
       "skipped",
       "nonfinite",

@@ -55,7 +55,8 @@ class ClippedTest(chex.TestCase):
       self.assertEqual(
         sorted(logs),
         sorted(
-          f"{name}/{f}" for f in ("norm", "clipped_norm", "clip_fraction")
+          f"{name}/{f}"
+          for f in ("norm", "clipped_norm", "clip_fraction", "threshold")
         ),
       )
       self.assertGreater(float(logs[f"{name}/clip_fraction"]), 0)
