@@ -1,18 +1,26 @@
 """Ghost clipping against the exact per-example path: memory and time.
 
-On the small transformer of ``examples/dp_transformer.py`` (embeddings,
-causal attention, MLP, LayerNorms, blocks under ``nn.scan``), prints:
+On the transformers of ``examples/dp_transformer.py`` (embeddings, causal
+attention, MLP, LayerNorms, blocks under ``nn.scan``), per size:
 
+* the parameters ``P``, the per-example gradients' ``B*P`` floats and the
+  activations (the temporary memory of a plain ``jax.grad``): the ghost
+  method cannot go below the activations, so ``ghost / vmap`` is small only
+  where ``B*P`` dominates them (``--size small`` has 110k parameters and is
+  activation-dominated; ``medium``, vocabulary 4096 and width 256, is not);
 * the compiled temporary memory (XLA's memory analysis) of one clipped step
-  at batch ``--batch`` with ``clipped_grad(method="ghost")`` and
-  ``method="vmap"``, and their ratio;
-* the largest batch (a power of two) whose clipped step fits ``--budget-mib``
-  of temporary memory, for both methods;
-* the step time of the ghost step, the vmap step and optax's
-  ``per_example_global_norm_clip`` (on ``vmap(grad)`` per-example gradients)
-  over a plain, non-private ``jax.grad`` of the mean loss: interleaved
-  rounds, median of per-round ratios (the machine is noisy: say so when
-  quoting them).
+  at batch ``--batch`` with ``clipped_grad(method="ghost")`` (``ghost_bk``:
+  book-keeping, one backward pass, the default), the same with
+  ``bookkeeping=False`` (``ghost_2pass``), ``method="vmap"``, optax's
+  ``per_example_global_norm_clip`` on
+  ``vmap(grad)`` per-example gradients and the plain ``jax.grad``;
+* the largest batch (a power of two) whose step fits ``--budget-mib`` of
+  temporary memory, for both methods (predicted from the two compiled
+  batches, temporary memory being affine in the batch, then compiled at the
+  prediction and at twice it to check);
+* step times at batch ``--time-batch`` over the plain ``jax.grad`` of the
+  mean loss: interleaved rounds, median of per-round ratios (the machine is
+  noisy: say so when quoting them).
 
     python benchmarks/ghost.py [--size small] [--batch 256] [--rounds 5]
 """
@@ -42,8 +50,13 @@ def load_example():
 
 
 def steps(loss_fn, clip):
-  """The four jitted steps: (params, tokens) -> gradients."""
-  ghost = optaxclip.clipped_grad(loss_fn, clip, method="ghost")
+  """The steps compared: (params, tokens) -> gradients."""
+  one_pass = optaxclip.clipped_grad(
+    loss_fn, clip, method="ghost", bookkeeping=True
+  )
+  two_pass = optaxclip.clipped_grad(
+    loss_fn, clip, method="ghost", bookkeeping=False
+  )
   vmap = optaxclip.clipped_grad(loss_fn, clip, method="vmap")
 
   def plain(params, tokens):
@@ -58,7 +71,8 @@ def steps(loss_fn, clip):
     return jax.tree.unflatten(treedef, summed)
 
   return {
-    "ghost": lambda p, t: ghost(p, t)[0],
+    "ghost_bk": lambda p, t: one_pass(p, t)[0],
+    "ghost_2pass": lambda p, t: two_pass(p, t)[0],
     "vmap": lambda p, t: vmap(p, t)[0],
     "plain": plain,
     "optax": optax_clip,
@@ -68,6 +82,29 @@ def steps(loss_fn, clip):
 def temp_mib(fn, params, tokens):
   compiled = jax.jit(fn).lower(params, tokens).compile()
   return compiled.memory_analysis().temp_size_in_bytes / 2**20, compiled
+
+
+def largest_batch(fn, params, tokens_of, measured, budget):
+  """The largest power-of-two batch within ``budget`` MiB: predicted from
+  the temporary memory at two batches (``measured``: {batch: MiB}), then
+  checked by compiling at the prediction and at twice it.
+  """
+  (b0, m0), (b1, m1) = sorted(measured.items())
+  slope = (m1 - m0) / (b1 - b0)
+  guess = (budget - (m0 - slope * b0)) / slope if slope > 0 else 2**20
+  batch = 2 ** max(0, int(np.floor(np.log2(max(guess, 1)))))
+  mib = {}
+  for _ in range(6):
+    for b in (batch, 2 * batch):
+      if b not in mib:
+        mib[b] = temp_mib(fn, params, tokens_of(b))[0]
+    if mib[batch] > budget and batch > 1:
+      batch //= 2
+    elif mib[2 * batch] <= budget:
+      batch *= 2
+    else:
+      return batch, mib[batch]
+  return batch, mib.get(batch)
 
 
 def main():
@@ -80,19 +117,16 @@ def main():
     "--batch",
     type=int,
     default=256,
-    help="batch of the memory and time comparison",
+    help="batch of the memory comparison",
+  )
+  parser.add_argument(
+    "--time-batch", type=int, default=32, help="batch of the timings"
   )
   parser.add_argument(
     "--budget-mib",
     type=float,
-    default=256.0,
+    default=1024.0,
     help="temporary memory budget for the largest batch",
-  )
-  parser.add_argument(
-    "--max-batch",
-    type=int,
-    default=4096,
-    help="largest batch tried for the budget",
   )
   parser.add_argument(
     "--rounds", type=int, default=5, help="interleaved timing rounds"
@@ -116,48 +150,58 @@ def main():
   n_params = sum(x.size for x in jax.tree.leaves(params))
   plan = optaxclip.clipped_grad(loss_fn, 1.0).plan(params, tokens)
   print(
-    f"{args.size} transformer: {n_params} parameters, sequences of "
-    f"{size['length']}, batch {args.batch}; ghosted parameter arrays "
-    f"{len(plan.ghosted)}, exact fallback {plan.fallback or 'none'}"
+    f"{args.size} transformer {size}: P = {n_params} parameters; ghosted "
+    f"parameter arrays {len(plan.ghosted)}, exact fallback "
+    f"{plan.fallback or 'none'}"
   )
-  compiled, memory = {}, {}
+  memory = {}
   for name in fns:
-    memory[name], compiled[name] = temp_mib(fns[name], params, tokens)
+    memory[name] = temp_mib(fns[name], params, tokens)[0]
   print(
-    "compiled temporary memory (MiB): "
+    f"batch {args.batch}: per-example gradients B*P = "
+    f"{args.batch * n_params * 4 / 2**20:.1f} MiB (float32); compiled "
+    "temporary memory (MiB): "
     + ", ".join(f"{k} {v:.1f}" for k, v in memory.items())
-    + f"; ghost / vmap = {memory['ghost'] / memory['vmap']:.3f}"
+  )
+  print(
+    ", ".join(
+      f"{g} / {ref} = {memory[g] / memory[ref]:.3f}"
+      for g in ("ghost_bk", "ghost_2pass")
+      for ref in ("vmap", "optax", "plain")
+    )
   )
 
-  for name in ("ghost", "vmap"):
-    batch, fits = 8, None
-    while batch <= args.max_batch:
-      mib, _ = temp_mib(fns[name], params, tokens_of(batch))
-      if mib > args.budget_mib:
-        break
-      fits, batch = (batch, mib), batch * 2
+  time_tokens = tokens_of(args.time_batch)
+  compiled, small = {}, {}
+  for name in fns:
+    small[name], compiled[name] = temp_mib(fns[name], params, time_tokens)
+  for name in ("ghost_bk", "ghost_2pass", "vmap"):
+    batch, mib = largest_batch(
+      fns[name],
+      params,
+      tokens_of,
+      {args.time_batch: small[name], args.batch: memory[name]},
+      args.budget_mib,
+    )
     print(
       f"largest power-of-two batch within {args.budget_mib:g} MiB, "
-      f"{name}: "
-      + ("none" if fits is None else f"{fits[0]} ({fits[1]:.1f} MiB)")
+      f"{name}: {batch} ({mib:.1f} MiB)"
     )
 
   for f in compiled.values():
-    jax.block_until_ready(f(params, tokens))
+    jax.block_until_ready(f(params, time_tokens))
   ratios = {k: [] for k in fns if k != "plain"}
-  for _ in range(args.rounds):
-    times = {}
-    for name in np.random.default_rng(len(ratios["ghost"])).permutation(
-      list(fns)
-    ):
+  times = {}
+  for r in range(args.rounds):
+    for name in np.random.default_rng(r).permutation(list(fns)):
       start = time.perf_counter()
-      jax.block_until_ready(compiled[name](params, tokens))
+      jax.block_until_ready(compiled[name](params, time_tokens))
       times[name] = time.perf_counter() - start
     for k in ratios:
       ratios[k].append(times[k] / times["plain"])
   print(
-    f"step time over a plain jax.grad of the mean loss "
-    f"({times['plain'] * 1e3:.1f} ms last round), median of "
+    f"batch {args.time_batch}: step time over a plain jax.grad of the mean "
+    f"loss ({times['plain'] * 1e3:.1f} ms last round), median of "
     f"{args.rounds} interleaved rounds: "
     + ", ".join(f"{k} {np.median(v):.2f}x" for k, v in ratios.items())
   )

@@ -40,6 +40,9 @@ import optaxclip
 SIZES = {  # vocab, sequence length, width, heads, layers
   "tiny": dict(vocab=16, length=8, width=16, heads=2, layers=2),
   "small": dict(vocab=64, length=32, width=64, heads=4, layers=2),
+  # Parameters against activations as in real language models (a vocabulary
+  # of thousands, width 256): per-example gradients outweigh activations.
+  "medium": dict(vocab=4096, length=32, width=256, heads=4, layers=2),
 }
 
 

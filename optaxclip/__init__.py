@@ -16,6 +16,12 @@ from optaxclip._clipped_grad import DpNoiseState
 from optaxclip._clipped_grad import Sensitivity
 from optaxclip._clipped_grad import clipped_grad
 from optaxclip._clipped_grad import dp_noise
+from optaxclip._explain import explain
+from optaxclip._functional import clip_by_global_norm
+from optaxclip._functional import clip_by_norm
+from optaxclip._functional import clip_by_value
+from optaxclip._functional import global_norm
+from optaxclip._functional import leaf_norms
 from optaxclip._guard import GuardState
 from optaxclip._guard import LossMoments
 from optaxclip._guard import Window
@@ -71,6 +77,9 @@ __all__ = (
   "StableSpamState",
   "Window",
   "clip_block_rms",
+  "clip_by_global_norm",
+  "clip_by_norm",
+  "clip_by_value",
   "clip_global",
   "clip_norm",
   "clip_per_example",
@@ -85,8 +94,11 @@ __all__ = (
   "clipped_grad",
   "default_unit_axes",
   "dp_noise",
+  "explain",
+  "global_norm",
   "guard",
   "leaf_norm_table",
+  "leaf_norms",
   "scale_by_norm_ema",
   "spam",
   "stable_spam",

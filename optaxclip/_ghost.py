@@ -110,6 +110,11 @@ class Plan:
     nnx_groups: for ``flax.nnx`` layers (``nnx.Linear``, ``nnx.Embed``),
       the covered leaf indices and their groups (matched by identity: the
       leaf is the array the layer reads).
+    shapes: module path -> ``(x, y, params)``: the layer call's input and
+      output (``jax.ShapeDtypeStruct``) and its parameters' shapes as the
+      layer sees them (under ``nn.scan``, without the stacked axis).
+    containers: module path -> the keys, from the root of the parameter
+      tree, of the mapping that holds the layer's parameters.
   """
 
   covered: dict
@@ -117,6 +122,8 @@ class Plan:
   fallback: list
   ghosted: list
   nnx_groups: dict = dataclasses.field(default_factory=dict)
+  shapes: dict = dataclasses.field(default_factory=dict)
+  containers: dict = dataclasses.field(default_factory=dict)
 
 
 def _leaf_names(path) -> tuple:
@@ -158,10 +165,22 @@ def discover(
         and (method == "__call__" or not method.startswith(("_", "setup")))
       ):
         entry = calls.setdefault(
-          id(module), [module, tuple(module.path), kind, 0, True]
+          id(module), [module, tuple(module.path), kind, 0, True, None]
         )
         entry[3] += 1
         x = args[0] if args else None
+        y = next_fun(*args, **kwargs)
+        if isinstance(x, (jax.Array, np.ndarray)) and isinstance(
+          y, (jax.Array, np.ndarray)
+        ):
+          entry[5] = (
+            jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+            jax.ShapeDtypeStruct(np.shape(y), y.dtype),
+            {
+              k: np.shape(v)
+              for k, v in module.variables.get("params", {}).items()
+            },
+          )
         ok = x is not None and (
           context.method_name == "__call__"
           and len(args) == 1
@@ -175,6 +194,7 @@ def discover(
         if kind == "dense_general" and ok:
           ok = _dense_general_axes(module, x) is not None
         entry[4] = entry[4] and ok
+        return y
       return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
@@ -183,7 +203,9 @@ def discover(
     nnx_calls = {}
 
   by_path: dict = {}
-  for module, path, kind, count, ok in calls.values():
+  shapes: dict = {}
+  for module, path, kind, count, ok, call_shapes in calls.values():
+    shapes[path] = call_shapes
     good = ok and count == 1
     old = by_path.get(path)
     by_path[path] = (
@@ -191,26 +213,33 @@ def discover(
       good and (old is None or old[1]),
       tuple(module.variables.get("params", {}).keys()),
     )
-  covered, kinds, fallback_flags = {}, {}, []
+  covered, kinds, fallback_flags, containers = {}, {}, [], {}
+  leaf_paths = []
   for leaf_names, group in zip(names, group_of_leaf):
+    # The layer a leaf belongs to is the LONGEST recorded module path its
+    # names end with: a top-level ``Dense_0`` must not claim the kernel of a
+    # ``Dense_0`` nested in a block (that layer would go untapped and its
+    # share of the norm would be lost).
     hit = None
     for path, (kind, good, pnames) in by_path.items():
       n = len(path)
       if (
-        good
-        and len(leaf_names) > n
+        len(leaf_names) > n
         and leaf_names[-1] in pnames
         and tuple(leaf_names[-n - 1 : -1]) == path
+        and (hit is None or n > len(hit[0]))
       ):
-        hit = (path, kind)
-        break
-    if hit is None:
+        hit = (path, kind, good)
+    if hit is None or not hit[2]:
       fallback_flags.append(True)
+      leaf_paths.append(None)
       continue
-    path, kind = hit
+    path, kind, _ = hit
     covered.setdefault(path, {})[leaf_names[-1]] = group
+    containers[path] = tuple(leaf_names[:-1])
     kinds[path] = kind
     fallback_flags.append(False)
+    leaf_paths.append(path)
   # A module whose parameters are not all matched (one is in no leaf we know,
   # or split oddly) is not tapped: its matched leaves fall back too.
   for path in list(covered):
@@ -218,21 +247,16 @@ def discover(
     if set(covered[path]) != set(pnames):
       del covered[path]
   keystrs = [jax.tree_util.keystr(p) for p, _ in with_paths]
-  final_flags = []
-  for leaf_names, flag in zip(names, fallback_flags):
-    if not flag:
-      path = None
-      for p in covered:
-        n = len(p)
-        if tuple(leaf_names[-n - 1 : -1]) == p:
-          path = p
-          break
-      flag = path is None
-    final_flags.append(flag)
+  final_flags = [
+    flag or path not in covered
+    for flag, path in zip(fallback_flags, leaf_paths)
+  ]
   nnx_groups = {i: group_of_leaf[i] for i in nnx_calls}
   final_flags = [f and i not in nnx_groups for i, f in enumerate(final_flags)]
   plan = Plan(
     nnx_groups=nnx_groups,
+    shapes={p: shapes[p] for p in covered},
+    containers={p: containers[p] for p in covered},
     covered=covered,
     kinds=kinds,
     fallback=[k for k, f in zip(keystrs, final_flags) if f],
@@ -438,37 +462,60 @@ def _zero_cotangent(x):
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _make_tap(kind, module_fn, groups: dict, n_groups: int):
+# Names of the book-keeping catchers, set next to a layer's parameters for
+# the time of one trace (see ``forward``).
+CATCH_X = "__ghost_x__"
+CATCH_G = "__ghost_g__"
+
+
+def _make_tap(kind, module_fn, groups: dict, n_groups: int, catch: bool):
   """An identity on ``y`` whose backward writes per-example squared norms
   into the probe's cotangent (row ``groups[name]`` for each parameter).
+
+  With ``catch``, two more inputs (zeros shaped like ``x`` and ``y``) receive
+  the layer's input and output gradient as their cotangents: that is how
+  they leave the backward pass, and an ``nn.scan`` stacks them per layer as
+  it stacks the parameters' gradients.
   """
 
-  @jax.custom_vjp
-  def tap(y, x, theta, probe):
-    del x, theta, probe
-    return y
-
-  def fwd(y, x, theta, probe):
-    return y, (x, theta, jnp.zeros((), y.dtype), probe)
-
-  def bwd(res, g):
-    x, theta, y0, probe = res
+  def sq_rows(x, theta, y_dtype, g, probe):
     shape = probe.shape
     sq = _layer_sq_norms(
-      kind, module_fn, theta, x, jax.ShapeDtypeStruct(g.shape, y0.dtype), g
+      kind, module_fn, theta, x, jax.ShapeDtypeStruct(g.shape, y_dtype), g
     )
     rows = [jnp.zeros(shape[1:], jnp.float32) for _ in range(n_groups)]
     for name, value in sq.items():
       rows[groups[name]] = rows[groups[name]] + value.astype(jnp.float32)
-    return (
+    return like(jnp.stack(rows), probe)
+
+  @jax.custom_vjp
+  def tap(y, x, theta, probe, x_catch, g_catch):
+    del x, theta, probe, x_catch, g_catch
+    return y
+
+  def fwd(y, x, theta, probe, x_catch, g_catch):
+    del x_catch, g_catch
+    return y, (x, theta, jnp.zeros((), y.dtype), probe)
+
+  def bwd(res, g):
+    x, theta, y0, probe = res
+    out = (
       g,
       _zero_cotangent(x),
       jax.tree.map(jnp.zeros_like, theta),
-      like(jnp.stack(rows), probe),
+      sq_rows(x, theta, y0.dtype, g, probe),
     )
+    if not catch:
+      return out + (None, None)
+    return out + (x.astype(_catch_dtype(x.dtype)), g)
 
   tap.defvjp(fwd, bwd)
   return tap
+
+
+def _catch_dtype(dtype):
+  # Token ids travel as float32 (exact below 2**24).
+  return dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.float32
 
 
 class _ModuleFn:
@@ -482,8 +529,16 @@ class _ModuleFn:
     return self.unbound.apply({"params": theta}, x)
 
 
-def interceptor(plan: Plan, probe: jax.Array, n_groups: int):
-  """The method interceptor that taps every covered layer call."""
+def _split_catch(params: dict):
+  """A layer's parameters without the catchers, and the catchers."""
+  theta = {k: v for k, v in params.items() if k not in (CATCH_X, CATCH_G)}
+  return theta, params.get(CATCH_X), params.get(CATCH_G)
+
+
+def interceptor(plan: Plan, probe: jax.Array, n_groups: int, fns: dict):
+  """The method interceptor that taps every covered layer call (and keeps,
+  in ``fns``, each tapped layer's pure function).
+  """
 
   def intercept(next_fun, args, kwargs, context):
     module = context.module
@@ -497,31 +552,180 @@ def interceptor(plan: Plan, probe: jax.Array, n_groups: int):
     y = next_fun(*args, **kwargs)
     kind = plan.kinds[path]
     x = args[0]
-    theta = dict(module.variables["params"])
+    theta, x_catch, g_catch = _split_catch(dict(module.variables["params"]))
     n_in = 1
     if kind == "dense_general":
       n_in = _dense_general_axes(module, x)
     fn = _ModuleFn(module, n_in or 1)
-    tap = _make_tap(kind, fn, plan.covered[path], n_groups)
-    return tap(y, x, theta, probe)
+    fns[path] = fn
+    catch = x_catch is not None and g_catch is not None
+    tap = _make_tap(kind, fn, plan.covered[path], n_groups, catch)
+    return tap(y, x, theta, probe, x_catch, g_catch)
 
   return intercept
 
 
+def _get(tree, keys):
+  for k in keys:
+    tree = tree[k]
+  return tree
+
+
+def _with(tree, keys, extra: dict):
+  """A copy of the nested mapping ``tree`` with ``extra`` added to the
+  mapping at ``keys`` (dicts and FrozenDicts are rebuilt as they were).
+  """
+  if not keys:
+    out = dict(tree)
+    out.update(extra)
+  else:
+    out = dict(tree)
+    out[keys[0]] = _with(tree[keys[0]], keys[1:], extra)
+  return out if type(tree) is dict else type(tree)(out)
+
+
+def can_bookkeep(plan: Plan, params: Any) -> bool:
+  """Whether the one-pass (book-keeping) form applies: every parameter is
+  covered by a tapped linen layer whose parameters sit in nested dicts.
+  """
+  if plan.fallback or plan.nnx_groups or not plan.covered:
+    return False
+  for path, keys in plan.containers.items():
+    node = params
+    for k in keys:
+      if type(node) is not dict and not _is_frozen_dict(node):
+        return False
+      if k not in node:
+        return False
+      node = node[k]
+    if type(node) is not dict and not _is_frozen_dict(node):
+      return False
+    if plan.shapes.get(path) is None:
+      return False
+  return True
+
+
+def _is_frozen_dict(node) -> bool:
+  try:
+    from flax.core import FrozenDict
+  except ImportError:  # pragma: no cover
+    return False
+  return isinstance(node, FrozenDict)
+
+
+def _stack_axes(plan: Plan, params: Any, path) -> tuple:
+  """The leading (``nn.scan``) axes of a layer's parameters in the tree."""
+  node = _get(params, plan.containers[path])
+  name = next(iter(plan.covered[path]))
+  per_call = plan.shapes[path][2][name]
+  full = np.shape(node[name])
+  return tuple(full[: len(full) - len(per_call)])
+
+
+def with_catchers(plan: Plan, params: Any) -> Any:
+  """``params`` with zero catchers next to each covered layer's
+  parameters (stacked like them under ``nn.scan``).
+  """
+  for path, keys in plan.containers.items():
+    x, y, _ = plan.shapes[path]
+    lead = _stack_axes(plan, params, path)
+    extra = {
+      CATCH_X: jnp.zeros(lead + x.shape, _catch_dtype(x.dtype)),
+      CATCH_G: jnp.zeros(lead + y.shape, y.dtype),
+    }
+    params = _with(params, keys, extra)
+  return params
+
+
+def weighted_grads(
+  plan: Plan,
+  params: Any,
+  caught: Any,
+  fns: dict,
+  weights: list,
+  group_of_leaf: list,
+) -> Any:
+  """Book-keeping (Bu et al. 2023): the parameters' gradient of
+  ``sum_b w_b loss_b`` from each layer's caught input ``x`` and output
+  gradient ``g``: the layer's own VJP with the cotangent ``w_b g_b`` (a
+  weighted ``A^T G`` for a Dense, a weighted scatter of ``g`` for an Embed),
+  no second backward pass through the model.
+
+  Args:
+    plan: the plan (``can_bookkeep`` holds).
+    params: the parameters, without catchers.
+    caught: the cotangent of the parameters with catchers.
+    fns: per module path, the layer's pure function (from the forward).
+    weights: per group, the ``(B,)`` weights.
+    group_of_leaf: per leaf of ``params``, its group.
+
+  Returns:
+    The gradient, shaped like ``params``.
+  """
+  names = [
+    _leaf_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
+  by_leaf: dict = {}
+  for path, keys in plan.containers.items():
+    node = _get(params, keys)
+    got = _get(caught, keys)
+    x_all, g_all = got[CATCH_X], got[CATCH_G]
+    x_dtype = plan.shapes[path][0].dtype
+    theta = {k: node[k] for k in plan.covered[path]}
+    lead = _stack_axes(plan, params, path)
+    n = math.prod(lead)
+    flat = lambda v, lead=lead, n=n: v.reshape((n,) + v.shape[len(lead) :])
+    fn = fns[path]
+    for group in sorted(set(plan.covered[path].values())):
+      w = weights[group]
+      members = [k for k, g in plan.covered[path].items() if g == group]
+
+      def one(th, x, g, w=w, fn=fn, x_dtype=x_dtype):
+        x = x.astype(x_dtype)
+        wg = (w.reshape((-1,) + (1,) * (g.ndim - 1)) * g).astype(g.dtype)
+        return jax.vjp(lambda t: fn(t, x), th)[1](wg)[0]
+
+      if lead:
+        grads = jax.vmap(one)(
+          jax.tree.map(flat, theta), flat(x_all), flat(g_all)
+        )
+        grads = jax.tree.map(
+          lambda v, lead=lead: v.reshape(lead + v.shape[1:]), grads
+        )
+      else:
+        grads = one(theta, x_all, g_all)
+      for k in members:
+        by_leaf[tuple(keys) + (k,)] = grads[k]
+  leaves = [by_leaf[n_] for n_ in names]
+  del group_of_leaf
+  return jax.tree.unflatten(jax.tree.structure(params), leaves)
+
+
 def forward(
-  apply_loss: Callable, params: Any, plan: Plan, batch_size: int, n_groups: int
+  apply_loss: Callable,
+  params: Any,
+  plan: Plan,
+  batch_size: int,
+  n_groups: int,
+  catch: bool = False,
 ):
   """One forward pass with the taps in place.
 
   Returns:
-    ``(losses, aux, vjp)``: ``vjp(cotangent)`` with a ``(B,)`` cotangent
-    returns ``(param_grads, probe_cotangent)``. With a cotangent of ones, the
-    probe's is the ``(n_groups, B)`` per-example squared norms of the covered
-    parameters; with per-example weights, the parameters' is the weighted sum
-    of the per-example gradients. Both backward passes share the forward's
-    activations (under ``jit``, each drops what it does not use).
+    ``(losses, aux, vjp, fns)``: ``vjp(cotangent)`` with a ``(B,)``
+    cotangent returns ``(param_grads, probe_cotangent)``. With a cotangent
+    of ones, the probe's is the ``(n_groups, B)`` per-example squared norms
+    of the covered parameters; with per-example weights, the parameters' is
+    the weighted sum of the per-example gradients. Both backward passes
+    share the forward's activations (under ``jit``, each drops what it does
+    not use). With ``catch`` (see ``with_catchers``), the parameters'
+    cotangent also holds each layer's input and output gradient at the
+    catchers, for :func:`weighted_grads`; ``fns`` the layers' functions.
   """
   probe = jnp.zeros((n_groups, batch_size), jnp.float32)
+  fns: dict = {}
+  if catch:
+    params = with_catchers(plan, params)
 
   def run(params_, probe_):
     if nn is None or not (plan.covered or plan.nnx_groups):
@@ -537,14 +741,14 @@ def forward(
       if not idx or any(i not in plan.nnx_groups for i in idx.values()):
         return y
       groups = {n: plan.nnx_groups[i] for n, i in idx.items()}
-      tap = _make_tap(kind, None, groups, n_groups)
-      return tap(y, args[0], theta, probe_)
+      tap = _make_tap(kind, None, groups, n_groups, False)
+      return tap(y, args[0], theta, probe_, None, None)
 
     with (
-      nn.intercept_methods(interceptor(plan, probe_, n_groups)),
+      nn.intercept_methods(interceptor(plan, probe_, n_groups, fns)),
       _nnx_patched(nnx_tap),
     ):
       return apply_loss(params_)
 
   losses, vjp, aux = jax.vjp(run, params, probe, has_aux=True)
-  return losses, aux, vjp
+  return losses, aux, vjp, fns

@@ -14,6 +14,7 @@ import optax
 
 from optaxclip import _checks
 from optaxclip import _compiled
+from optaxclip import _functional
 from optaxclip import _norms
 from optaxclip import _schedules
 from optaxclip import _sharding
@@ -177,29 +178,12 @@ def _init_stats(
   return init_fn
 
 
-def _flatten(updates, who: str):
-  leaves, treedef = jax.tree.flatten(updates)
-  _checks.check_float_leaves(updates, f"{who}: updates")
-  # Python or NumPy scalars are valid leaves too (optax accepts them).
-  return [jnp.asarray(x) for x in leaves], treedef
+_flatten = _functional.flatten
+sharded_flags = _functional.sharded_flags
 
 
 def _fraction(numerator, denominator) -> jax.Array:
   return _stats.as_stat(numerator / max(denominator, 1))
-
-
-def sharded_flags(
-  updates: Any, sharded: Sharded, who: str, axis_name: Any = None
-) -> list[tuple[str, ...]]:
-  """Per leaf of ``updates``, the names of ``axis_name`` it is split over.
-
-  ``sharded`` is an entry for all leaves, a pytree prefix of entries or a
-  callable ``(path, leaf) -> entry``; an entry is ``True`` (every axis of
-  ``axis_name``), ``False``/``None`` (none), a tuple of axis names or a
-  ``PartitionSpec`` (see :mod:`optaxclip._sharding`). The result is what
-  ``_norms``' ``sharded=`` takes. Without ``axis_name``, nothing is split.
-  """
-  return [s.axes for s in _sharding.resolve(updates, sharded, axis_name, who)]
 
 
 @_compiled.compiled_once
@@ -297,16 +281,8 @@ def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
       if x.size == 0:
         out.append(x)
         continue
-      limit = jnp.asarray(max_delta_now, poison.dtype) + poison
-      if jnp.iscomplexobj(x):
-        mag = _norms.magnitude(x)
-        over = mag > limit
-        factor = jnp.where(over, limit / jnp.where(over, mag, 1), 1) + poison
-        out.append(_norms.scale_leaf(x, factor))
-      else:
-        out.append(
-          jnp.clip(x.astype(limit.dtype), -limit, limit).astype(x.dtype)
-        )
+      bound = jnp.asarray(max_delta_now, poison.dtype)
+      out.append(_functional.clip_leaf_to_range(x, -bound, bound, poison))
     limit = jnp.asarray(max_delta_now, jnp.float32)
     new_state = ClipValueState(
       norm=_stats.as_stat(largest),
@@ -338,8 +314,7 @@ def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redef
   summed across them; see combine_norms).
   """
   across = [key[1] for key in layout.keys]
-  factors = [_norms.clip_scale(n, lim) for n, lim in zip(norms, limits)]
-  out = layout.scale(leaves, factors)
+  out, factors = _functional.scale_units(leaves, layout, norms, limits)
   clipped_norms = [n * f for n, f in zip(norms, factors)]
   scaled = sum(
     (
@@ -428,23 +403,12 @@ def clip_norm(
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = _flatten(updates, "clip_norm")
+    leaves, treedef = _flatten(updates, who)
     limit = _schedules.value_at(
       max_norm, _schedules.count_of(state), who=who, name="max_norm"
     )
-    paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
-    axes = [
-      _checks.leaf_axes(who, axis, x, path) for x, path in zip(leaves, paths)
-    ]
-    splits = _sharding.resolve(updates, sharded, axis_name, "clip_norm")
-    layout, norms = _norms.unit_norms_packed(
-      leaves,
-      p,
-      axes,
-      axis_name=axis_name,
-      sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)],
-      keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)],
-      several_units=True,
+    layout, norms = _functional.unit_norms_of(
+      updates, leaves, p, axis, axis_name, sharded, who
     )
     out, stats = _per_unit_clip(leaves, layout, norms, [limit] * len(norms), p)
     return jax.tree.unflatten(treedef, out), ClipNormState(
@@ -549,6 +513,7 @@ def clip_global(
     count = _schedules.count_of(state)
     limit = _schedules.value_at(max_norm, count, who=who, name="max_norm")
     telemetry = _telemetry.LeafStats()
+    norm = None
     if leaf_stats:
       norm, telemetry = _telemetry.global_norm(
         who,
@@ -560,15 +525,16 @@ def clip_global(
         axis_name=axis_name,
         splits=_sharding.resolve(updates, sharded, axis_name, who),
       )
-    else:
-      norm = _norms.global_norm_scaled(
-        leaves,
-        p,
-        axis_name=axis_name,
-        sharded=sharded_flags(updates, sharded, who, axis_name),
-      )
-    factor = _norms.clip_scale(norm, limit)
-    out = _norms.scale_all(leaves, factor)
+    out, norm, factor = _functional.global_clip(
+      leaves,
+      limit,
+      p,
+      axis_name=axis_name,
+      flags=None
+      if leaf_stats
+      else sharded_flags(updates, sharded, who, axis_name),
+      norm=norm,
+    )
     new_state = ClipGlobalState(
       _stats.as_stat(norm.as_float()),
       _stats.as_stat((norm * factor).as_float()),

@@ -114,6 +114,19 @@ def _registered_states(tree: Any, path: tuple = ()):
 
 def _keyed_states(opt_state: Any) -> list[tuple[str, Any]]:
   """``(key prefix, state)`` of every registered state, in tree order."""
+  return [(key, state) for key, _, state in named_states(opt_state)]
+
+
+def stat_fields(state: Any) -> tuple[str, ...]:
+  """The fields :func:`stats` reports for a registered state."""
+  return _REGISTRY[type(state)][1]
+
+
+def named_states(opt_state: Any) -> list[tuple[str, tuple, Any]]:
+  """``(key prefix, path, state)`` of every registered state, in tree order:
+  the walk and the names that :func:`stats` and :func:`optaxclip.explain`
+  share.
+  """
   found = _registered_states(opt_state)
   counts = collections.Counter(_REGISTRY[type(s)][0] for _, s in found)
   prefixes = []
@@ -136,7 +149,7 @@ def _keyed_states(opt_state: Any) -> list[tuple[str, Any]]:
       f"stats: the states at {clashes[0]!r} must have distinct paths; got "
       "paths that render alike."
     )
-  return [(p, state) for p, (_, state) in zip(prefixes, found)]
+  return [(p, path, state) for p, (path, state) in zip(prefixes, found)]
 
 
 def _check_prefix(who: str, prefix: Any) -> None:

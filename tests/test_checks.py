@@ -531,6 +531,37 @@ BAD = [
     ValueError,
     "be given",
   ),
+  # The functional API checks its arguments in the same format.
+  ("global_norm", {"tree": {"w": 1.0}, "ord": 0.5}, "ord", ValueError, ">="),
+  ("leaf_norms", {"tree": {"w": 1.0}, "ord": "2"}, "ord", TypeError, "real"),
+  (
+    "clip_by_global_norm",
+    {"tree": {"w": 1.0}, "max_norm": -1.0},
+    "max_norm",
+    ValueError,
+    ">=",
+  ),
+  (
+    "clip_by_global_norm",
+    {"tree": {"w": 1.0}, "max_norm": 1.0, "norm": NAN},
+    "norm",
+    ValueError,
+    "",
+  ),
+  (
+    "clip_by_norm",
+    {"tree": {"w": 1.0}, "max_norm": NAN},
+    "max_norm",
+    ValueError,
+    "",
+  ),
+  (
+    "clip_by_value",
+    {"tree": {"w": 1.0}, "min_value": 1.0, "max_value": 0.0},
+    "max_value",
+    ValueError,
+    ">= min_value",
+  ),
   ("spam", {"learning_rate": -1.0}, "learning_rate", ValueError, ">= 0"),
   ("spam", {"learning_rate": 0.1, "b1": 1.0}, "b1", ValueError, "< 1"),
   ("spam", {"learning_rate": 0.1, "eps": NAN}, "eps", ValueError, "real"),
@@ -637,6 +668,11 @@ def test_every_public_transformation_has_a_bad_argument_case():
     "clipped",
     "dp_noise",
     "clipped_grad",
+    "global_norm",
+    "leaf_norms",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
     "spam",
     "stable_spam",
     "clip_spikes",
@@ -645,7 +681,13 @@ def test_every_public_transformation_has_a_bad_argument_case():
   }
   assert factories <= covered, factories - covered
   public = {n for n in optaxclip.__all__ if n[0].islower()}
-  others = {"stats", "default_unit_axes", "upgrade_state"}
+  others = {
+    "stats",
+    "explain",
+    "leaf_norm_table",
+    "default_unit_axes",
+    "upgrade_state",
+  }
   assert factories | others >= public - {"__version__"}, public
 
 

@@ -152,11 +152,18 @@ def test_ghost_equals_vmap_and_the_oracle(case):
   clip = float(np.median(norms0))  # about half the examples clipped
   want, want_norms, _ = _oracle(loss, params, batch, clip)
   # The oracle is itself a vmap reference: the transformer (the slowest to
-  # compile) checks the ghost method against it only.
-  methods = ("ghost",) if case == "transformer" else ("ghost", "vmap")
-  for method in methods:
+  # compile) checks the ghost method (two passes, and book-keeping's one)
+  # against it only.
+  methods = [("ghost", False), ("ghost", True)]
+  if case != "transformer":
+    methods.append(("vmap", False))
+  for method, bookkeeping in methods:
     fn = optaxclip.clipped_grad(
-      loss, clip, batch_argnums=tuple(range(1, 1 + len(batch))), method=method
+      loss,
+      clip,
+      batch_argnums=tuple(range(1, 1 + len(batch))),
+      method=method,
+      bookkeeping=bookkeeping,
     )
     grads, norms = run_fast(fn, params, *batch)
     np.testing.assert_allclose(norms, want_norms, rtol=1e-5)

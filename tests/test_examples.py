@@ -93,6 +93,30 @@ def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_which_layer_names_the_bad_layer_and_writes_the_heatmap(tmp_path):
+  out = tmp_path / "which_layer.png"
+  stdout = _run_script(
+    "examples/which_layer.py",
+    "--steps",
+    "6",
+    "--layers",
+    "3",
+    "--width",
+    "4",
+    "--bad-layer",
+    "1",
+    "--out",
+    str(out),
+    cwd=tmp_path,
+  )
+  sentences = re.findall(r"^  step \d+: (clip_global .*)$", stdout, re.M)
+  assert len(sentences) == 3, stdout
+  # The badly scaled block carries most of the squared norm.
+  for sentence in sentences:
+    assert sentence.endswith("came from blocks/w (layer 1)"), stdout
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_nnx_quickstart_prints_the_pre_clip_norm(tmp_path):
   stdout = _run_script(
     "examples/nnx_quickstart.py",

@@ -1,0 +1,339 @@
+"""explain(): one exact sentence per clipper and guard, from the state alone.
+
+Most states are written out by hand (explain reads nothing but the state);
+a few real steps check the walk through guard, inject_hyperparams and
+named_chain.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optaxclip
+from optaxclip import _explain
+from optaxclip import _stats
+
+NAN, INF = math.nan, math.inf
+
+
+def _f(*values):
+  return [jnp.float32(v) for v in values]
+
+
+def _i(n):
+  return jnp.int32(n)
+
+
+def _clip(cls, norm, clipped, fraction, threshold):
+  """A static clipper's state: statistics, threshold, step count."""
+  return cls(*_f(norm, clipped, fraction, threshold), _i(1))
+
+
+def _key():
+  return jax.random.key_data(jax.random.key(0))
+
+
+def _guard(
+  norm, threshold, skipped, streak, mean, var, causes=(0, 0, 0), z=0.0
+):
+  nonfinite, max_norm, spike = causes
+  return optaxclip.GuardState(
+    norm=jnp.float32(norm),
+    threshold=jnp.float32(threshold),
+    skipped=_i(skipped),
+    nonfinite=_i(nonfinite),
+    consecutive_skips=_i(streak),
+    count=_i(25),
+    mean=jnp.float32(mean),
+    var=jnp.float32(var),
+    inner_state=(),
+    consecutive_spikes=_i(0),
+    restarts=_i(0),
+    step=_i(30),
+    skipped_nonfinite=_i(nonfinite),
+    skipped_max_norm=_i(max_norm),
+    skipped_spike=_i(spike),
+    z_score=jnp.float32(z),
+    skipped_loss_spike=_i(0),
+    loss=None,
+    loss_z_score=None,
+    loss_moments=None,
+    window=None,
+    skipped_leaves=None,
+  )
+
+
+CASES = [
+  (
+    _clip(optaxclip.ClipGlobalState, 76.2, 1.0, 1.0, 1.0),
+    "clip_global scaled the update by 0.0131 (norm 76.2 > 1.0)",
+  ),
+  (
+    _clip(optaxclip.ClipGlobalState, 0.8, 0.8, 0.0, 1.0),
+    "clip_global left the update unchanged (norm 0.8 <= 1.0)",
+  ),
+  (
+    _clip(optaxclip.ClipGlobalState, NAN, NAN, 1.0, 1.0),
+    (
+      "clip_global saw a non-finite gradient (norm nan): the whole update "
+      "came out NaN, so that a guard (or optax.apply_if_finite) can skip the "
+      "step"
+    ),
+  ),
+  (
+    _clip(optaxclip.ClipNormState, 5.0, 1.2, 0.5, 1.0),
+    "clip_norm scaled down 50% of its units (norm 5.0 -> 1.2; max_norm 1.0)",
+  ),
+  (
+    _clip(optaxclip.ClipNormState, 0.5, 0.5, 0.0, 1.0),
+    "clip_norm left every one of its units unchanged (norm 0.5; max_norm 1.0)",
+  ),
+  (
+    _clip(optaxclip.ClipBlockRMSState, 5.0, 1.2, 0.25, 1.0),
+    (
+      "clip_block_rms scaled down 25% of its leaves (norm 5.0 -> 1.2; RMS "
+      "limit 1.0)"
+    ),
+  ),
+  (
+    _clip(optaxclip.ClipUnitwiseState, INF, NAN, 0.25, 1.0),
+    (
+      "clip_unitwise saw a non-finite gradient (norm inf): the units holding "
+      "it came out NaN, so that a guard (or optax.apply_if_finite) can skip "
+      "the step"
+    ),
+  ),
+  (
+    _clip(optaxclip.ClipValueState, 3.0, 1.0, 2 / 3, 1.0),
+    "clip_value clipped 67% of the elements (largest magnitude 3.0 > 1.0)",
+  ),
+  (
+    _clip(optaxclip.ClipValueState, 0.3, 0.3, 0.0, 1.0),
+    "clip_value left every element unchanged (largest magnitude 0.3 <= 1.0)",
+  ),
+  (
+    _clip(optaxclip.ClipValueState, INF, NAN, 0.5, 1.0),
+    (
+      "clip_value saw a non-finite gradient (largest magnitude inf): the "
+      "leaves holding it came out NaN (50% of the elements)"
+    ),
+  ),
+  (
+    optaxclip.ClipZscoreState(
+      *_f(76.2, 5.3, 1.0, 5.3), _i(25), *_f(4.2, 0.16), _i(0), _i(0), _i(30)
+    ),
+    (
+      "clip_zscore scaled the update by 0.0696 (norm 76.2 -> 5.3; threshold "
+      "5.3, from the norm's running mean 4.2 and standard deviation 0.4)"
+    ),
+  ),
+  (
+    optaxclip.ClipZscoreState(
+      *_f(3.0, 3.0, 0.0, INF), _i(3), *_f(4.2, 0.16), _i(0), _i(0), _i(3)
+    ),
+    (
+      "clip_zscore left the update unchanged (norm 3.0; no threshold yet: "
+      "warming up)"
+    ),
+  ),
+  (
+    optaxclip.ClipPercentileState(
+      *_f(9.0, 3.0, 1.0, 3.0),
+      _i(40),
+      _i(40),
+      jnp.zeros(64),
+      jnp.zeros(64),
+      _i(40),
+    ),
+    (
+      "clip_percentile scaled the update by 0.333 (norm 9.0 -> 3.0; threshold "
+      "3.0, the percentile of the last 40 norms)"
+    ),
+  ),
+  (
+    optaxclip.ClipRelativeState(
+      *_f(9.0, 3.0, 0.4, 3.0),
+      _i(100),
+      jnp.zeros(5),
+      jnp.zeros(5, jnp.int32),
+      _i(0),
+      _i(100),
+    ),
+    (
+      "clip_relative scaled down 40% of its units (norm 9.0 -> 3.0; threshold "
+      "3.0, each leaf's limit a factor times its own EMA norm)"
+    ),
+  ),
+  (
+    optaxclip.ClipPerExampleState(*_f(2.3, 0.9, 0.3, 1.0), _key(), _i(2)),
+    (
+      "clip_per_example scaled down 30% of the examples (mean per-example "
+      "norm 2.3 -> 0.9); 2 examples with a NaN or Inf gradient were left "
+      "out; the next step clips to 1.0"
+    ),
+  ),
+  (
+    optaxclip.DpNoiseState(
+      *_f(2.3, 0.9, 0.3, 1.0), _key(), _i(0), jnp.float32(1.0), _i(1)
+    ),
+    (
+      "dp_noise scaled down 30% of the examples (mean per-example norm 2.3 "
+      "-> 0.9); the next step clips to 1.0"
+    ),
+  ),
+  (
+    _guard(812.0, 12.6, 5, 3, 4.2, 1.4, causes=(1, 0, 4), z=9.1),
+    (
+      "guard skipped the step: the norm 812 was 9.1 standard deviations "
+      "above its mean (now 4.2; threshold 12.6); 3 skips in a row, 5 in all "
+      "(1 non-finite, 4 spike)"
+    ),
+  ),
+  (
+    _guard(812.0, 100.0, 3, 1, 4.2, 1.4, causes=(0, 3, 0), z=9.1),
+    (
+      "guard skipped the step: the norm 812 was above max_norm 100; 1 skip "
+      "in a row, 3 in all"
+    ),
+  ),
+  (
+    _guard(NAN, 12.6, 2, 2, 4.2, 1.4, causes=(2, 0, 0)),
+    (
+      "guard skipped the step: the gradient norm was nan (a NaN or Inf in the "
+      "gradient); 2 skips in a row"
+    ),
+  ),
+  (
+    _guard(3.0, 12.6, 2, 0, 4.2, 1.4, causes=(2, 0, 0)),
+    "guard let the step through (norm 3.0 <= 12.6)",
+  ),
+  (
+    _guard(3.0, INF, 0, 0, 0.0, 0.0),
+    "guard let the step through (norm 3.0; no limit yet)",
+  ),
+]
+
+
+_PARAMS = {"w": jnp.zeros(3)}
+_SPIKES = optaxclip.clip_spikes().init(_PARAMS)
+_SPAM = optaxclip.spam(0.1).init(_PARAMS)[0]
+_STABLE = optaxclip.stable_spam(0.1).init(_PARAMS)
+_NORM_EMA = optaxclip.scale_by_norm_ema().init(_PARAMS)
+CASES += [
+  (
+    _SPIKES._replace(clipped=jnp.float32(2), clip_fraction=jnp.float32(0.5)),
+    (
+      "clip_spikes clipped 2 coordinates (50%) that spiked above their "
+      "running second moment"
+    ),
+  ),
+  (
+    optaxclip.clip_spikes_adaptive().init(_PARAMS),
+    "clip_spikes_adaptive clipped no coordinate",
+  ),
+  (
+    _SPAM._replace(scale=jnp.float32(0.25), resets=_i(1)),
+    (
+      "spam clipped no coordinate; the step size's warm-up factor is 0.25; 1 "
+      "moment reset so far"
+    ),
+  ),
+  (
+    _STABLE[2]._replace(scale=jnp.float32(0.5)),
+    "stable_spam ran; the cosine factor on b1 and gamma1 is 0.5",
+  ),
+  (
+    _NORM_EMA._replace(
+      norm=jnp.float32(8.0),
+      scaled_norm=jnp.float32(2.0),
+      scale=jnp.float32(0.25),
+    ),
+    "scale_by_norm_ema scaled the update by 0.25 (norm 8.0 -> 2.0)",
+  ),
+]
+
+
+@pytest.mark.parametrize("state, sentence", CASES)
+def test_one_sentence_per_state(state, sentence):
+  assert optaxclip.explain(state) == [sentence]
+
+
+def test_every_state_class_has_a_sentence():
+  described = {short for short, _ in _stats._REGISTRY.values()}
+  assert described <= set(_explain._SENTENCES), described
+  covered = {_stats.short_name(type(state)) for state, _ in CASES}
+  assert described <= covered, described - covered
+
+
+def test_numbers_read_plainly():
+  assert [_explain._num(x) for x in (1, 76.2, 812, 0.013, 1.2e6, NAN)] == [
+    "1.0",
+    "76.2",
+    "812",
+    "0.013",
+    "1.2e+06",
+    "nan",
+  ]
+
+
+def test_the_walk_through_guard_chain_and_injected_hyperparameters():
+  params = {"w": jnp.zeros(2)}
+  tx = optaxclip.guard(
+    optax.chain(optaxclip.clip_global(1.0), optax.sgd(0.1)), max_norm=100.0
+  )
+  state = tx.init(params)
+  _, state = tx.update({"w": jnp.array([3.0, 4.0])}, state, params)
+  assert optaxclip.explain(state) == [
+    "guard let the step through (norm 5.0 <= 100)",
+    "clip_global scaled the update by 0.2 (norm 5.0 > 1.0)",
+  ]
+  _, state = tx.update({"w": jnp.array([300.0, 400.0])}, state, params)
+  assert optaxclip.explain(state) == [
+    (
+      "guard skipped the step: the norm 500 was above max_norm 100; 1 skip in "
+      "a row"
+    ),
+    (
+      "clip_global did not run this step (the guard around it skipped the "
+      "step); its statistics are from the last step it ran"
+    ),
+  ]
+  # inject_hyperparams keeps max_norm, which the state lacks; named_chain
+  # names repeat as stats() keys do.
+  tx = optax.named_chain(
+    ("a", optax.inject_hyperparams(optaxclip.clip_global)(max_norm=1.0)),
+    ("b", optaxclip.clip_global(0.1)),
+  )
+  state = tx.init(params)
+  _, state = tx.update({"w": jnp.array([0.3, 0.4])}, state)
+  assert optaxclip.explain(state) == [
+    "a/inner_state/clip_global left the update unchanged (norm 0.5 <= 1.0)",
+    "b/clip_global scaled the update by 0.2 (norm 0.5 > 0.1)",
+  ]
+  assert optaxclip.explain({"nothing": jnp.zeros(2)}) == []
+
+
+def test_leaf_stats_name_the_leaf_and_layer():
+  params = {
+    "params": {
+      "lstm": {"hf": {"kernel": jnp.zeros((4, 3, 3))}},
+      "dense": {"kernel": jnp.zeros((3, 2))},
+    }
+  }
+  grads = jax.tree.map(jnp.ones_like, params)
+  grads["params"]["lstm"]["hf"]["kernel"] = (
+    grads["params"]["lstm"]["hf"]["kernel"].at[3].set(10.0)
+  )
+  tx = optaxclip.clip_global(
+    1.0, leaf_stats=True, layer_axis={"params": {"lstm": 0, "dense": None}}
+  )
+  _, state = tx.update(grads, tx.init(params))
+  assert optaxclip.explain(state) == [
+    (
+      "clip_global scaled the update by 0.0327 (norm 30.5 > 1.0); 96% of the "
+      "squared norm came from params/lstm/hf/kernel (layer 3)"
+    )
+  ]
