@@ -22,6 +22,10 @@ markdown report:
 * compile time of every per-tensor clipper (section ``leaves``):
   ``chain(clipper, adam)`` on 300 and 1000 small leaves of mixed shapes,
   against adam's (``benchmarks/compile_time.py``);
+* per-leaf telemetry (section ``telemetry``): ``clip_global`` and
+  ``clip_norm`` with ``leaf_stats=True`` over the same clipper without it,
+  step time on (a) and (b) (paired per round) and compile time on the
+  1000 leaves;
 * when PyTorch is importable: ``torch.nn.utils.clip_grad_norm_(foreach=True)``
   before ``torch.optim.Adam(foreach=True)`` over torch's Adam step alone.
 
@@ -44,6 +48,7 @@ import argparse
 from collections.abc import Callable
 import concurrent.futures
 import dataclasses
+import functools
 import importlib.util
 import math
 import multiprocessing
@@ -70,6 +75,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SCRATCH = ROOT / "benchmarks" / "out" / "RESULTS.md"
 SECTIONS = ("a", "b", "c", "compile", "leaves")
+# Run only when asked for (--only telemetry): not part of a full run.
+EXTRA_SECTIONS = ("telemetry",)
 ADAPTIVE_TARGET = 1.12
 # --help quotes them. Idle 2-core CPU: sections a to c and compile took 9
 # minutes in the last quiet run; leaves adds about 14 at today's per-leaf
@@ -389,10 +396,114 @@ def run_leaves(sizes: Sizes) -> list[str]:
   ]
 
 
+# Clippers timed with and without leaf_stats=True (section "telemetry").
+TELEMETRY_CLIPPERS = {
+  "clip_global": lambda **kw: optaxclip.clip_global(1.0, **kw),
+  "clip_norm": lambda **kw: optaxclip.clip_norm(0.1, **kw),
+}
+TELEMETRY_STEP_TARGET = 1.03
+TELEMETRY_COMPILE_TARGET = 1.10
+
+
+def _paired(results, on: str, off: str) -> tuple[float, float, float]:
+  """Median and quartiles of per-round ratios ``on / off`` (both timed in
+  the same rounds, each against the adam steps around it).
+  """
+  ratios = sorted(
+    a / b for a, b in zip(results[on].ratios, results[off].ratios)
+  )
+  q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+  return statistics.median(ratios), q[0], q[-1]
+
+
+def run_telemetry(sizes: Sizes) -> list[str]:
+  """leaf_stats=True against the same clipper without it: step time on
+  trees (a) and (b), compile time on many leaves.
+  """
+  trees = {
+    f"(a) {sizes.many_leaves} x {sizes.many_size} float32": harness.many_leaves(
+      sizes.many_leaves, sizes.many_size
+    ),
+    f"(b) transformer, {sizes.blocks} blocks of width {sizes.width}": (
+      harness.transformer(sizes.blocks, sizes.width, sizes.vocab, sizes.context)
+    ),
+  }
+  lines = [
+    "### Per-leaf telemetry: leaf_stats=True over the same clipper without",
+    "",
+    (
+      "Each figure is the median over rounds of (step with leaf_stats=True "
+      "/ step without), both timed in the same round between adam steps "
+      "(interquartile range in parentheses); compile: median over repeats "
+      "of the paired ratio of trace+lower+compile, the two variants "
+      "alternating."
+    ),
+    "",
+    "| clipper | tree | with / without | target | met |",
+    "|---|---|---|---|---|",
+  ]
+  for title, shapes in trees.items():
+    params = harness.make_arrays(shapes, jnp.float32, 0.02, seed=0)
+    grads = harness.make_arrays(shapes, jnp.float32, harness.GRAD_SCALE, seed=1)
+    variants = {"adam": (harness.adam, False)}
+    for name, make in TELEMETRY_CLIPPERS.items():
+      variants[name] = (harness.chained(make), False)
+      variants[name + "+leaf"] = (
+        harness.chained(functools.partial(make, leaf_stats=True)),
+        False,
+      )
+    harness.log(f"telemetry {title}: {len(variants)} variants")
+    results = harness.time_variants(
+      variants,
+      params,
+      grads,
+      sizes.rounds,
+      sizes.budget_s,
+      compiler_options=sizes.compiler_options,
+    )
+    for name in TELEMETRY_CLIPPERS:
+      mid, lo, hi = _paired(results, name + "+leaf", name)
+      lines.append(
+        f"| {name} | {title} | {mid:.3f}x ({lo:.2f}–{hi:.2f}) | "
+        f"<= {TELEMETRY_STEP_TARGET:.2f}x | "
+        f"{verdict(mid, TELEMETRY_STEP_TARGET)} |"
+      )
+  shapes = harness.many_leaves(sizes.compile_leaves, sizes.compile_size)
+  params = harness.make_arrays(shapes, jnp.float32, 0.02, seed=0)
+  grads = harness.make_arrays(shapes, jnp.float32, harness.GRAD_SCALE, seed=1)
+  # Compile time for clip_global only: each compile of the 1000-leaf step
+  # takes a minute or more on a loaded 2-core machine.
+  for name, make in list(TELEMETRY_CLIPPERS.items())[:1]:
+    ratios = []
+    for rep in range(sizes.compile_repeats):
+      pair = {}
+      for on in (False, True) if rep % 2 == 0 else (True, False):
+        kw = {"leaf_stats": True} if on else {}
+        low, comp, _ = harness.compile_seconds(
+          harness.chained(functools.partial(make, **kw)), params, grads
+        )
+        pair[on] = low + comp
+        harness.log(f"  compile {name} leaf_stats={on}: {low + comp:.1f} s")
+      ratios.append(pair[True] / pair[False])
+    mid = statistics.median(ratios)
+    lines.append(
+      f"| {name} | compile, {sizes.compile_leaves} leaves of "
+      f"{sizes.compile_size} | {mid:.3f}x ({min(ratios):.2f}–"
+      f"{max(ratios):.2f}) | <= {TELEMETRY_COMPILE_TARGET:.2f}x | "
+      f"{verdict(mid, TELEMETRY_COMPILE_TARGET)} |"
+    )
+  lines.append("")
+  return lines
+
+
 def run_section(key: str, sizes: Sizes) -> list[str]:
-  """The table lines of one section: a tree (a, b, c), compile or leaves."""
+  """The table lines of one section: a tree (a, b, c), compile, leaves or
+  telemetry.
+  """
   if key == "compile":
     return run_compile(sizes)
+  if key == "telemetry":
+    return run_telemetry(sizes)
   if key == "leaves":
     return run_leaves(sizes)
   if key == "a":
@@ -469,13 +580,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   parser.add_argument(
     "--only",
     nargs="+",
-    choices=SECTIONS,
+    choices=SECTIONS + EXTRA_SECTIONS,
     default=list(SECTIONS),
     metavar="SECTION",
     help="the sections to run, of: a (64 leaves of 400k float32), b "
     "(transformer, float32), c (transformer, bfloat16), compile "
     "(clip_global on 1000 leaves), leaves (every clipper's compile time on "
-    "300 and 1000 leaves); default: all",
+    "300 and 1000 leaves), telemetry (leaf_stats=True over the same "
+    "clipper, on a, b and 1000 leaves; only when named); default: all but "
+    "telemetry",
   )
   parser.add_argument(
     "--leaf-counts",
@@ -553,12 +666,14 @@ def main(argv: Optional[list[str]] = None) -> int:
   out.parent.mkdir(parents=True, exist_ok=True)
   spawn = multiprocessing.get_context("spawn")
   heading = None
-  for key in SECTIONS:
+  for key in SECTIONS + EXTRA_SECTIONS:
     if key not in args.only:
       continue
     wanted = (
       "## Step time over adam's own step"
       if key in ("a", "b", "c")
+      else "## Per-leaf telemetry"
+      if key == "telemetry"
       else "## Compile time"
     )
     if heading != wanted:

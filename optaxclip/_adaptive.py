@@ -42,8 +42,10 @@ from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _schedules
+from optaxclip import _sharding
 from optaxclip import _static
 from optaxclip import _stats
+from optaxclip import _telemetry
 from optaxclip._typing import AxisName
 from optaxclip._typing import Scalar
 from optaxclip._typing import ScalarOrSchedule
@@ -79,6 +81,13 @@ class ClipZscoreState(NamedTuple):
     restarts: how often a unit's statistics restarted at a new level.
     step: updates so far (int32, saturating): the step at which a schedule
       of ``z_thresh`` or ``max_norm`` is evaluated.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
+      ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
+      a pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
+      carried by the largest leaf or layer (float32); else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float scalar
@@ -91,6 +100,9 @@ class ClipZscoreState(NamedTuple):
   consecutive_spikes: jax.Array  # int32: as mean
   restarts: jax.Array  # int32 scalar
   step: jax.Array  # int32 scalar
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 @_stats.register("clip_percentile", ADAPTIVE_FIELDS)
@@ -113,6 +125,13 @@ class ClipPercentileState(NamedTuple):
       (kept so that a step costs one insertion and one removal, no sort).
     count: updates so far (int32, saturating): the step at which a
       schedule of ``percentile`` is evaluated.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
+      ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
+      a pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
+      carried by the largest leaf or layer (float32); else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float scalar
@@ -124,6 +143,9 @@ class ClipPercentileState(NamedTuple):
   history: jax.Array  # float, (history,) or (history, n_leaves)
   ordered: jax.Array  # float: as history
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 @_stats.register("clip_relative", (*ADAPTIVE_FIELDS, "restarts"))
@@ -145,6 +167,13 @@ class ClipRelativeState(NamedTuple):
     restarts: how often a leaf's ``gamma`` restarted at a new level.
     step: updates so far (int32, saturating): the step at which a schedule
       of ``factor`` or ``warmup_max_norm`` is evaluated.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
+      ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
+      a pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
+      carried by the largest leaf or layer (float32); else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float scalar
@@ -156,6 +185,9 @@ class ClipRelativeState(NamedTuple):
   consecutive_clips: jax.Array  # int32, (n_leaves,)
   restarts: jax.Array  # int32 scalar
   step: jax.Array  # int32 scalar
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 # --- Shared pieces ------------------------------------------------------------
@@ -208,21 +240,42 @@ class _Measured:
     *,
     axis_name: AxisName = None,
     sharded: Any = True,
+    leaf_stats: bool = False,
+    layer_axis: Any = None,
+    state_norms: Any = None,
   ):
     _checks.check_float_leaves(updates, f"{who}: updates")
     self.leaves, self.treedef = jax.tree.flatten(updates)
     self.scope = scope
     self.state_dtype = state_dtype
+    self.telemetry = _telemetry.LeafStats()
     flags = (
       _static.sharded_flags(updates, sharded, who, axis_name)
       if axis_name
       else None
     )
+    # For the per-leaf telemetry: each leaf is split over its flags' names.
+    splits = (
+      None
+      if flags is None
+      else [_sharding.LeafSharding(f, None) for f in flags]
+    )
     self.dtype = _norms.promote_types(
       state_dtype, _norms.tree_accumulation_dtype(self.leaves)
     )
     acc = _norms.tree_accumulation_dtype(self.leaves)
-    if scope == "global":
+    if scope == "global" and leaf_stats:
+      scaled, self.telemetry = _telemetry.global_norm(
+        who,
+        updates,
+        self.leaves,
+        2.0,
+        state_norms,
+        layer_axis,
+        axis_name=axis_name,
+        splits=splits,
+      )
+    elif scope == "global":
       scaled = _norms.global_norm_scaled(
         self.leaves, axis_name=axis_name, sharded=flags
       )
@@ -235,8 +288,17 @@ class _Measured:
         )
       # Packed: the leaves' norms come as one vector from a few reductions,
       # whatever the number of leaves (compile time on many tiny leaves).
-      layout, per_part = _norms.unit_norms_packed(
-        self.leaves, axis_name=axis_name, sharded=flags
+      layout, per_part, self.telemetry = _telemetry.unit_norms(
+        who,
+        updates,
+        self.leaves,
+        2.0,
+        [None] * len(self.leaves),
+        on=leaf_stats,
+        state_norms=state_norms,
+        layer_axis=layer_axis,
+        axis_name=axis_name,
+        splits=splits,
       )
       scaled = _norms.Scaled(
         layout.leaf_vector([n.value for n in per_part], acc)
@@ -484,6 +546,8 @@ def clip_zscore(
   patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   r"""ZClip: clips gradient-norm spikes detected by the z-score of an EMA.
 
@@ -558,6 +622,15 @@ def clip_zscore(
       which sharded leaves are split (as for :func:`clip_global`).
     sharded: which leaves are split over ``axis_name``: a bool, a pytree
       prefix of bools or a callable ``(path, leaf) -> bool``.
+    leaf_stats: also keep each leaf's pre-clip L2 norm in the state
+      (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_zscore/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); each device must hold every layer.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -602,6 +675,7 @@ def clip_zscore(
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
   _checks.check_steps(who, "patience", patience)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def init_fn(params):
     shape = _unit_shape(params, scope)
@@ -614,6 +688,7 @@ def clip_zscore(
       consecutive_spikes=jnp.zeros(shape, jnp.int32),
       restarts=jnp.zeros((), jnp.int32),
       step=jnp.zeros((), jnp.int32),
+      **_telemetry.init_fields(who, params, leaf_stats, layer_axis),
     )
 
   def spike_rule(g, mean, var, z_thresh):
@@ -641,6 +716,9 @@ def clip_zscore(
       state.mean.shape,
       axis_name=axis_name,
       sharded=sharded,
+      leaf_stats=leaf_stats,
+      layer_axis=layer_axis,
+      state_norms=state.leaf_norms if leaf_stats else None,
     )
     g, finite = measured.stat_norm, measured.finite
     mean = state.mean.astype(measured.dtype)
@@ -685,6 +763,7 @@ def clip_zscore(
         finite, add_count(state.restarts, restart), state.restarts
       ),
       step=_schedules.next_count(state.step),
+      **measured.telemetry._asdict(),
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
@@ -786,6 +865,8 @@ def clip_percentile(
   scope: Scope = "global",
   axis_name: AxisName = None,
   sharded: Any = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   """AutoClip: clips to a percentile of the recent gradient norms.
 
@@ -820,6 +901,15 @@ def clip_percentile(
       which sharded leaves are split (as for :func:`clip_global`).
     sharded: which leaves are split over ``axis_name``: a bool, a pytree
       prefix of bools or a callable ``(path, leaf) -> bool``.
+    leaf_stats: also keep each leaf's pre-clip L2 norm in the state
+      (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_percentile/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); each device must hold every layer.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -843,6 +933,7 @@ def clip_percentile(
   history = _checks.check_count(who, "history", history)
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def init_fn(params):
     shape = (history,) + _unit_shape(params, scope)
@@ -854,6 +945,7 @@ def clip_percentile(
       history=jnp.full(shape, jnp.inf, dtype),
       ordered=jnp.full(shape, jnp.inf, dtype),
       count=jnp.zeros((), jnp.int32),
+      **_telemetry.init_fields(who, params, leaf_stats, layer_axis),
     )
 
   def update_fn(updates, state, params=None):
@@ -867,6 +959,9 @@ def clip_percentile(
       state.history.shape[1:],
       axis_name=axis_name,
       sharded=sharded,
+      leaf_stats=leaf_stats,
+      layer_axis=layer_axis,
+      state_norms=state.leaf_norms if leaf_stats else None,
     )
     finite = measured.finite
     # Recorded in the state's dtype (so that it is found again when it
@@ -908,6 +1003,7 @@ def clip_percentile(
       history=recorded,
       ordered=ordered,
       count=_schedules.next_count(state.count),
+      **measured.telemetry._asdict(),
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
@@ -926,6 +1022,8 @@ def clip_relative(
   patience: Scalar = 25,
   axis_name: AxisName = None,
   sharded: Any = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   r"""AdaGC: clips each leaf relative to an EMA of its own clipped norms.
 
@@ -969,6 +1067,15 @@ def clip_relative(
       which sharded leaves are split (as for :func:`clip_global`).
     sharded: which leaves are split over ``axis_name``: a bool, a pytree
       prefix of bools or a callable ``(path, leaf) -> bool``.
+    leaf_stats: also keep each leaf's pre-clip L2 norm in the state
+      (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_relative/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); each device must hold every layer.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -1005,6 +1112,7 @@ def clip_relative(
   )
   _checks.check_steps(who, "patience", patience)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def init_fn(params):
     shape = _unit_shape(params, "leaf")
@@ -1016,6 +1124,7 @@ def clip_relative(
       consecutive_clips=jnp.zeros(shape, jnp.int32),
       restarts=jnp.zeros((), jnp.int32),
       step=jnp.zeros((), jnp.int32),
+      **_telemetry.init_fields(who, params, leaf_stats, layer_axis),
     )
 
   def update_fn(updates, state, params=None):
@@ -1028,6 +1137,9 @@ def clip_relative(
       state.gamma.shape,
       axis_name=axis_name,
       sharded=sharded,
+      leaf_stats=leaf_stats,
+      layer_axis=layer_axis,
+      state_norms=state.leaf_norms if leaf_stats else None,
     )
     norms, finite = measured.stat_norm, measured.finite
     gamma = state.gamma.astype(measured.dtype)
@@ -1088,6 +1200,7 @@ def clip_relative(
       consecutive_clips=streak(state.consecutive_clips, over, finite),
       restarts=restarts,
       step=_schedules.next_count(state.step),
+      **measured.telemetry._asdict(),
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))

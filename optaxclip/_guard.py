@@ -15,6 +15,7 @@ from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _schedules
 from optaxclip import _stats
+from optaxclip import _telemetry
 from optaxclip._typing import AxisName
 from optaxclip._typing import Scalar
 from optaxclip._typing import ScalarOrSchedule
@@ -124,6 +125,13 @@ class GuardState(NamedTuple):
       ``scope="leaf"``), an ``optaxclip.Window``; ``None`` for the EMA.
     skipped_leaves: leaves skipped this step (``scope="leaf"``; ``None``
       with ``scope="global"``).
+    leaf_norms: with ``leaf_stats=True``, each leaf's L2 norm this step (a
+      ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
+      a pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of the squared
+      global norm carried by the largest leaf or layer; else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float scalar
@@ -148,6 +156,9 @@ class GuardState(NamedTuple):
   loss_moments: Optional[LossMoments]
   window: Optional[Window]
   skipped_leaves: Optional[jax.Array]  # int32 scalar
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 def _varying_axes(x: Any) -> frozenset:
@@ -299,6 +310,8 @@ def guard(
   loss_spike_z: Optional[ScalarOrSchedule] = None,
   window: Optional[int] = None,
   scope: Scope = "global",
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Skips the ``inner`` update when the gradient is NaN/Inf or spikes, or
   when the loss spikes.
@@ -425,6 +438,16 @@ def guard(
     scope: ``"global"`` (skip the whole step) or ``"leaf"`` (judge and skip
       each parameter tensor on its own; see above).
 
+    leaf_stats: also keep each leaf's L2 norm in the state (``leaf_norms``;
+      :func:`optaxclip.stats` shows them as ``guard/leaf_norm/<path>``),
+      with ``top_leaf_share`` and ``top_leaf``, so that a skipped step says
+      which leaf blew up; from the same single pass over the gradients. A
+      leaf norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); each device must hold every layer.
+
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`GuardState` holding ``inner``'s state. Extra arguments
@@ -490,6 +513,7 @@ def guard(
   _checks.check_steps(who, "warmup_steps", warmup_steps)
   _checks.check_steps(who, "patience", patience)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
   _schedules.check(
     who, "loss_spike_z", loss_spike_z, low=0.0, low_open=True, allow_none=True
   )
@@ -546,6 +570,7 @@ def guard(
       if window is None
       else _adaptive.window_init(window, units, dtype),
       skipped_leaves=counter() if per_leaf else None,
+      **_telemetry.init_fields(who, params, leaf_stats, layer_axis),
     )
 
   def learn(count, mean, var, win, x, *, finite, take, restart):
@@ -598,6 +623,9 @@ def guard(
       state.mean.shape if per_leaf else None,
       axis_name=axis_name,
       sharded=sharded,
+      leaf_stats=leaf_stats,
+      layer_axis=layer_axis,
+      state_norms=state.leaf_norms if leaf_stats else None,
     )
     dtype = measured.dtype
     g = measured.stat_norm  # per unit
@@ -752,6 +780,7 @@ def guard(
       skipped_leaves=jnp.sum(skip, dtype=jnp.int32) if per_leaf else None,
       step=_schedules.next_count(state.step),
       **loss_fields,
+      **measured.telemetry._asdict(),
     )
 
   def _apply(updates, old_inner, params, skip, **extra_args):

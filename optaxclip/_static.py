@@ -66,6 +66,13 @@ class ClipNormState(NamedTuple):
       step; before the first update, its value at step 0).
     count: updates so far (int32, saturating), the step at which a
       schedule is evaluated.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip ``ord``-norm
+      (a ``(L,)`` vector per layer for a leaf with a ``layer_axis``), a
+      pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**ord``
+      carried by the largest leaf or layer; else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float32 scalar
@@ -73,6 +80,9 @@ class ClipNormState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   threshold: jax.Array  # float32 scalar
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 @_stats.register("clip_global", STAT_FIELDS)
@@ -118,6 +128,13 @@ class ClipBlockRMSState(NamedTuple):
       step; before the first update, its value at step 0).
     count: updates so far (int32, saturating), the step at which a
       schedule is evaluated.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm
+      (not its RMS; a ``(L,)`` vector per layer for a leaf with a
+      ``layer_axis``), a pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
+      carried by the largest leaf or layer; else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float32 scalar
@@ -125,6 +142,9 @@ class ClipBlockRMSState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   threshold: jax.Array  # float32 scalar
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 @_stats.register("clip_unitwise", STAT_FIELDS)
@@ -139,6 +159,13 @@ class ClipUnitwiseState(NamedTuple):
       step; before the first update, its value at step 0).
     count: updates so far (int32, saturating), the step at which a
       schedule is evaluated.
+    leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm
+      (a ``(L,)`` vector per layer for a leaf with a ``layer_axis``), a
+      pytree shaped like the updates; else ``None``.
+    top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
+      carried by the largest leaf or layer; else ``None``.
+    top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
+      flattened ``leaf_norms``; else ``None``.
   """
 
   norm: jax.Array  # float32 scalar
@@ -146,6 +173,9 @@ class ClipUnitwiseState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   threshold: jax.Array  # float32 scalar
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
+  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
+  top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
 Sharded = Union[bool, Any, Callable[[Any, jax.Array], bool]]
@@ -344,6 +374,8 @@ def clip_norm(
   axis: Axis = None,
   axis_name: AxisName = None,
   sharded: Sharded = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   """Clips each leaf (or each slice of it) to ``ord``-norm at most ``max_norm``.
 
@@ -376,6 +408,15 @@ def clip_norm(
       holds whole slices (mark it False: clipped exactly, but its share of
       the statistics is the local one). A PartitionSpec tells the two
       apart: slices and statistics are then exact.
+    leaf_stats: also keep each leaf's pre-clip ``ord``-norm in the state
+      (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_norm/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); not an axis split over ``axis_name``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -400,6 +441,7 @@ def clip_norm(
   p = _checks.check_ord("ord", ord, who=who)
   axis = _checks.check_axis("axis", axis, who=who)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def update_fn(updates, state, params=None):
     del params
@@ -407,18 +449,34 @@ def clip_norm(
     limit = _schedules.value_at(
       max_norm, _schedules.count_of(state), who=who, name="max_norm"
     )
-    layout, norms = _functional.unit_norms_of(
-      updates, leaves, p, axis, axis_name, sharded, who
+    paths = [p_ for p_, _ in _checks.leaves_with_paths(updates)]
+    axes = [
+      _checks.leaf_axes(who, axis, x, path) for x, path in zip(leaves, paths)
+    ]
+    layout, norms, telemetry = _telemetry.unit_norms(
+      who,
+      updates,
+      leaves,
+      p,
+      axes,
+      on=leaf_stats,
+      state_norms=state.leaf_norms if leaf_stats else None,
+      layer_axis=layer_axis,
+      axis_name=axis_name,
+      splits=_sharding.resolve(updates, sharded, axis_name, who),
     )
     out, stats = _per_unit_clip(leaves, layout, norms, [limit] * len(norms), p)
     return jax.tree.unflatten(treedef, out), ClipNormState(
       *stats,
       _stats.as_stat(limit),
       _schedules.next_count(_schedules.count_of(state)),
+      *telemetry,
     )
 
   return optax.GradientTransformation(
-    _init_stats(ClipNormState, max_norm, who, "max_norm"),
+    _init_stats(
+      ClipNormState, max_norm, who, "max_norm", leaf_stats, layer_axis
+    ),
     _compiled.jit_update(update_fn),
   )
 
@@ -559,6 +617,8 @@ def clip_block_rms(
   *,
   axis_name: AxisName = None,
   sharded: Sharded = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   """Clips each leaf to a root-mean-square of at most ``threshold``.
 
@@ -579,6 +639,15 @@ def clip_block_rms(
       or a ``PartitionSpec``; one for all leaves, a pytree prefix of them or
       a callable ``(path, leaf) -> entry``. A leaf's element count is
       multiplied by the number of devices along its axes.
+    leaf_stats: also keep each leaf's pre-clip L2 norm (not its RMS) in the
+      state (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_block_rms/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); not an axis split over ``axis_name``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -600,6 +669,7 @@ def clip_block_rms(
   who = "clip_block_rms"
   _schedules.check(who, "threshold", threshold, low=0.0, allow_inf=True)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def update_fn(updates, state, params=None):
     del params
@@ -607,9 +677,20 @@ def clip_block_rms(
     rms = _schedules.value_at(
       threshold, _schedules.count_of(state), who=who, name="threshold"
     )
-    flags = sharded_flags(updates, sharded, "clip_block_rms", axis_name)
-    layout, norms = _norms.unit_norms_packed(
-      leaves, 2.0, axis_name=axis_name, sharded=flags, keys=[()] * len(leaves)
+    splits = _sharding.resolve(updates, sharded, axis_name, who)
+    flags = [s.axes for s in splits]
+    # A leaf is one unit: every name that splits it is summed over.
+    layout, norms, telemetry = _telemetry.unit_norms(
+      who,
+      updates,
+      leaves,
+      2.0,
+      [None] * len(leaves),
+      on=leaf_stats,
+      state_norms=state.leaf_norms if leaf_stats else None,
+      layer_axis=layer_axis,
+      axis_name=axis_name,
+      splits=[_sharding.LeafSharding(f, None) for f in flags],
     )
     roots = layout.pack_static(
       [
@@ -626,10 +707,13 @@ def clip_block_rms(
       *stats,
       _stats.as_stat(rms),
       _schedules.next_count(_schedules.count_of(state)),
+      *telemetry,
     )
 
   return optax.GradientTransformation(
-    _init_stats(ClipBlockRMSState, threshold, who, "threshold"),
+    _init_stats(
+      ClipBlockRMSState, threshold, who, "threshold", leaf_stats, layer_axis
+    ),
     _compiled.jit_update(update_fn),
   )
 
@@ -713,6 +797,8 @@ def clip_unitwise(
   axis: Axis = None,
   axis_name: AxisName = None,
   sharded: Sharded = True,
+  leaf_stats: bool = False,
+  layer_axis: _telemetry.LayerAxis = None,
 ) -> optax.GradientTransformation:
   """Adaptive gradient clipping: ``||g_u|| <= clipping * max(||w_u||, eps)``.
 
@@ -745,6 +831,15 @@ def clip_unitwise(
       units on each device, local statistics). A split leaf whose local
       shape cannot tell its units, such as a kernel (8, 2) split 8 ways into
       (1, 2), raises a ValueError unless a PartitionSpec or ``axis`` says.
+    leaf_stats: also keep each leaf's pre-clip L2 norm in the state
+      (``leaf_norms``; :func:`optaxclip.stats` shows them as
+      ``clip_unitwise/leaf_norm/<path>``), with ``top_leaf_share`` and
+      ``top_leaf``; from the same single pass over the gradients. A leaf
+      norm beyond float32's range reads +inf.
+    layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
+      (``nn.scan``): such a leaf reports one norm per layer. An int, a
+      pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
+      None`` (as ``sharded``); not an axis split over ``axis_name``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -771,6 +866,7 @@ def clip_unitwise(
   _checks.check_number("eps", eps, who=who, low=0.0)
   axis = _checks.check_axis("axis", axis, who=who)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
+  leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def update_fn(updates, state, params=None):
     _checks.check_same_structure(updates, params, "clip_unitwise")
@@ -793,26 +889,39 @@ def clip_unitwise(
       else _checks.leaf_axes(who, axis, x, path)
       for x, s, path in zip(leaves, splits, paths)
     ]
-    flags = [_sharding.axes_of(s, a) for s, a in zip(splits, axes)]
-    layout, g_norms = _norms.unit_norms_packed(
+    layout, g_norms, telemetry = _telemetry.unit_norms(
+      who,
+      updates,
       leaves,
       2.0,
       axes,
+      on=leaf_stats,
+      state_norms=state.leaf_norms if leaf_stats else None,
+      layer_axis=layer_axis,
       axis_name=axis_name,
-      sharded=flags,
-      keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)],
-      several_units=True,
+      splits=splits,
     )
     w_norms = _norms.part_norms(layout, param_leaves, 2.0, axis_name=axis_name)
+    if leaf_stats:  # the units of the pass may be split per layer
+      w_norms = _telemetry.coarse_norms(
+        layout,
+        w_norms,
+        axes,
+        _telemetry.layer_axes(who, updates, layer_axis),
+        2.0,
+      )
     limits = [_unitwise_limit(w, ratio, eps) for w in w_norms]
     out, stats = _per_unit_clip(leaves, layout, g_norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(
       *stats,
       _stats.as_stat(ratio),
       _schedules.next_count(_schedules.count_of(state)),
+      *telemetry,
     )
 
   return optax.GradientTransformation(
-    _init_stats(ClipUnitwiseState, clipping, who, "clipping"),
+    _init_stats(
+      ClipUnitwiseState, clipping, who, "clipping", leaf_stats, layer_axis
+    ),
     _compiled.jit_update(update_fn),
   )

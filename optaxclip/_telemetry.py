@@ -160,6 +160,14 @@ def init(params: Any, on: bool, layers: Sequence[Optional[int]]) -> LeafStats:
   )
 
 
+def init_fields(
+  who: str, params: Any, on: bool, layer_axis: LayerAxis
+) -> dict[str, Any]:
+  """The telemetry fields of a fresh state, by name."""
+  layers = layer_axes(who, params, layer_axis) if on else []
+  return init(params, on, layers)._asdict()
+
+
 def fine_axes(
   leaves: Sequence[jax.Array],
   unit_axes: Sequence[Optional[tuple[int, ...]]],
@@ -375,3 +383,51 @@ def global_norm(
   vector, sizes = leaf_vector(layout, norms, layers, ord)
   total = _norms.reduce_norms(vector, ord)
   return total, finish(state_norms, vector, sizes, total, ord)
+
+
+def unit_norms(
+  who: str,
+  updates: Any,
+  leaves: Sequence[jax.Array],
+  ord: float,  # pylint: disable=redefined-builtin
+  unit_axes: Sequence[Optional[tuple[int, ...]]],
+  *,
+  on: bool,
+  state_norms: Any = None,
+  layer_axis: LayerAxis = None,
+  axis_name: Any = None,
+  splits: Optional[Sequence[_sharding.LeafSharding]] = None,
+) -> tuple[_norms.UnitLayout, list[_norms.Scaled], LeafStats]:
+  """The clipping units' norms (per part of the layout) and, when ``on``,
+  the telemetry fields, from one pass over the leaves.
+
+  With a layer axis, the pass runs on units split per layer and the
+  clipping units' norms are put together from theirs. ``splits``: per leaf,
+  how it is split over ``axis_name`` (``_sharding.resolve``); units split
+  over some names are summed over them, and devices holding other units of
+  a leaf (the other names) are merged for its leaf norm.
+  """
+  n = len(leaves)
+  layers = layer_axes(who, updates, layer_axis) if on else [None] * n
+  if splits is None:
+    splits = [_sharding.LeafSharding((), None)] * n
+  check_unsplit(who, splits, layers)
+  fine = fine_axes(leaves, unit_axes, layers)
+  layout, norms = _norms.unit_norms_packed(
+    leaves,
+    ord,
+    fine,
+    axis_name=axis_name,
+    sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, fine)],
+    keys=[_sharding.other_axes(s, a) for s, a in zip(splits, fine)],
+    # Leaves of several units stacked (compile time on many leaves) unless
+    # the per-leaf statistics below read one value per leaf of a part.
+    several_units=not on,
+  )
+  coarse = coarse_norms(layout, norms, unit_axes, layers, ord)
+  if not on:
+    return layout, coarse, LeafStats()
+  across = [key[1] for key in layout.keys]
+  vector, sizes = leaf_vector(layout, norms, layers, ord, across)
+  total = _norms.reduce_norms(vector, ord)
+  return layout, coarse, finish(state_norms, vector, sizes, total, ord)

@@ -56,6 +56,34 @@ def LOSS(params, x):
 # (clipper, keyword arguments, the argument at fault, error type, what the
 # message says it must be). Positional first arguments are passed by name.
 BAD = [
+  (
+    "clip_global",
+    {"max_norm": 1.0, "leaf_stats": 1},
+    "leaf_stats",
+    TypeError,
+    "bool",
+  ),
+  (
+    "clip_global",
+    {"max_norm": 1.0, "layer_axis": 0},
+    "layer_axis",
+    ValueError,
+    "leaf_stats=True",
+  ),
+  (
+    "clip_norm",
+    {"max_norm": 1.0, "leaf_stats": True, "layer_axis": "0"},
+    "layer_axis",
+    TypeError,
+    "int or None",
+  ),
+  (
+    "clip_zscore",
+    {"leaf_stats": True, "layer_axis": {"w": 1.5}},
+    "layer_axis",
+    TypeError,
+    "int or None",
+  ),
   ("clip_value", {"max_delta": -1.0}, "max_delta", ValueError, ">= 0"),
   ("clip_value", {"max_delta": NAN}, "max_delta", ValueError, "real number"),
   ("clip_value", {"max_delta": "1"}, "max_delta", TypeError, "real number"),

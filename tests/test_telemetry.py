@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+import fast_compile
 import np_refs
 import optaxclip
 
@@ -36,8 +37,8 @@ def _params():
   return jax.tree.map(lambda x: jnp.ones_like(x) * 2, _tree())
 
 
-# name -> (factory(**kwargs), ord, extra kwargs). The ord is that of the
-# leaf norms each clipper reports.
+# name -> (factory(**kwargs), ord of its leaf norms, its kwargs, whether the
+# norm it reports is the global one). All take leaf_stats= and layer_axis=.
 CLIPPERS = {
   "clip_global": (optaxclip.clip_global, 2.0, {"max_norm": 1.0}),
   "clip_global_ord1": (
@@ -49,6 +50,31 @@ CLIPPERS = {
     optaxclip.clip_global,
     np.inf,
     {"max_norm": 1.0, "ord": np.inf},
+  ),
+  "clip_norm": (optaxclip.clip_norm, 2.0, {"max_norm": 1.0}),
+  "clip_norm_axis": (
+    optaxclip.clip_norm,
+    3.0,
+    {"max_norm": 1.0, "ord": 3, "axis": -1},
+  ),
+  "clip_block_rms": (optaxclip.clip_block_rms, 2.0, {"threshold": 0.5}),
+  "clip_unitwise": (optaxclip.clip_unitwise, 2.0, {"clipping": 0.1}),
+  "clip_zscore": (
+    optaxclip.clip_zscore,
+    2.0,
+    {"warmup_steps": 1, "max_norm": 1.0},
+  ),
+  "clip_zscore_leaf": (
+    optaxclip.clip_zscore,
+    2.0,
+    {"warmup_steps": 1, "max_norm": 1.0, "scope": "leaf"},
+  ),
+  "clip_percentile": (optaxclip.clip_percentile, 2.0, {"history": 4}),
+  "clip_relative": (optaxclip.clip_relative, 2.0, {"warmup_steps": 1}),
+  "guard": (
+    lambda **kw: optaxclip.guard(optax.sgd(1.0), **kw),
+    2.0,
+    {"max_norm": 100.0},
   ),
 }
 
@@ -69,49 +95,73 @@ def _flat_norms(state):
   )
 
 
+def _check_against_numpy(test, state, g, ord_, layers):
+  expected = _expected(g, ord_, layers)
+  got = _flat_norms(state)
+  test.assertEqual(got.dtype, np.float32)
+  # bfloat16 leaves are measured in float32 from their bfloat16 values.
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+  share, index = np_refs.top_leaf(expected, ord_)
+  np.testing.assert_allclose(state.top_leaf_share, share, rtol=1e-5)
+  test.assertEqual(int(state.top_leaf), index)
+  test.assertEqual(state.top_leaf.dtype, jnp.int32)
+
+
 class LeafNormsTest(chex.TestCase, parameterized.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.named_parameters(
-    *[(f"{n}_{k}", n, k) for n in CLIPPERS for k in ("leaf", "layer")]
-  )
-  def test_leaf_norms_match_numpy(self, name, layered):
-    make, ord_, kwargs = CLIPPERS[name]
-    layers = LAYERS if layered == "layer" else None
-    tx = make(**kwargs, leaf_stats=True, layer_axis=layers)
-    plain = make(**kwargs)
-    g, p = _tree(), _params()
-    out, state = self.variant(tx.update)(g, tx.init(p), p)
-    want_out, want_state = plain.update(g, plain.init(p), p)
+  @parameterized.named_parameters(("leaf", None), ("layer", LAYERS))
+  def test_clip_global_leaf_norms_match_numpy(self, layers):
+    tx = optaxclip.clip_global(1.0, leaf_stats=True, layer_axis=layers)
+    plain = optaxclip.clip_global(1.0)
+    g = _tree()
+    out, state = self.variant(tx.update)(g, tx.init(g))
+    want_out, want_state = plain.update(g, plain.init(g))
     chex.assert_trees_all_close(out, want_out, rtol=TOL, atol=TOL)
     np.testing.assert_allclose(state.norm, want_state.norm, rtol=TOL)
-    expected = _expected(g, ord_, layers)
-    got = _flat_norms(state)
-    self.assertEqual(got.dtype, np.float32)
-    np.testing.assert_allclose(got, expected, rtol=1e-5)
-    share, index = np_refs.top_leaf(expected, ord_)
-    np.testing.assert_allclose(state.top_leaf_share, share, rtol=1e-5)
-    self.assertEqual(int(state.top_leaf), index)
-    self.assertEqual(state.top_leaf.dtype, jnp.int32)
-    if layered == "layer":
+    _check_against_numpy(self, state, g, 2.0, layers)
+    if layers:
       self.assertEqual(state.leaf_norms["blocks"]["kernel"].shape, (4,))
       self.assertEqual(state.leaf_norms["head"].shape, ())
 
-  @parameterized.named_parameters(*[(n, n) for n in CLIPPERS])
-  def test_off_keeps_none(self, name):
-    make, _, kwargs = CLIPPERS[name]
-    tx = make(**kwargs)
+  def test_every_clipper_matches_numpy_and_clips_as_without(self):
     g, p = _tree(), _params()
-    _, state = tx.update(g, tx.init(p), p)
-    self.assertIsNone(state.leaf_norms)
-    self.assertIsNone(state.top_leaf_share)
-    self.assertIsNone(state.top_leaf)
-    self.assertFalse(any("leaf" in k for k in optaxclip.stats(state)))
+    names = sorted(CLIPPERS)
 
-  @parameterized.named_parameters(*[(n, n) for n in CLIPPERS])
-  def test_second_step_does_not_retrace_nor_transfer(self, name):
-    make, _, kwargs = CLIPPERS[name]
+    def run(g, p):
+      out = {}
+      for name in names:
+        make, _, kwargs = CLIPPERS[name]
+        with_stats = make(**kwargs, leaf_stats=True, layer_axis=LAYERS)
+        plain = make(**kwargs)
+        out[name] = (
+          with_stats.update(g, with_stats.init(p), p),
+          plain.update(g, plain.init(p), p),
+        )
+      return out
+
+    results = fast_compile.compile_fast(jax.jit(run).lower(g, p))(g, p)
+    for name in names:
+      (out, state), (want_out, want_state) = results[name]
+      chex.assert_trees_all_close(
+        out, want_out, rtol=TOL, atol=TOL, custom_message=name
+      )
+      np.testing.assert_allclose(
+        state.norm, want_state.norm, rtol=TOL, err_msg=name
+      )
+      _check_against_numpy(self, state, g, CLIPPERS[name][1], LAYERS)
+      # Telemetry off: the fields are None.
+      self.assertIsNone(want_state.leaf_norms, name)
+      self.assertIsNone(want_state.top_leaf_share, name)
+      self.assertIsNone(want_state.top_leaf, name)
+
+  def test_second_step_does_not_retrace_nor_transfer(self):
     tx = optax.chain(
-      make(**kwargs, leaf_stats=True, layer_axis=LAYERS), optax.sgd(0.1)
+      *[
+        make(**kwargs, leaf_stats=True, layer_axis=LAYERS)
+        for name, (make, _, kwargs) in CLIPPERS.items()
+        if name in ("clip_norm", "clip_relative", "guard")
+      ],
+      optax.sgd(0.1),
     )
     traces = []
 
@@ -127,7 +177,11 @@ class LeafNormsTest(chex.TestCase, parameterized.TestCase):
     with jax.transfer_guard("disallow"):
       p, s, logs = step(p, s, g)
     self.assertLen(traces, 1)
-    self.assertIn(f"{make.__name__}/leaf_norm/blocks/kernel/3", logs)
+    for name in ("clip_norm", "clip_relative", "guard"):
+      self.assertTrue(
+        any(k.endswith(f"{name}/leaf_norm/blocks/kernel/3") for k in logs),
+        name,
+      )
 
 
 class StatsKeysTest(absltest.TestCase):
@@ -287,6 +341,10 @@ def test_old_checkpoint_upgrades_into_a_leaf_stats_state():
 
 SHARD_CLIPPERS = {
   "clip_global": lambda **kw: optaxclip.clip_global(1.0, **kw),
+  "clip_norm": lambda **kw: optaxclip.clip_norm(1.0, **kw),
+  "clip_zscore": lambda **kw: optaxclip.clip_zscore(max_norm=1.0, **kw),
+  "clip_relative": lambda **kw: optaxclip.clip_relative(warmup_steps=1, **kw),
+  "guard": lambda **kw: optaxclip.guard(optax.sgd(1.0), max_norm=1.0, **kw),
 }
 
 

@@ -1,0 +1,66 @@
+"""Properties of the per-leaf telemetry (leaf_stats=, layer_axis=) over
+values of every magnitude: leaf norms agree with a float64 oracle, their
+squares add up to the squared global norm, top_leaf_share is a share.
+"""
+
+import hypothesis
+from hypothesis import strategies as st
+import jax.numpy as jnp
+import numpy as np
+
+import fuzz_strategies as fs
+import np_refs
+import optaxclip
+
+SHAPES = {"a": (3, 4), "b": (5,), "c": (2, 2, 2)}
+LAYERS = {"a": 0, "b": None, "c": 2}
+LAYER_AXES = [LAYERS[k] for k in sorted(SHAPES)]
+CLIPPERS = {
+  "clip_global": optaxclip.clip_global(1.0, leaf_stats=True, layer_axis=LAYERS),
+  "clip_zscore_leaf": optaxclip.clip_zscore(
+    scope="leaf", leaf_stats=True, layer_axis=LAYERS
+  ),
+}
+
+
+@st.composite
+def trees(draw):
+  return {
+    k: draw(fs.arrays("float32", s, magnitudes="all"))
+    for k, s in sorted(SHAPES.items())
+  }
+
+
+@hypothesis.given(tree=trees(), name=st.sampled_from(sorted(CLIPPERS)))
+def test_leaf_norms_agree_with_numpy_and_add_up(tree, name):
+  tx = CLIPPERS[name]
+  g = {k: jnp.asarray(v) for k, v in tree.items()}
+  _, state = tx.update(g, tx.init(g), g)
+  leaves = [tree[k] for k in sorted(tree)]
+  expected = np_refs.leaf_norms(leaves, 2.0, LAYER_AXES)
+  got = np.concatenate(
+    [np.ravel(np.asarray(state.leaf_norms[k])) for k in sorted(tree)]
+  ).astype(np.float64)
+  # float32 results: inf beyond its range; values below its smallest normal
+  # may be flushed to 0 by XLA:CPU.
+  np.testing.assert_allclose(
+    got,
+    expected.astype(np.float32),
+    rtol=1e-5,
+    atol=fs.flush_atol("float32") * 4,
+  )
+  if np.all(np.isfinite(got)) and np.isfinite(float(state.norm)):
+    # The squares of the leaf (or layer) norms add up to the squared norm.
+    np.testing.assert_allclose(
+      np.sqrt(np.sum(got**2)),
+      float(state.norm),
+      rtol=1e-5,
+      atol=fs.flush_atol("float32") * 4,
+    )
+  share = float(state.top_leaf_share)
+  assert 0.0 <= share <= 1.0, share
+  if np.max(expected, initial=0) > 1e-30:  # not flushed (see above)
+    want_share, want_index = np_refs.top_leaf(expected)
+    np.testing.assert_allclose(share, want_share, atol=1e-5)
+    top = expected[int(state.top_leaf)]
+    assert top >= expected[want_index] * (1 - 1e-5)
