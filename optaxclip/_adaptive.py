@@ -327,7 +327,7 @@ class _Measured:
     # policy (see the module's docstring), from _norms.clip_scale.
     factor = _norms.clip_scale(self.scaled, limit)
     if self.scope == "global":
-      out = [_norms.scale_leaf(x, factor) for x in self.leaves]
+      out = _norms.scale_all(self.leaves, factor)
     else:
       # scale_each, not factor[i]: kernels shared by leaves of one shape.
       out = _norms.scale_each(self.leaves, factor)

@@ -86,7 +86,7 @@ def global_clip(
     dtype = _norms.tree_accumulation_dtype(leaves)
     scaled = _norms.as_scaled(jnp.asarray(norm).astype(dtype).reshape(()))
   factor = _norms.clip_scale(scaled, max_norm)
-  return [_norms.scale_leaf(x, factor) for x in leaves], scaled, factor
+  return _norms.scale_all(leaves, factor), scaled, factor
 
 
 def unit_norms_of(
@@ -116,6 +116,7 @@ def unit_norms_of(
     axis_name=axis_name,
     sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, axes)],
     keys=[_sharding.other_axes(s, a) for s, a in zip(splits, axes)],
+    several_units=True,
   )
 
 

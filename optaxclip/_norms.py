@@ -553,46 +553,60 @@ def take_each(v: jax.Array) -> list[jax.Array]:
     (b, b) + rest
   )
   eye = np.eye(b, dtype=bool)
-  zero = jnp.zeros((), v.dtype)
   ones = (1,) * len(rest)
+  zero = np.zeros((), v.dtype)
+  # lax, not jnp: a call per leaf, and each jnp call is a nested jit to
+  # trace (a third of the tracing time on a tree of hundreds of leaves).
+  grid_zeros = jax.lax.full(grid.shape, zero, v.dtype)
+  row_zeros = jax.lax.full(grid.shape[1:], zero, v.dtype)
+
+  def pick(x, mask, zeros):  # the one row of x that mask keeps
+    mask = np.broadcast_to(mask, x.shape)
+    return jax.lax.reduce(
+      jax.lax.select(mask, x, zeros), zero, jax.lax.add, (0,)
+    )
+
   rows, out = {}, []
   for i in range(n):
     r, c = divmod(i, b)
     if r not in rows:
-      mask = eye[r].reshape((b, 1) + ones)
-      rows[r] = jnp.sum(jnp.where(mask, grid, zero), axis=0)
-    out.append(
-      jnp.sum(jnp.where(eye[c].reshape((b,) + ones), rows[r], zero), axis=0)
-    )
+      rows[r] = pick(grid, eye[r].reshape((b, 1) + ones), grid_zeros)
+    out.append(pick(rows[r], eye[c].reshape((b,) + ones), row_zeros))
   return out
 
 
 class UnitLayout:
   """Where the units of many leaves lie: small leaves packed by unit size.
 
-  A leaf that is one unit (its norm spans the whole leaf) is a row of its
-  elements. Small such leaves (see ``_concatenable``; real, non-empty) with
-  the same size, accumulation dtype and grouping key (e.g. the mapped axes
-  their sums are summed over) are stacked into one ``(leaves, size)``
-  matrix, in chunks of at most ``CHUNK_SIZE`` elements, and reduced
-  along its rows at once: the compiled program then grows with the number
-  of distinct unit sizes, not of leaves (a model without ``scan`` has
-  thousands of tiny leaves and pays its compile time at every restart).
-  Other leaves (large, complex, or of several units) are parts of their
-  own, reduced as they are: their step time does not change.
+  Each unit of a leaf is a row of its elements (a leaf of several units,
+  such as a kernel with one unit per output, is transposed so that the
+  unit's axes come last). Small leaves (see ``_concatenable``; real,
+  non-empty) with the same unit size, number of units, accumulation dtype
+  and grouping key (e.g. the mapped axes their sums are summed over) are
+  stacked into one ``(units, unit size)`` matrix, in chunks of at most
+  ``CHUNK_SIZE`` elements, and reduced along its rows at once: the compiled
+  program then grows with the number of distinct leaf layouts, not of
+  leaves (a model without ``scan`` has thousands of tiny leaves and pays its
+  compile time at every restart). Other leaves (large or complex) are parts
+  of their own, reduced as they are: their step time does not change.
 
   A *part* is either such a matrix (its unit values are a column, one row
-  per leaf) or one leaf (its unit values keep the leaf's rank, reduced axes
+  per unit) or one leaf (its unit values keep the leaf's rank, reduced axes
   of size 1). Values computed on the parts are handed back per leaf by
   :meth:`unpack` and :meth:`scale` with :func:`take_each`, so that each
-  leaf is scaled by its own scalar as a fusible element-wise operand (the
+  leaf is scaled by its own factors as a fusible element-wise operand (the
   leaves themselves are never sliced back out of a concatenation).
   """
 
-  def __init__(self, leaves, axes, keys):
+  def __init__(self, leaves, axes, keys, several_units: bool = False):
+    """``several_units``: pack leaves of several units too (otherwise they
+    are parts of their own, as for callers that read parts' values as one
+    per leaf; :meth:`unpack` and :meth:`scale` handle both).
+    """
     self.shapes = [tuple(x.shape) for x in leaves]
     self.axes = [_reduce_axes(x, ax) for x, ax in zip(leaves, axes)]
-    # Per part: ("rows", [(leaf, row offset, rows)], key) or ("leaf", i, key).
+    # Per part: ("rows" or "stack", [(leaf, row offset, rows)], key) or
+    # ("leaf", i, key).
     self.parts = []
     groups = {}
     for i, (x, ax, key) in enumerate(zip(leaves, self.axes, keys)):
@@ -600,23 +614,36 @@ class UnitLayout:
         self.parts.append(("leaf", i, key))
         continue
       unit = math.prod(x.shape[d] for d in ax)
-      if unit != x.size:  # several units: a part of its own (see unpack)
+      n = x.size // unit
+      if n > 1 and not several_units:
         self.parts.append(("leaf", i, key))
         continue
-      groups.setdefault((unit, accumulation_dtype(x.dtype), key), []).append(i)
-    for (unit, _, key), members in groups.items():
+      acc = accumulation_dtype(x.dtype)
+      # Leaves of a part have the same number of units: each takes its
+      # units' values back as one row of a (leaves, units) matrix.
+      if n == 1 or ax == tuple(range(x.ndim - len(ax), x.ndim)):
+        group = ("rows", unit, n, acc, key)
+      else:
+        # Units across leading axes (a Dense kernel's inputs): leaves of
+        # one shape are stacked as they are, since making the units rows
+        # would take a transpose (a kernel to compile) per leaf.
+        group = ("stack", x.shape, ax, acc, key)
+      groups.setdefault(group, []).append(i)
+    for (kind, unit, *_, key), members in groups.items():
       if len(members) == 1:
         self.parts.append(("leaf", members[0], key))
         continue
+      if kind == "stack":
+        unit = math.prod(unit[d] for d in self.axes[members[0]])
       chunk, rows = [], 0
       for i in members:
         n = math.prod(self.shapes[i]) // unit
         if chunk and (rows + n) * unit > CHUNK_SIZE:
-          self.parts.append(("rows", chunk, key))
+          self.parts.append((kind, chunk, key))
           chunk, rows = [], 0
         chunk.append((i, rows, n))
         rows += n
-      self.parts.append(("rows", chunk, key))
+      self.parts.append((kind, chunk, key))
 
   @property
   def keys(self) -> list[Any]:
@@ -625,10 +652,15 @@ class UnitLayout:
   @property
   def part_axes(self) -> list[tuple[int, ...]]:
     """Per part, the axes its units span."""
-    return [
-      (1,) if kind == "rows" else self.axes[what]
-      for kind, what, _ in self.parts
-    ]
+    out = []
+    for kind, what, _ in self.parts:
+      if kind == "rows":
+        out.append((1,))
+      elif kind == "stack":
+        out.append(tuple(d + 1 for d in self.axes[what[0][0]]))
+      else:
+        out.append(self.axes[what])
+    return out
 
   def _matrix(self, x, i, dtype):
     ax = self.axes[i]
@@ -652,6 +684,9 @@ class UnitLayout:
         out.append(leaves[what])
         continue
       dtype = tree_accumulation_dtype([leaves[i] for i, _, _ in what])
+      if kind == "stack":
+        out.append(jnp.stack([leaves[i].astype(dtype) for i, _, _ in what]))
+        continue
       mats = [self._matrix(leaves[i], i, dtype) for i, _, _ in what]
       out.append(jnp.concatenate(mats) if len(mats) > 1 else mats[0])
     return out
@@ -662,8 +697,11 @@ class UnitLayout:
     for kind, what, _ in self.parts:
       if kind == "leaf":
         out.append(values[what])
+      elif kind == "stack":
+        out.append(jnp.stack([values[i] for i, _, _ in what]))
       else:
-        out.append(jnp.concatenate([jnp.ravel(values[i]) for i, _, _ in what]))
+        flat = [jnp.ravel(values[i]) for i, _, _ in what]
+        out.append(jnp.concatenate(flat).reshape(-1, 1))
     return out
 
   def unit_shape(self, i) -> tuple[int, ...]:
@@ -679,6 +717,12 @@ class UnitLayout:
     for kind, what, _ in self.parts:
       if kind == "leaf":
         out.append(np.asarray(numbers[what]))
+      elif kind == "stack":
+        out.append(
+          np.stack(
+            [np.full(self.unit_shape(i), numbers[i]) for i, _, _ in what]
+          )
+        )
       else:
         out.append(
           np.concatenate([np.full((n, 1), numbers[i]) for i, _, n in what])
@@ -707,15 +751,18 @@ class UnitLayout:
       if kind == "leaf":
         out[what] = v
         continue
+      # One row of a (leaves, units) matrix per leaf: all of a part's
+      # leaves have the same number of units.
+      grid = (len(what), what[0][2])
       if isinstance(v, Scaled):
         pairs = zip(
-          take_each(jnp.ravel(v.value)), take_each(jnp.ravel(v.exponent))
+          take_each(v.value.reshape(grid)), take_each(v.exponent.reshape(grid))
         )
         for (i, _, _), (value, e) in zip(what, pairs):
           shape = self.unit_shape(i)
           out[i] = Scaled(value.reshape(shape), e.reshape(shape))
         continue
-      for (i, _, _), value in zip(what, take_each(jnp.ravel(v))):
+      for (i, _, _), value in zip(what, take_each(v.reshape(grid))):
         out[i] = value.reshape(self.unit_shape(i))
     return out
 
@@ -729,27 +776,40 @@ class UnitLayout:
         out[what] = scale_leaf(leaves[what], f)
         continue
       members = [i for i, _, _ in what]
-      flat = (
-        Scaled(jnp.ravel(f.value), jnp.ravel(f.exponent))
+      grid = (len(what), what[0][2])
+      per_leaf = (
+        Scaled(f.value.reshape(grid), f.exponent.reshape(grid))
         if isinstance(f, Scaled)
-        else jnp.ravel(f)
+        else f.reshape(grid)
       )
-      for i, y in zip(members, scale_each([leaves[i] for i in members], flat)):
+      scaled = scale_each(
+        [leaves[i] for i in members],
+        per_leaf,
+        [self.unit_shape(i) for i in members],
+      )
+      for i, y in zip(members, scaled):
         out[i] = y
     return out
 
 
 def scale_each(
-  leaves: Sequence[jax.Array], factors: Union[jax.Array, Scaled]
+  leaves: Sequence[jax.Array],
+  factors: Union[jax.Array, Scaled],
+  shapes: Optional[Sequence[tuple[int, ...]]] = None,
 ) -> list[jax.Array]:
-  """``[scale_leaf(x_i, factors[i])]`` for a vector of factors, one a leaf.
+  """``[scale_leaf(x_i, factors[i])]`` for an array of factors, row i for
+  leaf i.
 
-  The multipliers that scale_leaf applies one after the other are computed
-  on the factor vector (per leaf dtype), and each leaf takes its row of
-  them at once with :func:`take_each`: kernels shared by the leaves of one
+  ``factors`` is a vector (one factor a leaf) or a ``(leaves, units)``
+  matrix whose row i, reshaped to ``shapes[i]`` (a shape that broadcasts
+  against leaf i, e.g. its units' keepdims shape), scales leaf i. The
+  multipliers that scale_leaf applies one after the other are computed on
+  the factor array (per leaf dtype), and each leaf takes its row of them
+  at once with :func:`take_each`: kernels shared by the leaves of one
   shape, not one per leaf.
   """
   leaves = list(leaves)
+  shapes = [()] * len(leaves) if shapes is None else list(shapes)
   by_dtype = {}
   for i, x in enumerate(leaves):
     by_dtype.setdefault(np.dtype(x.dtype), []).append(i)
@@ -759,19 +819,27 @@ def scale_each(
     if len(members) < len(leaves):
       idx = np.asarray(members)
       f = (
-        Scaled(jnp.take(f.value, idx), jnp.take(f.exponent, idx))
+        Scaled(
+          jnp.take(f.value, idx, axis=0), jnp.take(f.exponent, idx, axis=0)
+        )
         if isinstance(f, Scaled)
-        else jnp.take(f, idx)
+        else jnp.take(f, idx, axis=0)
       )
     columns = _multipliers(f, dtype)
+    wide = columns[0].dtype
+    grid = (len(members), -1)
     rows = take_each(
-      jnp.stack(
-        [jnp.ravel(m).astype(columns[0].dtype) for m in columns], axis=1
-      )
+      jnp.stack([m.astype(wide).reshape(grid) for m in columns], axis=1)
     )
     for i, row in zip(members, rows):
       out[i] = _apply_multipliers(
-        leaves[i], [row[k] for k in range(len(columns))]
+        leaves[i],
+        [
+          jax.lax.reshape(
+            jax.lax.index_in_dim(row, k, keepdims=False), shapes[i]
+          )
+          for k in range(len(columns))
+        ],
       )
   return out
 
@@ -845,17 +913,19 @@ def unit_norms_packed(
   axis_name: AxisName = None,
   sharded: Optional[Sequence[Union[bool, tuple[str, ...]]]] = None,
   keys: Optional[Sequence[Any]] = None,
+  several_units: bool = False,
 ) -> tuple[UnitLayout, list[Scaled]]:
   """:func:`unit_norms_scaled` as ``(layout, norms per part)`` (see UnitLayout).
 
   ``keys``: per leaf, a hashable that leaves stacked together must share
   (beyond their unit size, dtype and ``sharded`` entry).
+  ``several_units``: stack leaves of several units too (see UnitLayout).
   """
   leaves = list(leaves)
   axes = [None] * len(leaves) if axes is None else list(axes)
   flags = _sharded_flags(leaves, sharded, axis_name)
   keys = [None] * len(leaves) if keys is None else list(keys)
-  layout = UnitLayout(leaves, axes, list(zip(flags, keys)))
+  layout = UnitLayout(leaves, axes, list(zip(flags, keys)), several_units)
   return layout, _part_norms(
     layout.pack(leaves),
     ord,
@@ -1148,6 +1218,35 @@ def count_above(x: jax.Array, limit: Any) -> jax.Array:
   return count(magnitude(sample, dtype) > limit) * (flat.size / sample.size)
 
 
+def largest_and_count_parts(
+  layout: UnitLayout, leaves: Sequence[jax.Array], limit: Any
+) -> list[tuple[jax.Array, jax.Array, int]]:
+  """Per part of ``layout`` (whole leaves as units): the largest magnitude
+  of each leaf, the number of its elements with ``|x| > limit`` (float32)
+  and the leaf's size.
+
+  Small leaves stacked as rows are reduced at once, along the rows (exact
+  counts); other leaves as :func:`largest_magnitude` and
+  :func:`count_above` do. Values are per unit, keepdims, as the layout's
+  parts' unit values (see :meth:`UnitLayout.unpack`).
+  """
+  out = []
+  for (kind, _, _), part in zip(layout.parts, layout.pack(list(leaves))):
+    if kind == "leaf":
+      out.append(
+        (largest_magnitude(part), count_above(part, limit), int(part.size))
+      )
+      continue
+    m = jax.lax.optimization_barrier(part)  # read once, as _power_sum
+    biggest = jnp.maximum(
+      jnp.max(m, axis=1, keepdims=True), -jnp.min(m, axis=1, keepdims=True)
+    )
+    above = jnp.abs(m) > jnp.asarray(limit, m.dtype)
+    n_over = jnp.sum(above, axis=1, keepdims=True, dtype=jnp.float32)
+    out.append((biggest, n_over, int(m.shape[1])))
+  return out
+
+
 def _flat_scaled(norms: Sequence[Scaled]) -> list[Scaled]:
   """The norms as 1-D parts: those on one device concatenated into one, the
   others (that may be split across devices: no all-gather, no
@@ -1386,6 +1485,57 @@ def scale_leaf(x: jax.Array, factor: Union[jax.Array, Scaled]) -> jax.Array:
   return _apply_multipliers(x, _multipliers(factor, x.dtype))
 
 
+def scale_all(
+  leaves: Sequence[jax.Array], factor: Union[jax.Array, Scaled]
+) -> list[jax.Array]:
+  """``[scale_leaf(x, factor) for x in leaves]`` for one scalar factor.
+
+  The multipliers are computed once per leaf dtype and handed to the leaves
+  as one vector that XLA keeps in memory (see :func:`_materialized`):
+  otherwise XLA fuses the scalar arithmetic that builds them (exponent bits,
+  clamps, powers of two: some ninety instructions) into every leaf's kernel,
+  and on a tree of many small leaves compiling those copies costs more than
+  the optimizer's own step.
+  """
+  leaves = list(leaves)
+  rows = {}
+  out = []
+  for x in leaves:
+    dtype = np.dtype(x.dtype)
+    if dtype not in rows:
+      columns = _multipliers(factor, dtype)
+      wide = columns[0].dtype
+      rows[dtype] = _materialized(
+        jnp.stack([jnp.asarray(m).astype(wide).reshape(()) for m in columns])
+      )
+    row = rows[dtype]
+    out.append(
+      _apply_multipliers(
+        x,
+        [
+          jax.lax.index_in_dim(row, k, keepdims=False)
+          for k in range(row.shape[0])
+        ],
+      )
+    )
+  return out
+
+
+def _materialized(v: jax.Array) -> jax.Array:
+  """``v`` (a small vector), computed once into memory by XLA.
+
+  XLA:CPU fuses cheap element-wise producers into each of their consumers
+  (and drops ``optimization_barrier``), but never a reduction: ``v`` is
+  returned as a masked sum of ``[v; v]`` with a constant mask that keeps the
+  first row. Selection, not multiplication: NaN and inf stay as they are.
+  """
+  mask = np.zeros((2,) + v.shape, bool)
+  mask[0] = True
+  return jnp.sum(
+    jnp.where(mask, jnp.stack([v, v]), jnp.zeros((), v.dtype)), axis=0
+  )
+
+
 def _multipliers(factor: Union[jax.Array, Scaled], dtype) -> list[jax.Array]:
   """The numbers that a value of ``dtype`` is multiplied by, one after the
   other, in the wide dtype, to scale it by ``factor`` (see scale_leaf).
@@ -1418,11 +1568,21 @@ def _multipliers(factor: Union[jax.Array, Scaled], dtype) -> list[jax.Array]:
 
 
 def _apply_multipliers(x: jax.Array, multipliers) -> jax.Array:
+  """``x`` times each multiplier in turn (scalars, or of x's rank with size
+  1 where they broadcast), in the wide dtype.
+
+  In lax, not jnp: this runs once per leaf, and each jnp call is a nested
+  jit to trace.
+  """
   wide = promote_types(x.dtype, accumulation_dtype(x.dtype))
-  y = x.astype(wide)
+  y = jax.lax.convert_element_type(x, wide)
   for m in multipliers:
-    y = y * jnp.asarray(m).astype(wide)  # exact: real powers of two
-  return y.astype(x.dtype)
+    m = jax.lax.convert_element_type(jnp.asarray(m), wide)
+    if m.shape != y.shape:
+      dims = tuple(range(m.ndim)) if m.ndim else ()
+      m = jax.lax.broadcast_in_dim(m, y.shape, dims)
+    y = jax.lax.mul(y, m)  # exact: real powers of two
+  return jax.lax.convert_element_type(y, x.dtype)
 
 
 def count(mask: jax.Array) -> jax.Array:

@@ -278,28 +278,41 @@ def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
     max_delta_now = _schedules.value_at(
       max_delta, _schedules.count_of(state), who="clip_value", name="max_delta"
     )
-    out, largest = [], jnp.zeros((), jnp.float32)
+    # Small leaves are stacked (one reduction for many: compile time on
+    # many-leaf trees); each leaf gets its own poison back.
+    layout = _norms.UnitLayout(
+      leaves, [None] * len(leaves), [None] * len(leaves)
+    )
+    largest = jnp.zeros((), jnp.float32)
     clipped, total, finite = jnp.zeros((), jnp.float32), 0, jnp.array(True)
-    for x in leaves:
+    poisons = []
+    for biggest, n_over, size in _norms.largest_and_count_parts(
+      layout, leaves, max_delta_now
+    ):
+      # 0 for a finite leaf, NaN otherwise: a leaf holding a NaN or an inf
+      # comes out all NaN (the non-finite policy). Adding it to the limit
+      # also makes a leaf's clip wait for its own statistics, so that XLA
+      # computes them while the leaf is in cache.
+      poison = 0 * (biggest + n_over)
+      poisons.append(poison)
+      if size == 0:
+        continue
+      limit = jnp.asarray(max_delta_now, biggest.dtype) + poison
+      largest = jnp.maximum(largest, jnp.max(biggest).astype(jnp.float32))
+      # In the leaf's own dtype: a finite float64 may be inf in float32.
+      finite = finite & jnp.all(biggest < jnp.inf)
+      # A sampled count may miss rare outliers: a leaf whose largest element
+      # is clipped counts at least one clipped element.
+      n_over = jnp.clip(n_over, (biggest > limit).astype(n_over.dtype), size)
+      clipped = clipped + jnp.sum(jnp.where(biggest < jnp.inf, n_over, size))
+      total += size * biggest.size
+    out = []
+    for x, poison in zip(leaves, layout.unpack(poisons)):
       if x.size == 0:
         out.append(x)
         continue
-      biggest = _norms.largest_magnitude(x)
-      n_over = _norms.count_above(x, max_delta_now)
-      # 0 for a finite leaf, NaN otherwise: a leaf holding a NaN or an inf
-      # comes out all NaN (the non-finite policy; see clip_leaf_to_range).
-      poison = 0 * (biggest + n_over)
-      bound = jnp.asarray(max_delta_now, biggest.dtype)
+      bound = jnp.asarray(max_delta_now, poison.dtype)
       out.append(_functional.clip_leaf_to_range(x, -bound, bound, poison))
-      limit = bound + poison
-      largest = jnp.maximum(largest, biggest.astype(jnp.float32))
-      # In the leaf's own dtype: a finite float64 may be inf in float32.
-      finite = finite & (biggest < jnp.inf)
-      # A sampled count may miss rare outliers: a leaf whose largest element
-      # is clipped counts at least one clipped element.
-      n_over = jnp.clip(n_over, (biggest > limit).astype(n_over.dtype), x.size)
-      clipped = clipped + jnp.where(biggest < jnp.inf, n_over, x.size)
-      total += x.size
     limit = jnp.asarray(max_delta_now, jnp.float32)
     new_state = ClipValueState(
       norm=_stats.as_stat(largest),

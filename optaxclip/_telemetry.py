@@ -420,6 +420,9 @@ def unit_norms(
     axis_name=axis_name,
     sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, fine)],
     keys=[_sharding.other_axes(s, a) for s, a in zip(splits, fine)],
+    # Leaves of several units stacked (compile time on many leaves) unless
+    # the per-leaf statistics below read one value per leaf of a part.
+    several_units=not on,
   )
   coarse = coarse_norms(layout, norms, unit_axes, layers, ord)
   if not on:
