@@ -427,7 +427,9 @@ def _scaled_sum_fast(x, p, axes, dtype):
     # One ratio, of the smaller to the larger (at most 1): the partial of
     # the larger is not rescaled at all.
     (m1, q1), (m2, q2) = u, v
-    first = m1 >= m2
+    # A NaN magnitude wins, so that M ends NaN whatever the reduction's
+    # order (were M inf, the inf / inf guard below would hide the NaN).
+    first = (m1 >= m2) | jnp.isnan(m1)
     m = jnp.where(first, m1, m2)
     small = jnp.where(first, m2, m1)
     ratio = small / jnp.where(m > 0, m, 1)
