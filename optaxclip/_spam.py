@@ -50,6 +50,14 @@ def _at(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:
   return jnp.asarray(_schedules.value_at(value, count, low=None), _F32)
 
 
+def _threshold_at(threshold: Any, count: jax.Array, who: str) -> jax.Array:
+  """SPAM's ``threshold`` at step ``count``, as float32 (a schedule's
+  negative values count as 0: clipping off that step).
+  """
+  value = _schedules.value_at(threshold, count, who=who, name="threshold")
+  return jnp.asarray(value, _F32)
+
+
 def _log(base: Any) -> jax.Array:
   """``log(base)`` as float32, taken in float64 when ``base`` is a number:
   ``1 - 0.999`` is 1.3e-5 off in float32, ``log(0.999)`` is exact to 6e-8.
@@ -159,14 +167,16 @@ def _clip_to_moment(
 
 
 def _check_spam_clip(who, threshold, b2, reset_interval, grad_accu_steps):
-  _checks.check_number("threshold", threshold, who=who, low=0.0)
+  _schedules.check(who, "threshold", threshold, low=0.0)
   _check_decay(who, "b2", b2)
   reset_interval = _check_interval(who, reset_interval, allow_none=False)
   _checks.check_steps(who, "grad_accu_steps", grad_accu_steps, low=0)
   return reset_interval
 
 
-@_stats.register("clip_spikes", ("clipped", "clip_fraction", "resets"))
+@_stats.register(
+  "clip_spikes", ("clipped", "clip_fraction", "resets", "threshold")
+)
 class ClipSpikesState(NamedTuple):
   """State of :func:`clip_spikes`.
 
@@ -176,6 +186,7 @@ class ClipSpikesState(NamedTuple):
     clipped: coordinates clipped this step (float32: exact up to 2**24).
     clip_fraction: the share of coordinates clipped this step.
     resets: resets of ``nu`` so far (int32).
+    threshold: this step's ``threshold`` (a schedule's value at ``count``).
   """
 
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
@@ -183,11 +194,12 @@ class ClipSpikesState(NamedTuple):
   clipped: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   resets: jax.Array  # int32 scalar
+  threshold: jax.Array  # float32 scalar
 
 
 @_compiled.compiled_once
 def clip_spikes(
-  threshold: Scalar = 5000.0,
+  threshold: ScalarOrSchedule = 5000.0,
   *,
   b2: Scalar = 0.999,
   reset_interval: Scalar = 500,
@@ -219,7 +231,8 @@ def clip_spikes(
 
   Args:
     threshold: the spike threshold ``theta`` on ``g^2 / nu`` (>= 0; 0 turns
-      clipping off).
+      clipping off): a number or a schedule (``step -> value``, evaluated
+      at the update count, 0 on the first update).
     b2: the decay of ``nu``, in [0, 1).
     reset_interval: reset ``nu`` every this many steps (a positive int).
     grad_accu_steps: steps without clipping after each reset (>= 0).
@@ -254,18 +267,20 @@ def clip_spikes(
       clipped=jnp.zeros((), _F32),
       clip_fraction=jnp.zeros((), _F32),
       resets=jnp.zeros((), jnp.int32),
+      threshold=_threshold_at(threshold, jnp.zeros((), jnp.int32), who),
     )
 
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = _float_leaves(updates, who)
+    threshold_now = _threshold_at(threshold, state.count, who)
     _, reset, clip_on, resets = _spam_clock(
-      state.count, reset_interval, grad_accu_steps, threshold
+      state.count, reset_interval, grad_accu_steps, threshold_now
     )
     out, nus, clipped = [], [], jnp.zeros((), _F32)
     for g, nu in zip(leaves, treedef.flatten_up_to(state.nu)):
       nu = jnp.where(reset, jnp.zeros_like(nu), nu)
-      g, n = _clip_to_moment(g, nu, threshold, clip_on)
+      g, n = _clip_to_moment(g, nu, threshold_now, clip_on)
       out.append(g)
       nus.append(b2 * nu + (1 - b2) * g * g)
       clipped = clipped + n
@@ -275,12 +290,15 @@ def clip_spikes(
       clipped=clipped,
       clip_fraction=_share(clipped, leaves),
       resets=resets,
+      threshold=threshold_now,
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
 
 
-@_stats.register("spam", ("clipped", "clip_fraction", "resets", "scale"))
+@_stats.register(
+  "spam", ("clipped", "clip_fraction", "resets", "scale", "threshold")
+)
 class SpamState(NamedTuple):
   """State of :func:`spam`'s Adam part.
 
@@ -292,6 +310,7 @@ class SpamState(NamedTuple):
     clip_fraction: the share of coordinates clipped this step.
     resets: moment resets so far (int32).
     scale: this step's warm-up factor of the step size, in [0.01, 1].
+    threshold: this step's ``threshold`` (a schedule's value at ``count``).
   """
 
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
@@ -301,6 +320,7 @@ class SpamState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   resets: jax.Array  # int32 scalar
   scale: jax.Array  # float32 scalar
+  threshold: jax.Array  # float32 scalar
 
 
 def _scale_by_spam(
@@ -320,13 +340,15 @@ def _scale_by_spam(
       clip_fraction=jnp.zeros((), _F32),
       resets=jnp.zeros((), jnp.int32),
       scale=jnp.ones((), _F32),
+      threshold=_threshold_at(threshold, jnp.zeros((), jnp.int32), who),
     )
 
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = _float_leaves(updates, who)
+    threshold_now = _threshold_at(threshold, state.count, who)
     t, reset, clip_on, resets = _spam_clock(
-      state.count, reset_interval, grad_accu_steps, threshold
+      state.count, reset_interval, grad_accu_steps, threshold_now
     )
     scale = _spam_warmup(t, reset_interval, warmup_steps)
     # The reference counts bias correction from the first step and never
@@ -340,7 +362,7 @@ def _scale_by_spam(
     for g, mu, nu in zip(leaves, mu_leaves, nu_leaves):
       mu = jnp.where(reset, jnp.zeros_like(mu), mu)
       nu = jnp.where(reset, jnp.zeros_like(nu), nu)
-      g, n = _clip_to_moment(g, nu, threshold, clip_on)
+      g, n = _clip_to_moment(g, nu, threshold_now, clip_on)
       mu = b1 * mu + (1 - b1) * g
       nu = b2 * nu + (1 - b2) * g * g
       direction = mu / (jnp.sqrt(nu) + eps)
@@ -356,6 +378,7 @@ def _scale_by_spam(
       clip_fraction=_share(clipped, leaves),
       resets=resets,
       scale=scale,
+      threshold=threshold_now,
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
@@ -406,7 +429,7 @@ def spam(
   b2: Scalar = 0.999,
   eps: Scalar = 1e-6,
   weight_decay: Scalar = 0.0,
-  threshold: Scalar = 5000.0,
+  threshold: ScalarOrSchedule = 5000.0,
   reset_interval: Scalar = 500,
   warmup_steps: Scalar = 150,
   grad_accu_steps: Scalar = 20,
@@ -448,7 +471,8 @@ def spam(
     eps: added to ``sqrt(v)`` (>= 0).
     weight_decay: decoupled weight decay (>= 0).
     threshold: the spike threshold on ``g^2 / v`` (>= 0; 0 turns clipping
-      off).
+      off): a number or a schedule (``step -> value``, evaluated at the
+      update count, 0 on the first update).
     reset_interval: reset the moments every this many steps (a positive
       int; ``DeltaT`` in the paper).
     warmup_steps: steps of cosine warm-up after each reset (>= 0).

@@ -351,6 +351,42 @@ def leaf_norm_names(tree: Any) -> list[str]:
   return names
 
 
+def _one_pass(
+  who: str,
+  leaves: Sequence[jax.Array],
+  ord: float,  # pylint: disable=redefined-builtin
+  unit_axes: Sequence[Optional[tuple[int, ...]]],
+  layers: Sequence[Optional[int]],
+  axis_name: Any,
+  splits: Optional[Sequence[_sharding.LeafSharding]],
+  *,
+  keyed: bool = False,
+  several_units: bool = False,
+) -> tuple[_norms.UnitLayout, list[_norms.Scaled]]:
+  """The packed pass of :func:`global_norm` and :func:`unit_norms`: the
+  norms of the units split per layer (``fine_axes``), each summed over the
+  names its leaf is split over. ``keyed``: leaves held whole on other
+  devices are not stacked with the others (their leaf norms merge apart).
+  """
+  if splits is None:
+    splits = [_sharding.LeafSharding((), None)] * len(leaves)
+  check_unsplit(who, splits, layers)
+  fine = fine_axes(leaves, unit_axes, layers)
+  return _norms.unit_norms_packed(
+    leaves,
+    ord,
+    fine,
+    axis_name=axis_name,
+    sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, fine)],
+    keys=(
+      [_sharding.other_axes(s, a) for s, a in zip(splits, fine)]
+      if keyed
+      else None
+    ),
+    several_units=several_units,
+  )
+
+
 def global_norm(
   who: str,
   updates: Any,
@@ -369,16 +405,8 @@ def global_norm(
   ``_sharding.resolve``); ``None`` when nothing is split.
   """
   layers = layer_axes(who, updates, layer_axis)
-  if splits is None:
-    splits = [_sharding.LeafSharding((), None)] * len(leaves)
-  check_unsplit(who, splits, layers)
-  fine = fine_axes(leaves, [None] * len(leaves), layers)
-  layout, norms = _norms.unit_norms_packed(
-    leaves,
-    ord,
-    fine,
-    axis_name=axis_name,
-    sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, fine)],
+  layout, norms = _one_pass(
+    who, leaves, ord, [None] * len(leaves), layers, axis_name, splits
   )
   vector, sizes = leaf_vector(layout, norms, layers, ord)
   total = _norms.reduce_norms(vector, ord)
@@ -409,17 +437,15 @@ def unit_norms(
   """
   n = len(leaves)
   layers = layer_axes(who, updates, layer_axis) if on else [None] * n
-  if splits is None:
-    splits = [_sharding.LeafSharding((), None)] * n
-  check_unsplit(who, splits, layers)
-  fine = fine_axes(leaves, unit_axes, layers)
-  layout, norms = _norms.unit_norms_packed(
+  layout, norms = _one_pass(
+    who,
     leaves,
     ord,
-    fine,
-    axis_name=axis_name,
-    sharded=[_sharding.axes_of(s, a) for s, a in zip(splits, fine)],
-    keys=[_sharding.other_axes(s, a) for s, a in zip(splits, fine)],
+    unit_axes,
+    layers,
+    axis_name,
+    splits,
+    keyed=True,
     # Leaves of several units stacked (compile time on many leaves) unless
     # the per-leaf statistics below read one value per leaf of a part.
     several_units=not on,

@@ -6,12 +6,11 @@ docs/*.md each run on their own, as a reader would paste them.
 
 import importlib.util
 import math
-import os
 import pathlib
 import re
-import subprocess
 import sys
 
+from example_runner import run_script
 import optaxclip
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -21,25 +20,6 @@ GUIDES = {
   path.name: path.read_text(encoding="utf-8")
   for path in sorted((ROOT / "docs").glob("*.md"))
 }
-
-
-def _run_script(path, *args, cwd):
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-    filter(None, (str(ROOT), env.get("PYTHONPATH")))
-  )
-  env["JAX_PLATFORMS"] = "cpu"
-  result = subprocess.run(
-    [sys.executable, str(ROOT / path), *args],
-    cwd=cwd,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-  )
-  assert result.returncode == 0, result.stdout + result.stderr
-  return result.stdout
 
 
 def _load(path):
@@ -57,7 +37,7 @@ def _load(path):
 
 def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
   out = tmp_path / "plots" / "lstm.png"
-  stdout = _run_script(
+  stdout = run_script(
     "examples/lstm_exploding.py",
     "--steps",
     "20",
@@ -95,7 +75,7 @@ def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
 
 def test_which_layer_names_the_bad_layer_and_writes_the_heatmap(tmp_path):
   out = tmp_path / "which_layer.png"
-  stdout = _run_script(
+  stdout = run_script(
     "examples/which_layer.py",
     "--steps",
     "6",
@@ -122,7 +102,7 @@ def test_which_layer_names_the_bad_layer_and_writes_the_heatmap(tmp_path):
 
 
 def test_nnx_quickstart_prints_the_pre_clip_norm(tmp_path):
-  stdout = _run_script(
+  stdout = run_script(
     "examples/nnx_quickstart.py",
     "--steps",
     "5",

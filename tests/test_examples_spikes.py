@@ -1,39 +1,19 @@
 """examples/spikes.py runs at a tiny size: its table and its PNG."""
 
 import math
-import os
 import pathlib
 import re
-import subprocess
-import sys
+
+from example_runner import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _run_script(path, *args, cwd):
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-    filter(None, (str(ROOT), env.get("PYTHONPATH")))
-  )
-  env["JAX_PLATFORMS"] = "cpu"
-  result = subprocess.run(
-    [sys.executable, str(ROOT / path), *args],
-    cwd=cwd,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=900,
-    check=False,
-  )
-  assert result.returncode == 0, result.stdout + result.stderr
-  return result.stdout
 
 
 def test_spikes_prints_the_table_and_writes_the_png(tmp_path):
   out = tmp_path / "plots" / "spikes.png"
   # The spike-aware optimizers and a guard (each variant compiles its own
   # training step: the others run in examples of their own).
-  stdout = _run_script(
+  stdout = run_script(
     "examples/spikes.py",
     "--steps",
     "10",

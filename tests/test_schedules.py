@@ -96,6 +96,20 @@ CLIPPERS = {
     (4.0, 1.0, 0.5),
     "norms",
   ),
+  # SPAM's threshold (0 turns its clipping off: not a limit, so not in
+  # ZERO_LIMITS below).
+  "clip_spikes": (
+    lambda v: optaxclip.clip_spikes(v, b2=0.5, grad_accu_steps=1),
+    (4.0, 1.0, 0.5),
+    "tree",
+  ),
+  "spam": (
+    lambda v: optaxclip.spam(
+      0.1, threshold=v, b2=0.5, grad_accu_steps=1, warmup_steps=0
+    ),
+    (4.0, 1.0, 0.5),
+    "tree",
+  ),
 }
 # Where the threshold is reported as it is (the others report the norm
 # limit it leads to).
@@ -107,6 +121,7 @@ REPORTED_AS_IS = (
   "clip_unitwise",
   "clip_per_example",
   "dp_noise",
+  "clip_spikes",
 )
 
 

@@ -298,7 +298,9 @@ def test_stats_report_clipped_resets_and_scale():
     "spam/clip_fraction",
     "spam/resets",
     "spam/scale",
+    "spam/threshold",
   }
+  assert float(logs["spam/threshold"]) == SPAM_KW["threshold"]
   assert int(logs["spam/resets"]) == 1
   assert float(logs["spam/scale"]) == pytest.approx(
     1 - 0.99 * (1 + np.cos(np.pi / 6)) / 2
