@@ -556,7 +556,14 @@ def clipped_grad(
         zeros = jax.tree.map(jnp.zeros_like, params)
         return jax.lax.scan(body, zeros, jnp.arange(chunks))[0]
 
-      grads = jax.lax.cond(all_finite, shared, recompute, None)
+      # The shared backward runs outside the cond: inside a branch the
+      # forward's residuals are operands of the cond, which XLA keeps alive
+      # (and never overwrites) for the whole branch, e.g. the softmax, where
+      # a plain jax.grad writes the logits' cotangent in place of it. Only
+      # the rare recompute sits in a branch, after the residuals are dead.
+      grads = jax.lax.cond(
+        all_finite, lambda g: g, lambda g: recompute(None), shared(None)
+      )
       any_kept = jnp.any(keep)
       grads = jax.tree.map(lambda g: jnp.where(any_kept, g, 0), grads)
       return grads, aux

@@ -1238,12 +1238,22 @@ def count_above(x: jax.Array, limit: Any) -> jax.Array:
   vectorises nor fuses: it cost ``clip_value`` 0.5x an Adam step.
   """
   dtype = accumulation_dtype(x.dtype)
-  limit = jnp.asarray(limit, dtype)
+  sample, weight = sample_elements(x)
+  return count(magnitude(sample, dtype) > jnp.asarray(limit, dtype)) * weight
+
+
+def sample_elements(x: jax.Array) -> tuple[jax.Array, float]:
+  """The elements statistics are estimated from, and how many each stands for.
+
+  A leaf of at most ``EXACT_COUNT_SIZE`` elements, or one that may span
+  devices (no reshape: no all-gather), is its own sample (weight 1); a
+  larger one is sampled at every ``SAMPLE_STRIDE``-th element.
+  """
   if x.size <= EXACT_COUNT_SIZE or may_span_devices(x):
-    return count(magnitude(x, dtype) > limit)  # no reshape: no all-gather
+    return x, 1.0
   flat = jnp.ravel(x)
   sample = flat[::SAMPLE_STRIDE]
-  return count(magnitude(sample, dtype) > limit) * (flat.size / sample.size)
+  return sample, flat.size / sample.size
 
 
 def largest_and_count_parts(
@@ -1509,8 +1519,19 @@ def scale_leaf(x: jax.Array, factor: Union[jax.Array, Scaled]) -> jax.Array:
   A :class:`Scaled` factor is applied exactly whatever its exponent: its
   value times the part of ``2**exponent`` that keeps it normal, then the
   rest as further exact powers of two (each 1 for an ordinary factor).
+
+  Per-unit factors (an array, one per unit) reach the leaf's kernel as
+  multipliers kept in memory (see :func:`_materialized`): otherwise XLA
+  fuses their arithmetic (about a hundred instructions: the factor from the
+  norms and limits, exponent bits, clamps) into every consumer of the
+  scaled leaf, where it runs once per element, not once per unit (3.6x
+  Adam's step on a transformer's kernels, against 1.9x with them in
+  memory). A scalar factor's arithmetic is hoisted out of the loop anyway.
   """
-  return _apply_multipliers(x, _multipliers(factor, x.dtype))
+  multipliers = _multipliers(factor, x.dtype)
+  if math.prod(jnp.shape(multipliers[0])) > 1:
+    multipliers = _materialized_rows(multipliers)
+  return _apply_multipliers(x, multipliers)
 
 
 def scale_all(
@@ -1562,6 +1583,16 @@ def _materialized(v: jax.Array) -> jax.Array:
   return jnp.sum(
     jnp.where(mask, jnp.stack([v, v]), jnp.zeros((), v.dtype)), axis=0
   )
+
+
+def _materialized_rows(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+  """Arrays of one shape, computed once into memory (:func:`_materialized`
+  on their stack) and handed back as they were.
+  """
+  rows = _materialized(jnp.stack(jnp.broadcast_arrays(*arrays)))
+  return [
+    jax.lax.index_in_dim(rows, k, keepdims=False) for k in range(len(arrays))
+  ]
 
 
 def _multipliers(factor: Union[jax.Array, Scaled], dtype) -> list[jax.Array]:
