@@ -1212,12 +1212,22 @@ def count_above(x: jax.Array, limit: Any) -> jax.Array:
   vectorises nor fuses: it cost ``clip_value`` 0.5x an Adam step.
   """
   dtype = accumulation_dtype(x.dtype)
-  limit = jnp.asarray(limit, dtype)
+  sample, weight = sample_elements(x)
+  return count(magnitude(sample, dtype) > jnp.asarray(limit, dtype)) * weight
+
+
+def sample_elements(x: jax.Array) -> tuple[jax.Array, float]:
+  """The elements statistics are estimated from, and how many each stands for.
+
+  A leaf of at most ``EXACT_COUNT_SIZE`` elements, or one that may span
+  devices (no reshape: no all-gather), is its own sample (weight 1); a
+  larger one is sampled at every ``SAMPLE_STRIDE``-th element.
+  """
   if x.size <= EXACT_COUNT_SIZE or may_span_devices(x):
-    return count(magnitude(x, dtype) > limit)  # no reshape: no all-gather
+    return x, 1.0
   flat = jnp.ravel(x)
   sample = flat[::SAMPLE_STRIDE]
-  return count(magnitude(sample, dtype) > limit) * (flat.size / sample.size)
+  return sample, flat.size / sample.size
 
 
 def largest_and_count_parts(

@@ -769,21 +769,29 @@ def test_per_example_sensitivity_bound(config, tree):
   _per_example_property(config, tree)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=AssertionError,
-  reason=(
-    "issue 10 items 1 and 5 (per-example), branch dp: an example whose "
-    "elements are finite but whose norm overflows float32 (elements of "
-    "1.7e38) is counted in nonfinite and zeroed instead of clipped"
-  ),
-)
-@_examples(6, xfailing=True)
+@_examples(6)
 @hypothesis.given(
   config=fz.per_example_configs(),
   tree=fz.per_example_trees(nonfinite=True),
 )
-# Issue 10 item 1's report: an example whose norm overflows float32.
+# An example whose norm overflows float32 (4.2e38): clipped, not zeroed.
+@hypothesis.example(
+  config=fz.Config(
+    "clip_per_example",
+    (("l2_clip", 1.0), ("reduce", "sum"), ("scope", "global")),
+  ),
+  tree={"a": np.array([[3e38, 3e38], [1.0, 0.0]], F32)},
+)
+# Found by this suite, fixed: finite elements of 1.7e38 whose example norm
+# overflows float32 were counted in nonfinite and zeroed instead of clipped.
+@hypothesis.example(
+  config=fz.Config(
+    "clip_per_example",
+    (("l2_clip", 1e30), ("reduce", "sum"), ("scope", "leaf")),
+  ),
+  tree={"a": np.array([[0.0] * 4, [1.7014117e38] * 4], F32)},
+)
+# Issue 10 item 1's report: an example whose leaf norm is 1e38.
 @hypothesis.example(
   config=fz.Config(
     "clip_per_example",
