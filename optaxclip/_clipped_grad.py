@@ -111,15 +111,39 @@ def _chunks(batch: int, most: int = 64) -> int:
 
 
 def _factors(norms, clips, normalize, gamma):
-  """Per group, the ``(B,)`` factors: ``min(1, C / n)`` or ``C / (n + g)``."""
+  """Per group, the ``(B,)`` factors: ``min(1, C / n)`` or ``C / (n + g)``,
+  as :class:`~optaxclip._norms.Scaled` numbers (exact for norms, plain or
+  Scaled, beyond the dtype's range).
+  """
   out = []
   for n, c in zip(norms, clips):
-    c = jnp.asarray(c, n.dtype)
-    if normalize:
-      out.append(c / (n + jnp.asarray(gamma, n.dtype)))
-    else:
-      out.append(_norms.clip_factor(n, c))
+    n = _norms.as_scaled(n)
+    if not normalize:
+      out.append(_norms.clip_scale(n, c))
+      continue
+    c = _norms.as_scaled(jnp.asarray(c, n.value.dtype))
+    # n + gamma: gamma is lost in a norm beyond the dtype's range.
+    plain = n.as_float()
+    ok = jnp.isfinite(plain)
+    plus = _norms.Scaled(
+      jnp.where(ok, plain + jnp.asarray(gamma, plain.dtype), n.value),
+      jnp.where(ok, 0, n.exponent),
+    )
+    out.append(_quotient(c, plus))
   return out
+
+
+def _quotient(a, b):
+  """``a / b`` of two :class:`~optaxclip._norms.Scaled` numbers, exact:
+  ``b`` is brought to a mantissa in [0.5, 1) by an exact power of two (no
+  reciprocal of a large number to flush), the exponents subtracted.
+  """
+  e = _norms.exponent(b.value)
+  e = jnp.where(e > jnp.finfo(b.value.dtype).maxexp, 0, e)  # inf, NaN
+  mantissa = _norms.ldexp(b.value, -e, pieces=2)
+  return _norms.Scaled(
+    a.value / jnp.where(mantissa > 0, mantissa, 1), a.exponent - b.exponent - e
+  )
 
 
 def clipped_grad(
@@ -304,7 +328,9 @@ def clipped_grad(
       group_norms, grads, aux = _vmap_path(
         args, real, clips, group_of_leaf, batch
       )
-      norms = jax.vmap(_norms.combine_norms)(group_norms)
+      norms = _per_example.reported_norm(
+        _per_example.stack_and_combine(group_norms)
+      )
     else:
       group_norms, grads_fn = _ghost_norms(
         loss_fn, args, batch_argnums, group_of_leaf, len(clips), split, batch
@@ -316,7 +342,7 @@ def clipped_grad(
       norms = jax.vmap(_norms.combine_norms)(group_norms)
       keep = real & jnp.isfinite(norms)
       factors = [
-        jnp.where(keep, f, 0)
+        jnp.where(keep, f.as_float(), 0)
         for f in _factors(group_norms, clips, normalize, gamma)
       ]
       grads, aux = grads_fn(factors, keep, all_finite)
@@ -352,21 +378,22 @@ def clipped_grad(
         _take(c_args, argnums, lambda x: x[i])
       )
       leaves = jax.tree.leaves(grads)
-      axes = [tuple(range(1, x.ndim)) for x in leaves]
-      leaf_norms = [
-        n.reshape(size) for n in _norms.unit_norms(leaves, 2.0, axes)
-      ]
+      leaf_norms, _ = _per_example.example_norms_scaled(leaves)
+      r = c_real[i]
       group_norms = []
       for g in range(n_groups):
         members = [n for n, k in zip(leaf_norms, group_of_leaf) if k == g]
-        group_norms.append(
-          jax.vmap(_norms.combine_norms)(members)
+        n = (
+          _per_example.stack_and_combine(members)
           if members
-          else jnp.zeros(size, jnp.float32)
+          else _norms.as_scaled(jnp.zeros(size, jnp.float32))
         )
-      r = c_real[i]
-      group_norms = [jnp.where(r, n, 0) for n in group_norms]
-      keep = r & jnp.isfinite(jax.vmap(_norms.combine_norms)(group_norms))
+        group_norms.append(
+          _norms.Scaled(jnp.where(r, n.value, 0), jnp.where(r, n.exponent, 0))
+        )
+      # Only an example holding an Inf or NaN is left out: a finite one
+      # whose norm exceeds the dtype's range is clipped.
+      keep = r & jnp.isfinite(_per_example.stack_and_combine(group_norms).value)
       factors = _factors(group_norms, clips, normalize, gamma)
       sums = _per_example.sum_clipped(
         leaves,
@@ -375,7 +402,11 @@ def clipped_grad(
         keep,
         factors=[factors[k] for k in group_of_leaf],
       )
-      return [a + s for a, s in zip(acc, sums)], jnp.stack(group_norms)
+      stacked = (
+        jnp.stack([n.value for n in group_norms]),
+        jnp.stack([n.exponent for n in group_norms]),
+      )
+      return [a + s for a, s in zip(acc, sums)], stacked
 
     leaves, treedef = jax.tree.flatten(params)
     init = [
@@ -388,7 +419,12 @@ def clipped_grad(
     grads = jax.tree.unflatten(
       treedef, [a.astype(x.dtype) for a, x in zip(acc, leaves)]
     )
-    group_norms = list(jnp.moveaxis(chunk_norms, 1, 0).reshape(n_groups, batch))
+    values, exponents = (
+      jnp.moveaxis(v, 1, 0).reshape(n_groups, batch) for v in chunk_norms
+    )
+    group_norms = [
+      _norms.Scaled(v, e) for v, e in zip(list(values), list(exponents))
+    ]
     aux = split(loss_fn(*args))[1] if has_aux else None
     return group_norms, grads, aux
 
@@ -520,7 +556,14 @@ def clipped_grad(
         zeros = jax.tree.map(jnp.zeros_like, params)
         return jax.lax.scan(body, zeros, jnp.arange(chunks))[0]
 
-      grads = jax.lax.cond(all_finite, shared, recompute, None)
+      # The shared backward runs outside the cond: inside a branch the
+      # forward's residuals are operands of the cond, which XLA keeps alive
+      # (and never overwrites) for the whole branch, e.g. the softmax, where
+      # a plain jax.grad writes the logits' cotangent in place of it. Only
+      # the rare recompute sits in a branch, after the residuals are dead.
+      grads = jax.lax.cond(
+        all_finite, lambda g: g, lambda g: recompute(None), shared(None)
+      )
       any_kept = jnp.any(keep)
       grads = jax.tree.map(lambda g: jnp.where(any_kept, g, 0), grads)
       return grads, aux

@@ -185,20 +185,6 @@ def _per_example(v: jax.Array, x: jax.Array) -> jax.Array:
   return v.reshape(v.shape + (1,) * (x.ndim - 1))
 
 
-def _scale_by_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
-  """``x * 2**-exponent`` (exponent per example, 0 to 128), exact.
-
-  Two factors of at least 2**-64: a single 2**-128 would be subnormal, and
-  CPUs flush it to zero.
-  """
-  dtype = _norms.promote_types(_norms.accumulation_dtype(x.dtype), x.dtype)
-  half = exponent // 2
-  real = _norms.accumulation_dtype(x.dtype)
-  a = jnp.ldexp(jnp.ones((), real), -half)
-  b = jnp.ldexp(jnp.ones((), real), half - exponent)
-  return x.astype(dtype) * _per_example(a, x) * _per_example(b, x)
-
-
 def noise_state_init(state_cls: type, l2_clip: Any, make_key: Callable):
   """The ``init`` of a state laid out as :class:`ClipPerExampleState` (norm,
   clipped_norm, clip_fraction, clip_norm, key, nonfinite, threshold,
@@ -227,22 +213,24 @@ def noise_state_init(state_cls: type, l2_clip: Any, make_key: Callable):
 
 def sum_clipped(
   leaves: Sequence[jax.Array],
-  norms: Sequence[jax.Array],
+  norms: Sequence[Any],
   limits: Sequence[Any],
   keep: jax.Array,
-  factors: Optional[Sequence[jax.Array]] = None,
+  factors: Optional[Sequence[Any]] = None,
 ) -> list[jax.Array]:
   """``sum_b keep_b * min(1, limit / norms[b]) * x[b]`` for each leaf.
 
   Args:
     leaves: per-example arrays, leading axis ``B``.
     norms: per leaf, the ``(B,)`` norms the limit applies to (the example's
-      global norm for a global clip, the leaf's own for a per-leaf one).
+      global norm for a global clip, the leaf's own for a per-leaf one):
+      plain arrays or :class:`~optaxclip._norms.Scaled` (exact beyond the
+      dtype's range).
     limits: per leaf, the clip limit (a scalar).
     keep: ``(B,)`` bool, False for examples to leave out (their elements
       never reach the sum, whatever they hold).
-    factors: per leaf, the ``(B,)`` factors to apply instead of
-      ``min(1, limit / norm)`` (e.g. automatic clipping's
+    factors: per leaf, the ``(B,)`` factors (plain or Scaled) to apply
+      instead of ``min(1, limit / norm)`` (e.g. automatic clipping's
       ``limit / (norm + gamma)``); each at most ``limit / norm``.
 
   Returns:
@@ -251,40 +239,76 @@ def sum_clipped(
   The ordinary step is one contraction per leaf with the clip factors as
   weights. When an example is left out (a NaN times a zero weight is NaN) or
   a factor is so small that it or its products would be flushed to zero (a
-  norm above about 2**60 times the limit: the example would enter the sum
-  as zeros, or unclipped where the norm itself flushed), one ``lax.cond``
-  takes a careful path: left-out examples are zeroed, and a huge example is
-  first scaled by an exact power of two (its norm's exponent), its weight
-  becoming ``limit / mantissa``.
+  norm above about 2**60 times the limit, or beyond the dtype's range), one
+  ``lax.cond`` takes a careful path: left-out examples are zeroed, and each
+  kept example is scaled by its factor exactly (exact powers of two, then
+  the mantissa: :func:`optaxclip._norms.scale_leaf`) before the sum.
   """
   if factors is None:
-    factors = [_norms.clip_factor(n, limit) for n, limit in zip(norms, limits)]
-  tiny = _any_of([f < _SMALL_FACTOR for f in factors])
+    factors = [_norms.clip_scale(n, limit) for n, limit in zip(norms, limits)]
+  factors = [_norms.as_scaled(f) for f in factors]
+  plain_factors = [f.as_float() for f in factors]
+  tiny = _any_of([keep & ~(f >= _SMALL_FACTOR) for f in plain_factors])
   ordinary = jnp.all(keep) & ~jnp.any(tiny)
 
   def plain(leaves_):
-    return [weighted_sum(x, f) for x, f in zip(leaves_, factors)]
+    return [weighted_sum(x, f) for x, f in zip(leaves_, plain_factors)]
 
   def careful(leaves_):
     out = []
-    for x, n, f, limit in zip(leaves_, norms, factors, limits):
-      small = keep & (f < _SMALL_FACTOR)
-      mantissa, exponent = jnp.frexp(jnp.where(small, n, 1))
-      del mantissa  # a clipped exponent leaves another one: use n itself
-      exponent = jnp.where(small, jnp.clip(exponent, 0, 128), 0)
-      # The example is scaled by 2**-exponent (exact), so its weight is the
-      # limit over the norm scaled alike: in [0.5, 1) for a huge norm, the
-      # norm itself for one below 1 (a tiny limit, not a huge norm).
-      scaled_norm = _scale_by_power_of_two(jnp.where(small, n, 1), exponent)
-      weight = jnp.where(
-        small, jnp.asarray(limit, n.dtype) / scaled_norm, jnp.where(keep, f, 0)
+    for x, f in zip(leaves_, factors):
+      wide = _norms.promote_types(_norms.accumulation_dtype(x.dtype), x.dtype)
+      f = _norms.Scaled(
+        _per_example(jnp.where(keep, f.value, 0), x),
+        _per_example(jnp.where(keep, f.exponent, 0), x),
       )
-      scaled = _scale_by_power_of_two(x, exponent)
+      scaled = _norms.scale_leaf(x.astype(wide), f)
       scaled = jnp.where(_per_example(keep, x), scaled, 0)
-      out.append(weighted_sum(scaled, weight))
+      out.append(jnp.sum(scaled, axis=0))
     return out
 
   return jax.lax.cond(ordinary, plain, careful, list(leaves))
+
+
+def reported_norm(norm: _norms.Scaled) -> jax.Array:
+  """A per-example norm as a plain number: a finite norm beyond the dtype's
+  range as its largest value (not inf, which means a non-finite example);
+  inf and NaN as they are.
+  """
+  plain = norm.as_float()
+  top = jnp.finfo(plain.dtype).max
+  return jnp.where(
+    jnp.isfinite(norm.value), jnp.minimum(plain, top), norm.value
+  )
+
+
+def example_norms_scaled(
+  leaves: Sequence[jax.Array],
+) -> tuple[list[_norms.Scaled], _norms.Scaled]:
+  """Per leaf and for the whole example, the ``(B,)`` L2 norms of the
+  examples of per-example ``leaves``, exact beyond the dtype's range.
+  """
+  batch = leaves[0].shape[0]
+  axes = [tuple(range(1, x.ndim)) for x in leaves]
+  leaf_norms = [
+    _norms.Scaled(n.value.reshape(batch), n.exponent.reshape(batch))
+    for n in _norms.unit_norms_scaled(leaves, 2.0, axes)
+  ]
+  return leaf_norms, stack_and_combine(leaf_norms)
+
+
+def stack_and_combine(norms: Sequence[_norms.Scaled]) -> _norms.Scaled:
+  """The ``(B,)`` L2 norms of the union of units whose ``(B,)`` norms are
+  ``norms`` (exact: :func:`optaxclip._norms.reduce_norms`).
+  """
+  return _norms.reduce_norms(
+    _norms.Scaled(
+      jnp.stack([n.value for n in norms]),
+      jnp.stack([n.exponent for n in norms]),
+    ),
+    2.0,
+    (0,),
+  )
 
 
 def _any_of(masks: Sequence[jax.Array]) -> jax.Array:
@@ -333,10 +357,12 @@ def clip_and_sum(
 
   ``scope="global"`` clips each example's whole gradient to ``clip``;
   ``scope="leaf"`` each of its ``K`` leaves to ``clip / sqrt(K)``. An
-  example whose norm is not finite (an Inf or NaN element, or a norm beyond
-  the dtype's range) is left out of the sum, zeroed, and counted: it can
-  leak none of its other coordinates, and one example still moves the sum by
-  at most ``clip``.
+  example holding an Inf or NaN element is left out of the sum, zeroed, and
+  counted: it can leak none of its other coordinates, and one example still
+  moves the sum by at most ``clip``. A finite example is clipped along its
+  direction even where its norm exceeds the dtype's range (norms are exact
+  :class:`~optaxclip._norms.Scaled` numbers); its reported norm is then the
+  dtype's largest value.
 
   Args:
     leaves: per-example arrays with a common leading batch axis ``B``.
@@ -348,20 +374,21 @@ def clip_and_sum(
     per-example global norms before clipping, and the :class:`ClipCounts`
     of this batch (not summed over devices).
   """
-  batch = leaves[0].shape[0]
-  axes = [tuple(range(1, x.ndim)) for x in leaves]
-  leaf_norms = [n.reshape(batch) for n in _norms.unit_norms(leaves, 2.0, axes)]
-  example_norms = jax.vmap(_norms.combine_norms)(leaf_norms)
-  finite = jnp.isfinite(example_norms)
+  scaled_leaf_norms, scaled_norms = example_norms_scaled(leaves)
+  # A finite example whose norm exceeds the dtype's range is clipped like
+  # any other: only an example holding an Inf or NaN is left out.
+  finite = jnp.isfinite(scaled_norms.value)
+  example_norms = reported_norm(scaled_norms)
   clip = jnp.asarray(clip, example_norms.dtype)
   if scope == "global":
     limits = [clip] * len(leaves)
-    norms = [example_norms] * len(leaves)
+    norms = [scaled_norms] * len(leaves)
     counts = counts_from_norms(example_norms, clip)
   else:
+    leaf_norms = [reported_norm(n) for n in scaled_leaf_norms]
     limit = clip / math.sqrt(len(leaves))
     limits = [limit] * len(leaves)
-    norms = leaf_norms
+    norms = scaled_leaf_norms
     was_clipped = _any_of([~(n <= limit) for n in leaf_norms])
     clipped_norms = jax.vmap(_norms.combine_norms)(
       [jnp.minimum(n, limit) for n in leaf_norms]
@@ -567,9 +594,11 @@ def clip_per_example(
   not summed: none of its other coordinates leaks into the result, and the
   number of such examples is the state's ``nonfinite`` (they count as
   clipped for ``clip_fraction`` and the clip norm's adaptation). A finite
-  example is clipped along its direction whatever its size (norms up to the
-  dtype's largest value; the factor is applied in two exact steps where it
-  would flush to zero).
+  example is clipped along its direction whatever its size, a norm beyond
+  the dtype's range included (norms and factors are computed exactly, as
+  power-of-two scaled numbers, and a factor that would flush to zero is
+  applied in exact steps); such a norm enters the statistics as the
+  dtype's largest value.
 
   **No privacy accounting is done here.** This clips and adds noise; what
   (epsilon, delta) that buys depends on the sampling of batches, the number

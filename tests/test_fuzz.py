@@ -769,21 +769,29 @@ def test_per_example_sensitivity_bound(config, tree):
   _per_example_property(config, tree)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=AssertionError,
-  reason=(
-    "issue 10 items 1 and 5 (per-example), branch dp: an example whose "
-    "elements are finite but whose norm overflows float32 (elements of "
-    "1.7e38) is counted in nonfinite and zeroed instead of clipped"
-  ),
-)
-@_examples(6, xfailing=True)
+@_examples(6)
 @hypothesis.given(
   config=fz.per_example_configs(),
   tree=fz.per_example_trees(nonfinite=True),
 )
-# Issue 10 item 1's report: an example whose norm overflows float32.
+# An example whose norm overflows float32 (4.2e38): clipped, not zeroed.
+@hypothesis.example(
+  config=fz.Config(
+    "clip_per_example",
+    (("l2_clip", 1.0), ("reduce", "sum"), ("scope", "global")),
+  ),
+  tree={"a": np.array([[3e38, 3e38], [1.0, 0.0]], F32)},
+)
+# Found by this suite, fixed: finite elements of 1.7e38 whose example norm
+# overflows float32 were counted in nonfinite and zeroed instead of clipped.
+@hypothesis.example(
+  config=fz.Config(
+    "clip_per_example",
+    (("l2_clip", 1e30), ("reduce", "sum"), ("scope", "leaf")),
+  ),
+  tree={"a": np.array([[0.0] * 4, [1.7014117e38] * 4], F32)},
+)
+# Issue 10 item 1's report: an example whose leaf norm is 1e38.
 @hypothesis.example(
   config=fz.Config(
     "clip_per_example",
@@ -1126,18 +1134,12 @@ def test_sharded_adaptive_and_guard_match_one_device(case):
         np.testing.assert_array_equal(a, b, err_msg=msg)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=AssertionError,
-  reason=(
-    "found by this suite (release profile): the float32 Hessian-vector "
-    "product of clip_norm(ord=3) on a clipped gradient of about 1e8 is 8% "
-    "off (3.335e7 against 3.634e7; in float64 jax agrees with the finite "
-    "differences); no fix yet"
-  ),
-)
 def test_second_derivative_of_a_clipped_3_norm_in_float32():
-  """A falsifying example of test_second_derivative_through_update."""
+  """A falsifying example of test_second_derivative_through_update, fixed:
+  the float32 Hessian-vector product of clip_norm(ord=3) on a clipped
+  gradient of about 1e8 was 8% off (3.335e7 against 3.634e7): JAX's rule for
+  ``s ** (1/p)`` flushed ``s ** (1/p - 2)`` to zero (_norms._root).
+  """
   config = fz.Config(
     "clip_norm", (("axis", None), ("max_norm", 1.0), ("ord", 3))
   )

@@ -1,0 +1,159 @@
+"""Properties for the failures at the edges of the range (issue 10) that the
+cross-cutting suite (test_fuzz.py) found: each pins a class of failure that
+was fixed, against a float64 NumPy oracle, within the ``ci`` profile's
+budget (small trees, few examples, programs compiled once per shape).
+"""
+
+import functools
+import math
+
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fuzz_strategies as fz
+import optaxclip
+
+F32 = np.float32
+
+# --------------------------------------------------------------------------
+# clipped_grad (method="vmap"): a finite example whose norm overflows float32
+# is clipped, not zeroed
+# --------------------------------------------------------------------------
+
+
+def _linear_loss(params, xs):
+  """Per-example losses whose gradient for example b is ``xs[b]`` itself."""
+  return sum(
+    jnp.sum(x * w, axis=tuple(range(1, x.ndim)))
+    for x, w in zip(jax.tree.leaves(xs), jax.tree.leaves(params))
+  )
+
+
+@functools.cache
+def _vmap_runner():
+  """The clipped sum and norms, compiled once per tree signature."""
+
+  def run(params, xs, clip):
+    fn = optaxclip.clipped_grad(_linear_loss, 1.0, method="vmap")
+    return fn(params, xs, l2_clip=clip)
+
+  return fz.FastJit(run)
+
+
+@hypothesis.settings(max_examples=6)
+@hypothesis.given(
+  tree=fz.per_example_trees(nonfinite=True),
+  l2=st.sampled_from((1e-30, 1.0, 1e30)),
+)
+# Elements of 3e38: the example's norm (4.2e38) overflows float32; it used
+# to be left out (norm inf) and its clipped gradient lost.
+@hypothesis.example(
+  tree={"a": np.array([[3e38, 3e38], [1.0, 0.0]], F32)}, l2=1.0
+)
+def test_clipped_grad_vmap_clips_examples_beyond_the_range(tree, l2):
+  """clipped_grad(method="vmap") sums the same clipped examples as the
+  oracle (examples holding an Inf / NaN left out, finite ones clipped
+  whatever their norm), and reports a finite norm for every finite example.
+  """
+  leaves = fz.leaves(tree)
+  batch = np.shape(leaves[0])[0]
+  params = [np.zeros(np.shape(x)[1:], F32) for x in leaves]
+  xs = [np.asarray(x) for x in leaves]
+  grads, norms = _vmap_runner()(params, xs, F32(l2))
+  want, _, nonfinite = fz.oracle_per_example(xs, float(F32(l2)), "global")
+  finite = [all(np.all(np.isfinite(x[b])) for x in xs) for b in range(batch)]
+  assert sum(not f for f in finite) == nonfinite
+  norms = np.asarray(norms)
+  # A finite example has a finite reported norm (clamped to float32's
+  # largest value beyond it); a non-finite one is inf or NaN.
+  assert np.array_equal(np.isfinite(norms), np.array(finite)), norms
+  for got, w in zip(grads, want):
+    got = np.asarray(got, np.float64)
+    atol = max(
+      8 * batch * fz.round_tol(F32) * np.max(np.abs(w), initial=0.0),
+      batch * l2 * 1e-6,
+      fz.flush_atol(F32),
+    )
+    assert np.all(np.abs(got - w) <= 2e-5 * np.abs(w) + atol), (got, w)
+  # Each example contributes at most l2 (the sensitivity bound).
+  assert float(fz.measure_tree([np.asarray(g) for g in grads])) <= (
+    sum(finite) * l2 * (1 + 1e-5) + fz.flush_atol(F32)
+  )
+
+
+# --------------------------------------------------------------------------
+# Hessian-vector products through a clipped p-norm in float32
+# --------------------------------------------------------------------------
+
+_HVP_LAYOUT = ((4, 3), (3,))
+
+
+@functools.cache
+def _hvp_runner(ord_):
+  """``(g, w, v, limit) -> d^2/dt^2 sum(w * clip_norm(g + t v))`` at 0, by
+  ``jax.jvp`` of ``jax.grad`` (a Hessian-vector product) in float32.
+  """
+
+  def f(g, w, limit):
+    tx = optaxclip.clip_norm(limit, ord=ord_)
+    out, _ = tx.update(g, tx.init(g))
+    return sum(jnp.vdot(a, b) for a, b in zip(w, out))
+
+  def hvp(g, w, v, limit):
+    d = jax.jvp(lambda g_: jax.grad(f)(g_, w, limit), (g,), (v,))[1]
+    return sum(jnp.vdot(a, b) for a, b in zip(d, v))
+
+  return fz.FastJit(hvp)
+
+
+def _clip_norm_f64(leaves, limit, ord_):
+  out = []
+  for x in leaves:
+    n = np.sum(np.abs(x) ** ord_) ** (1 / ord_)
+    out.append(x * (min(1.0, limit / n) if n > 0 else 1.0))
+  return out
+
+
+@hypothesis.settings(max_examples=4)
+@hypothesis.given(
+  scale=st.sampled_from((1e-30, 1e-15, 1e-8, 1e8, 1e11)),
+  ord_=st.sampled_from((1.5, 3.0)),
+  ratio=st.sampled_from((0.3, 3.0)),
+  seed=st.integers(0, 2**16),
+)
+# The float32 HVP of clip_norm(ord=3) on a clipped gradient of about 1e8 was
+# 8% off (JAX's rule for s**(1/p) flushed s**(1/p - 2) to zero), and NaN at
+# 1e-8 (it overflowed).
+@hypothesis.example(scale=1e8, ord_=3.0, ratio=0.3, seed=0)
+@hypothesis.example(scale=1e-8, ord_=3.0, ratio=0.3, seed=0)
+# On the exact recompute (the power sum below float32's range), unclipped.
+@hypothesis.example(scale=1e-30, ord_=1.5, ratio=3.0, seed=0)
+def test_hvp_of_a_clipped_p_norm_in_float32(scale, ord_, ratio, seed):
+  """Hessian-vector products through clip_norm(ord=p) in float32 equal
+  second finite differences of a float64 NumPy formula, at magnitudes where
+  the power sum ``sum |x|**p`` is far from 1 (1e-90 to 1e44: the direct
+  sum and the exact recompute).
+  """
+  rng = np.random.default_rng(seed)
+  draw = lambda s: [(s * rng.normal(size=n)).astype(F32) for n in _HVP_LAYOUT]
+  g, w, v = draw(scale), draw(1.0), draw(scale)
+  norms = [
+    np.sum(np.abs(x.astype(np.float64)) ** ord_) ** (1 / ord_) for x in g
+  ]
+  limit = F32(ratio * max(norms))
+  got = float(_hvp_runner(ord_)(g, w, v, limit))
+  h = 1e-4
+
+  def value(t):
+    moved = [x.astype(np.float64) + t * d for x, d in zip(g, v)]
+    out = _clip_norm_f64(moved, float(limit), ord_)
+    return sum(np.longdouble(np.vdot(a, b)) for a, b in zip(w, out))
+
+  want = float((value(h) - 2 * value(0.0) + value(-h)) / (h * h))
+  size = float(fz.measure_tree(w)) * float(fz.measure_tree(v)) ** 2
+  size /= float(fz.measure_tree(g))
+  assert math.isfinite(got), got
+  assert abs(got - want) <= 1e-3 * abs(want) + 1e-3 * size, (got, want)
