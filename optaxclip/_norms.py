@@ -690,17 +690,6 @@ class UnitLayout:
         out.append(self.axes[what])
     return out
 
-  def _matrix(self, x, i, dtype):
-    ax = self.axes[i]
-    kept = [d for d in range(x.ndim) if d not in ax]
-    unit = math.prod(x.shape[d] for d in ax)
-    x = (
-      jnp.transpose(x, kept + list(ax))
-      if kept and ax != tuple(range(len(kept), x.ndim))
-      else x
-    )
-    return x.astype(dtype).reshape(-1, unit)
-
   def pack(self, leaves) -> list[jax.Array]:
     """The leaves (or arrays of their shapes, e.g. the params) as parts.
 
@@ -715,8 +704,17 @@ class UnitLayout:
       if kind == "stack":
         out.append(jnp.stack([leaves[i].astype(dtype) for i, _, _ in what]))
         continue
-      mats = [self._matrix(leaves[i], i, dtype) for i, _, _ in what]
-      out.append(jnp.concatenate(mats) if len(mats) > 1 else mats[0])
+      # Units are trailing (or whole leaves): the rows are the leaves'
+      # raveled elements, concatenated as one vector and reshaped once (a
+      # reshape per leaf is an instruction per leaf for XLA to process).
+      unit = math.prod(
+        self.shapes[what[0][0]][d] for d in self.axes[what[0][0]]
+      )
+      flat = [
+        jax.lax.convert_element_type(jnp.ravel(leaves[i]), dtype)
+        for i, _, _ in what
+      ]
+      out.append(_flat_concat(flat).reshape(-1, unit))
     return out
 
   def pack_units(self, values) -> list[jax.Array]:
