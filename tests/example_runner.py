@@ -23,13 +23,11 @@ def run_script(path, *args, cwd, timeout=600):
   fails the test (with its output) when it exits non-zero.
   """
   env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-    filter(None, (str(ROOT), env.get("PYTHONPATH")))
-  )
+  paths = (str(ROOT), env.get("PYTHONPATH"))
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
   env["JAX_PLATFORMS"] = "cpu"
-  env["XLA_FLAGS"] = " ".join(
-    filter(None, (env.get("XLA_FLAGS", ""), fast_compile.xla_flags()))
-  )
+  flags = (env.get("XLA_FLAGS"), fast_compile.xla_flags())
+  env["XLA_FLAGS"] = " ".join(filter(None, flags))
   result = subprocess.run(
     [sys.executable, str(ROOT / path), *args],
     cwd=cwd,
