@@ -115,7 +115,7 @@ def train(args):
     params, opt_state, loss = step(params, opt_state, xs[t], ys[t])
     clip_state = jax.device_get(opt_state[0])
     states.append(clip_state)
-    leaf_norms = clip_state.leaf_norms
+    leaf_norms = clip_state.leaf_norms.tree()
     norms.append(np.append(leaf_norms["blocks"]["w"], leaf_norms["head"]["w"]))
     clipped.append(float(clip_state.clip_fraction) > 0)
     losses.append(float(loss))
@@ -190,7 +190,7 @@ def write_tensorboard(summary_writer, logdir, states, losses):
       for key, value in optaxclip.stats(state).items():
         writer.add_scalar(key, float(value), t)
       writer.add_scalar("loss", loss, t)
-      layers = np.asarray(state.leaf_norms["blocks"]["w"])
+      layers = np.asarray(state.leaf_norms.tree()["blocks"]["w"])
       writer.add_histogram("clip_global/leaf_norm/blocks/w", layers, t)
 
 

@@ -52,6 +52,7 @@ from optaxclip._static import default_unit_axes
 from optaxclip._stats import leaf_norm_table
 from optaxclip._stats import stats
 from optaxclip._stats import upgrade_state
+from optaxclip._telemetry import LeafNorms
 from optaxclip._wrappers import clipped
 
 __version__ = "0.1.0"
@@ -70,6 +71,7 @@ __all__ = (
   "ClipZscoreState",
   "DpNoiseState",
   "GuardState",
+  "LeafNorms",
   "LossMoments",
   "ScaleByNormEmaState",
   "Sensitivity",

@@ -83,7 +83,8 @@ class ClipZscoreState(NamedTuple):
       of ``z_thresh`` or ``max_norm`` is evaluated.
     leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
       ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
-      a pytree shaped like the updates; else ``None``.
+      a :class:`LeafNorms` (one vector; ``.tree()`` is a pytree shaped
+      like the updates); else ``None``.
     top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
       carried by the largest leaf or layer (float32); else ``None``.
     top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
@@ -100,7 +101,7 @@ class ClipZscoreState(NamedTuple):
   consecutive_spikes: jax.Array  # int32: as mean
   restarts: jax.Array  # int32 scalar
   step: jax.Array  # int32 scalar
-  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  leaf_norms: Any = None  # LeafNorms: float32 (entries,), static structure
   top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
   top_leaf: Optional[jax.Array] = None  # int32 scalar
 
@@ -127,7 +128,8 @@ class ClipPercentileState(NamedTuple):
       schedule of ``percentile`` is evaluated.
     leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
       ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
-      a pytree shaped like the updates; else ``None``.
+      a :class:`LeafNorms` (one vector; ``.tree()`` is a pytree shaped
+      like the updates); else ``None``.
     top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
       carried by the largest leaf or layer (float32); else ``None``.
     top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
@@ -143,7 +145,7 @@ class ClipPercentileState(NamedTuple):
   history: jax.Array  # float, (history,) or (history, n_leaves)
   ordered: jax.Array  # float: as history
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
-  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  leaf_norms: Any = None  # LeafNorms: float32 (entries,), static structure
   top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
   top_leaf: Optional[jax.Array] = None  # int32 scalar
 
@@ -169,7 +171,8 @@ class ClipRelativeState(NamedTuple):
       of ``factor`` or ``warmup_max_norm`` is evaluated.
     leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
       ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
-      a pytree shaped like the updates; else ``None``.
+      a :class:`LeafNorms` (one vector; ``.tree()`` is a pytree shaped
+      like the updates); else ``None``.
     top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
       carried by the largest leaf or layer (float32); else ``None``.
     top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
@@ -185,7 +188,7 @@ class ClipRelativeState(NamedTuple):
   consecutive_clips: jax.Array  # int32, (n_leaves,)
   restarts: jax.Array  # int32 scalar
   step: jax.Array  # int32 scalar
-  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  leaf_norms: Any = None  # LeafNorms: float32 (entries,), static structure
   top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
   top_leaf: Optional[jax.Array] = None  # int32 scalar
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from optaxclip import _stats
+from optaxclip import _telemetry
 
 
 def _num(x: float) -> str:
@@ -74,6 +75,8 @@ def top_leaf(state: Any) -> Optional[tuple[str, Optional[int], float]]:
   norms = getattr(state, "leaf_norms", None)
   if share is None or index is None or norms is None:
     return None
+  if isinstance(norms, _telemetry.LeafNorms):
+    norms = norms.tree()
   flat = jax.tree_util.tree_flatten_with_path(norms)[0]
   index = int(index)
   for path, leaf in flat:

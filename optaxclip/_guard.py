@@ -127,7 +127,8 @@ class GuardState(NamedTuple):
       with ``scope="global"``).
     leaf_norms: with ``leaf_stats=True``, each leaf's L2 norm this step (a
       ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
-      a pytree shaped like the updates; else ``None``.
+      a :class:`LeafNorms` (one vector; ``.tree()`` is a pytree shaped
+      like the updates); else ``None``.
     top_leaf_share: with ``leaf_stats=True``, the share of the squared
       global norm carried by the largest leaf or layer; else ``None``.
     top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
@@ -156,7 +157,7 @@ class GuardState(NamedTuple):
   loss_moments: Optional[LossMoments]
   window: Optional[Window]
   skipped_leaves: Optional[jax.Array]  # int32 scalar
-  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  leaf_norms: Any = None  # LeafNorms: float32 (entries,), static structure
   top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
   top_leaf: Optional[jax.Array] = None  # int32 scalar
 

@@ -69,7 +69,8 @@ class ClipNormState(NamedTuple):
       schedule is evaluated.
     leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip ``ord``-norm
       (a ``(L,)`` vector per layer for a leaf with a ``layer_axis``), a
-      pytree shaped like the updates; else ``None``.
+      :class:`LeafNorms` (one vector; ``.tree()`` is a pytree shaped like
+      the updates); else ``None``.
     top_leaf_share: with ``leaf_stats=True``, the share of ``norm**ord``
       carried by the largest leaf or layer; else ``None``.
     top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
@@ -81,7 +82,7 @@ class ClipNormState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   threshold: jax.Array  # float32 scalar
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
-  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  leaf_norms: Any = None  # LeafNorms: float32 (entries,), static structure
   top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
   top_leaf: Optional[jax.Array] = None  # int32 scalar
 
@@ -100,7 +101,8 @@ class ClipGlobalState(NamedTuple):
       schedule is evaluated.
     leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip ``ord``-norm
       (a ``(L,)`` vector per layer for a leaf with a ``layer_axis``), a
-      pytree shaped like the updates; else ``None``.
+      :class:`LeafNorms` (one vector; ``.tree()`` is a pytree shaped like
+      the updates); else ``None``.
     top_leaf_share: with ``leaf_stats=True``, the share of ``norm**ord``
       carried by the largest leaf or layer; else ``None``.
     top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
@@ -112,7 +114,7 @@ class ClipGlobalState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   threshold: jax.Array  # float32 scalar
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
-  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  leaf_norms: Any = None  # LeafNorms: float32 (entries,), static structure
   top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
   top_leaf: Optional[jax.Array] = None  # int32 scalar
 
@@ -131,7 +133,8 @@ class ClipBlockRMSState(NamedTuple):
       schedule is evaluated.
     leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm
       (not its RMS; a ``(L,)`` vector per layer for a leaf with a
-      ``layer_axis``), a pytree shaped like the updates; else ``None``.
+      ``layer_axis``), a :class:`LeafNorms` (one vector; ``.tree()`` is a
+      pytree shaped like the updates); else ``None``.
     top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
       carried by the largest leaf or layer; else ``None``.
     top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
@@ -143,7 +146,7 @@ class ClipBlockRMSState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   threshold: jax.Array  # float32 scalar
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
-  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  leaf_norms: Any = None  # LeafNorms: float32 (entries,), static structure
   top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
   top_leaf: Optional[jax.Array] = None  # int32 scalar
 
@@ -162,7 +165,8 @@ class ClipUnitwiseState(NamedTuple):
       schedule is evaluated.
     leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm
       (a ``(L,)`` vector per layer for a leaf with a ``layer_axis``), a
-      pytree shaped like the updates; else ``None``.
+      :class:`LeafNorms` (one vector; ``.tree()`` is a pytree shaped like
+      the updates); else ``None``.
     top_leaf_share: with ``leaf_stats=True``, the share of ``norm**2``
       carried by the largest leaf or layer; else ``None``.
     top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
@@ -174,7 +178,7 @@ class ClipUnitwiseState(NamedTuple):
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
   threshold: jax.Array  # float32 scalar
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
-  leaf_norms: Any = None  # pytree of float32 scalars / (L,) vectors
+  leaf_norms: Any = None  # LeafNorms: float32 (entries,), static structure
   top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
   top_leaf: Optional[jax.Array] = None  # int32 scalar
 

@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optaxclip import _telemetry
+
 # The fields every clipper state starts with.
 CLIP_FIELDS = ("norm", "clipped_norm", "clip_fraction")
 
@@ -166,6 +168,12 @@ def _leaf_norm_items(key: str, state: Any) -> list[tuple[str, jax.Array]]:
   tree = getattr(state, "leaf_norms", None)
   if tree is None:
     return []
+  if isinstance(tree, _telemetry.LeafNorms):
+    values = _unwrap(tree.values)
+    return [
+      (f"{key}/leaf_norm/{name}" if name else f"{key}/leaf_norm", values[i])
+      for i, name in enumerate(tree.names())
+    ]
   items = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     name = jax.tree_util.keystr(tuple(path), simple=True, separator="/")

@@ -1,13 +1,14 @@
 """Per-leaf and per-layer gradient norms (``leaf_stats=``, ``layer_axis=``).
 
 Every norm-based clipper can keep, next to its statistics, the pre-clip norm
-of each leaf of the update (``leaf_norms``, a pytree shaped like the
-updates), the share of the norm that the largest leaf carried
-(``top_leaf_share``) and that leaf's index (``top_leaf``). They come from
-the partial sums the clipper already computes: the reduction that gives the
-clipper its norm is run per leaf (small leaves stacked by size, see
-``_norms.UnitLayout``) and the global or per-unit norms are put together
-from those per-leaf sums, so no further pass over the gradients is made.
+of each leaf of the update (``leaf_norms``: one vector, with the updates'
+structure; ``.tree()`` is a pytree shaped like the updates), the share of
+the norm that the largest leaf carried (``top_leaf_share``) and that leaf's
+index (``top_leaf``). They come from the partial sums the clipper already
+computes: the reduction that gives the clipper its norm is run per leaf
+(small leaves stacked by size, see ``_norms.UnitLayout``) and the global or
+per-unit norms are put together from those per-leaf sums, so no further
+pass over the gradients is made.
 
 A stacked leaf (``nn.scan``, ``nnx.scan``, a ``(layers, ...)`` array) hides
 which layer exploded behind one norm. ``layer_axis`` names its stacking axis:
@@ -16,9 +17,12 @@ same way, per layer instead of per leaf.
 
 Conventions (the state fields, in this order, after the clipper's own):
 
-* ``leaf_norms``: float32, one scalar (or ``(L,)`` vector) per leaf; a norm
-  beyond float32's range reads ``+inf`` (the clip itself stays exact: it
-  uses the norm as ``value * 2**exponent``); NaN for a leaf holding a NaN.
+* ``leaf_norms``: a :class:`LeafNorms`, float32, one entry per leaf (or
+  ``L`` for a leaf with a layer axis), kept as one vector with the updates'
+  structure as static data (``.tree()`` gives a pytree shaped like the
+  updates); a norm beyond float32's range reads ``+inf`` (the clip itself
+  stays exact: it uses the norm as ``value * 2**exponent``); NaN for a leaf
+  holding a NaN.
 * ``top_leaf_share``: float32 in [0, 1], the largest leaf's (or layer's)
   share of the ``ord``-th power of the norm the clipper reports
   (``norm**2`` for L2: its share of the squared norm); 1 for ``ord=inf``;
@@ -49,6 +53,70 @@ from optaxclip import _sharding
 LayerAxis = Union[None, int, Any, Callable[[Any, Any], Optional[int]]]
 
 FIELDS = ("leaf_norms", "top_leaf_share", "top_leaf")
+
+
+@jax.tree_util.register_pytree_node_class
+class LeafNorms:
+  """Each leaf's (or layer's) pre-clip norm: one float32 vector, the entries
+  in the order of the updates' leaves (a leaf with a layer axis has one per
+  layer, in place), with the updates' structure kept as static data.
+
+  One array, not a pytree of a thousand scalars: every output of a compiled
+  step costs compile time (copy insertion, layout assignment), and a state
+  with one output per leaf made compiling a step on 1000 leaves 1.3x slower
+  (benchmarks/RESULTS.md). The structure travels as the pytree node's
+  static data, so the paths are known without storing strings.
+
+  Attributes:
+    values: float32 ``(entries,)``, the norms (the node's only child).
+    treedef: the structure of the updates (static).
+    layers: per leaf, None for one norm, or its number of layers (static).
+  """
+
+  def __init__(self, values: Any, treedef: Any, layers: tuple[Any, ...]):
+    self.values = values
+    self.treedef = treedef
+    self.layers = tuple(layers)
+
+  def tree_flatten(self):
+    return (self.values,), (self.treedef, self.layers)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
+
+  def tree(self) -> Any:
+    """The norms as a pytree shaped like the updates: a scalar per leaf,
+    an ``(L,)`` vector per leaf with a layer axis.
+    """
+    out, at = [], 0
+    for layers in self.layers:
+      if layers is None:
+        out.append(self.values[at])
+        at += 1
+      else:
+        out.append(self.values[at : at + layers])
+        at += layers
+    return jax.tree.unflatten(self.treedef, out)
+
+  def names(self) -> list[str]:
+    """``<path>`` (or ``<path>/<layer>``) of every entry, in order:
+    ``jax.tree_util.keystr(path, simple=True, separator="/")``.
+    """
+    skeleton = jax.tree.unflatten(self.treedef, list(self.layers))
+    names = []
+    for path, layers in jax.tree_util.tree_flatten_with_path(
+      skeleton, is_leaf=lambda x: x is None
+    )[0]:
+      name = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+      if layers is None:
+        names.append(name)
+      else:
+        names.extend(f"{name}/{k}" for k in range(layers))
+    return names
+
+  def __repr__(self) -> str:
+    return f"LeafNorms({self.values!r}, layers={self.layers!r})"
 
 
 class LeafStats(NamedTuple):
@@ -149,12 +217,13 @@ def init(params: Any, on: bool, layers: Sequence[Optional[int]]) -> LeafStats:
   if not on:
     return LeafStats()
   leaves, treedef = jax.tree.flatten(params)
-  norms = [
-    jnp.zeros(() if layer is None else (np.shape(x)[layer],), jnp.float32)
+  counts = tuple(
+    None if layer is None else int(np.shape(x)[layer])
     for x, layer in zip(leaves, layers)
-  ]
+  )
+  entries = sum(1 if n is None else n for n in counts)
   return LeafStats(
-    jax.tree.unflatten(treedef, norms),
+    LeafNorms(jnp.zeros((entries,), jnp.float32), treedef, counts),
     jnp.zeros((), jnp.float32),
     jnp.zeros((), jnp.int32),
   )
@@ -302,45 +371,38 @@ def finish(
   total: _norms.Scaled,
   ord: float,  # pylint: disable=redefined-builtin
 ) -> LeafStats:
-  """The telemetry fields from the flat per-leaf vector (see leaf_vector):
-  ``leaf_norms`` in the structure of the state's (``state_norms``).
+  """The telemetry fields from the flat per-leaf vector (see leaf_vector),
+  ``leaf_norms`` with the structure of the state's (``state_norms``, a
+  :class:`LeafNorms`).
   """
   vector = jax.lax.stop_gradient(vector)
   total = jax.lax.stop_gradient(total)
-  floats = vector.as_float().astype(jnp.float32)
-  treedef = jax.tree.structure(state_norms)
-  template = jax.tree.leaves(state_norms)
-  if len(template) != len(sizes):
-    raise ValueError(
-      f"leaf_stats: the state was built for {len(template)} leaves but the "
-      f"updates have {len(sizes)}; call init with parameters of the same "
-      "structure as the updates."
+  if not isinstance(state_norms, LeafNorms):
+    raise TypeError(
+      "leaf_stats: the state's leaf_norms must be a LeafNorms (from the "
+      f"clipper's init); got {type(state_norms).__name__}."
     )
-  # Scalars by take_each, not floats[i]: a static slice per leaf compiles
-  # to a kernel of its own per leaf (seconds for a thousand leaves).
-  starts = np.cumsum([0, *sizes])[:-1]
-  scalar = [i for i, t in enumerate(template) if np.ndim(t) == 0]
-  picked = (
-    _norms.take_each(floats[np.asarray(starts[scalar], np.int32)])
-    if (scalar and len(scalar) < floats.shape[0])
-    else _norms.take_each(floats)
-    if scalar
-    else []
-  )
-  out: list[Any] = [None] * len(template)
-  for i, value in zip(scalar, picked):
-    out[i] = value
-  for i, (t, n) in enumerate(zip(template, sizes)):
-    if np.ndim(t) != 0:
-      out[i] = floats[starts[i] : starts[i] + n].reshape(np.shape(t))
+  counts = [1 if n is None else n for n in state_norms.layers]
+  if counts != list(sizes):
+    raise ValueError(
+      f"leaf_stats: the state was built for {len(counts)} leaves but the "
+      f"updates have {len(sizes)} (or other layer counts); call init with "
+      "parameters of the same structure as the updates."
+    )
+  floats = vector.as_float().astype(jnp.float32)
   share, index = share_of_top(vector, total, ord)
-  return LeafStats(jax.tree.unflatten(treedef, out), share, index)
+  return LeafStats(
+    LeafNorms(floats, state_norms.treedef, state_norms.layers), share, index
+  )
 
 
 def leaf_norm_names(tree: Any) -> list[str]:
-  """``<path>`` (or ``<path>/<layer>``) of every entry of ``leaf_norms``,
-  in flat order: ``jax.tree_util.keystr(path, simple=True, separator="/")``.
+  """``<path>`` (or ``<path>/<layer>``) of every entry of ``leaf_norms``
+  (a :class:`LeafNorms`, or a pytree of scalars and vectors), in flat
+  order: ``jax.tree_util.keystr(path, simple=True, separator="/")``.
   """
+  if isinstance(tree, LeafNorms):
+    return tree.names()
   names = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     name = jax.tree_util.keystr(tuple(path), simple=True, separator="/")

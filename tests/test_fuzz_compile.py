@@ -127,4 +127,7 @@ def test_kernels_do_not_grow_with_leaves_of_one_shape():
   def step(g):
     return tx.update(g, tx.init(g))
 
-  assert _kernels(step, tree(12)) == _kernels(step, tree(36))
+  # At most as many: XLA may fuse the per-part kernels of the bigger parts
+  # differently (29 kernels for 12 leaves, 28 for 36 after the rows of
+  # small leaves came from one concatenation).
+  assert _kernels(step, tree(36)) <= _kernels(step, tree(12))

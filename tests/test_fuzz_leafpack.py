@@ -94,7 +94,7 @@ def test_leaf_stats_norms_and_clip_equal_the_unpacked_path(leaves):
   _assert_norms_equal(state.norm, ref_state.norm, "global norm")
   alone = dict(zip(tree, _one_at_a_time(list(tree.values()))))
   for k in tree:
-    _assert_norms_equal(state.leaf_norms[k], alone[k], k)
+    _assert_norms_equal(state.leaf_norms.tree()[k], alone[k], k)
     got = np.asarray(out[k].astype(jnp.float32))
     want = np.asarray(ref_out[k].astype(jnp.float32))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=k)

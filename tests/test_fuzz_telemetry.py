@@ -39,7 +39,7 @@ def test_leaf_norms_agree_with_numpy_and_add_up(tree, name):
   leaves = [tree[k] for k in sorted(tree)]
   expected = np_refs.leaf_norms(leaves, 2.0, LAYER_AXES)
   got = np.concatenate(
-    [np.ravel(np.asarray(state.leaf_norms[k])) for k in sorted(tree)]
+    [np.ravel(np.asarray(state.leaf_norms.tree()[k])) for k in sorted(tree)]
   ).astype(np.float64)
   # float32 results: inf beyond its range; values below its smallest normal
   # may be flushed to 0 by XLA:CPU.

@@ -91,7 +91,7 @@ def _expected(tree, ord, layers=None):
 
 def _flat_norms(state):
   return np.concatenate(
-    [np.ravel(np.asarray(x)) for x in jax.tree.leaves(state.leaf_norms)]
+    [np.ravel(np.asarray(x)) for x in jax.tree.leaves(state.leaf_norms.tree())]
   )
 
 
@@ -120,8 +120,8 @@ class LeafNormsTest(chex.TestCase, parameterized.TestCase):
     np.testing.assert_allclose(state.norm, want_state.norm, rtol=TOL)
     _check_against_numpy(self, state, g, 2.0, layers)
     if layers:
-      self.assertEqual(state.leaf_norms["blocks"]["kernel"].shape, (4,))
-      self.assertEqual(state.leaf_norms["head"].shape, ())
+      self.assertEqual(state.leaf_norms.tree()["blocks"]["kernel"].shape, (4,))
+      self.assertEqual(state.leaf_norms.tree()["head"].shape, ())
 
   def test_every_clipper_matches_numpy_and_clips_as_without(self):
     g, p = _tree(), _params()
@@ -257,7 +257,7 @@ class LayerAxisTest(parameterized.TestCase):
     for s in states[1:]:
       chex.assert_trees_all_equal(s.leaf_norms, states[0].leaf_norms)
     np.testing.assert_allclose(
-      states[0].leaf_norms["b"],
+      states[0].leaf_norms.tree()["b"],
       np.linalg.norm(np.arange(6.0).reshape(3, 2), axis=1),
       rtol=1e-6,
     )
@@ -299,8 +299,10 @@ class NumericsTest(absltest.TestCase):
     g = {"big": jnp.full((4,), 3e38, jnp.float32), "small": jnp.ones(3)}
     tx = optaxclip.clip_global(1.0, leaf_stats=True)
     out, state = tx.update(g, tx.init(g))
-    self.assertEqual(float(state.leaf_norms["big"]), np.inf)
-    np.testing.assert_allclose(state.leaf_norms["small"], np.sqrt(3), rtol=1e-6)
+    self.assertEqual(float(state.leaf_norms.tree()["big"]), np.inf)
+    np.testing.assert_allclose(
+      state.leaf_norms.tree()["small"], np.sqrt(3), rtol=1e-6
+    )
     np.testing.assert_allclose(out["big"], 0.5, rtol=1e-6)
     self.assertEqual(int(state.top_leaf), 0)
     np.testing.assert_allclose(state.top_leaf_share, 1.0, rtol=1e-6)
@@ -311,7 +313,7 @@ class NumericsTest(absltest.TestCase):
     _, state = tx.update(g, tx.init(g))
     self.assertEqual(int(state.top_leaf), 1)
     self.assertTrue(np.isnan(state.top_leaf_share))
-    self.assertTrue(np.isnan(state.leaf_norms["b"]))
+    self.assertTrue(np.isnan(state.leaf_norms.tree()["b"]))
 
   def test_zero_update(self):
     g = {"a": jnp.zeros(2), "b": jnp.zeros((2, 2))}
@@ -335,7 +337,7 @@ def test_old_checkpoint_upgrades_into_a_leaf_stats_state():
   state = optaxclip.upgrade_state(saved, template)
   assert isinstance(state, optaxclip.ClipGlobalState)
   assert float(state.norm) == 2.0
-  assert state.leaf_norms["w"].shape == (2,)
+  assert state.leaf_norms.tree()["w"].shape == (2,)
   assert state.top_leaf.dtype == jnp.int32
 
 
