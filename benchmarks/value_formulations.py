@@ -90,6 +90,9 @@ VARIANTS = {
   "per-element policy, max and count of every 257th": harness.chained(
     lambda: element_clip("sampled")
   ),
+  'optaxclip.clip_value(stats="sampled")': harness.chained(
+    lambda: optaxclip.clip_value(MAX_DELTA, stats="sampled")
+  ),
   "optax.clip": harness.chained(lambda: optax.clip(MAX_DELTA)),
 }
 

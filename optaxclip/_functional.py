@@ -143,15 +143,15 @@ def clip_leaf_to_range(
   needs ``low == -high``) and keeps its phase.
 
   ``poison`` is 0, or NaN to make the whole leaf NaN (the non-finite
-  policy); computed from the leaf, it also makes the clip wait for the
-  leaf's own statistics, so that XLA computes them while it is in cache.
+  policy), or an array of x's shape that is NaN where an element is to be
+  NaN; computed from the leaf, it also makes the clip wait for the leaf's
+  own statistics, so that XLA computes them while it is in cache.
   """
   low, high = low + poison, high + poison
   if jnp.iscomplexobj(x):
-    mag = _norms.magnitude(x)
-    over = mag > high
-    factor = jnp.where(over, high / jnp.where(over, mag, 1), 1) + poison
-    return _norms.scale_leaf(x, factor)
+    # min(1, high / |x|) exactly: a plain quotient would be flushed to zero
+    # below 2**-126 (a modulus of 1e37 clipped to 1e-7).
+    return _norms.scale_leaf(x, _norms.clip_scale(_norms.magnitude(x), high))
   return jnp.clip(x.astype(high.dtype), low, high).astype(x.dtype)
 
 

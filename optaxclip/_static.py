@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -217,7 +217,11 @@ def _fraction(numerator, denominator) -> jax.Array:
 
 
 @_compiled.compiled_once
-def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
+def clip_value(
+  max_delta: ScalarOrSchedule,
+  *,
+  stats: Literal["exact", "sampled"] = "exact",
+) -> optax.GradientTransformation:
   """Clips each element of the updates into ``[-max_delta, max_delta]``.
 
   The element-wise clipping of ``tf.clip_by_value``, Keras' ``clipvalue``,
@@ -244,11 +248,26 @@ def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
   exact count costs 1.9x to 3.7x (benchmarks/value_formulations.py;
   FLOORS.md).
 
+  ``stats="sampled"`` is that cheaper formulation, for when the step's cost
+  matters more than exact statistics: the clip no longer waits for a pass
+  over the leaf, so it costs what ``optax.clip`` costs. Each element is
+  judged on its own, as ``optax.clip`` and torch do, except that an inf
+  element becomes NaN (it is never hidden as ``max_delta``); the other
+  elements of its leaf are clipped as usual. ``norm``, ``clipped_norm`` and
+  ``clip_fraction`` are estimated, in leaves of more than 65536 elements,
+  from every 257th element (exact in smaller ones): a rare outlier may be
+  missed, so ``norm`` is a lower bound of ``max |g|`` there, and a NaN or
+  inf may be absent from the statistics while present in the update.
+
   Args:
     max_delta: the largest absolute value an element may keep (>= 0): a
       number or a schedule (``step -> value``, such as an optax schedule),
       evaluated at this clipper's step count (0 on the first update); see
       "Threshold schedules" in the docs.
+    stats: ``"exact"`` (the default: exact ``norm``, the leaf-wise
+      non-finite policy, one read pass of the gradients) or ``"sampled"``
+      (statistics from a sample, the element-wise non-finite policy above,
+      no extra pass).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -271,6 +290,10 @@ def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
   _schedules.check(
     "clip_value", "max_delta", max_delta, low=0.0, allow_inf=True
   )
+  sampled = (
+    _checks.check_choice("clip_value", "stats", stats, ("exact", "sampled"))
+    == "sampled"
+  )
 
   def update_fn(updates, state, params=None):
     del params
@@ -278,6 +301,9 @@ def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
     max_delta_now = _schedules.value_at(
       max_delta, _schedules.count_of(state), who="clip_value", name="max_delta"
     )
+    if sampled:
+      out, new_state = _clip_value_sampled(leaves, max_delta_now, state)
+      return jax.tree.unflatten(treedef, out), new_state
     # Small leaves are stacked (one reduction for many: compile time on
     # many-leaf trees); each leaf gets its own poison back.
     layout = _norms.UnitLayout(
@@ -329,6 +355,41 @@ def clip_value(max_delta: ScalarOrSchedule) -> optax.GradientTransformation:
     _init_stats(ClipValueState, max_delta, "clip_value", "max_delta"),
     _compiled.jit_update(update_fn),
   )
+
+
+def _clip_value_sampled(leaves, max_delta_now, state):
+  """``clip_value(stats="sampled")``'s clip and statistics (see there)."""
+  largest = jnp.zeros((), jnp.float32)
+  clipped, total, finite = jnp.zeros((), jnp.float32), 0, jnp.array(True)
+  out = []
+  for x in leaves:
+    if x.size == 0:
+      out.append(x)
+      continue
+    sample, weight = _norms.sample_elements(x)
+    a = _norms.magnitude(sample)
+    limit = jnp.asarray(max_delta_now, a.dtype)
+    biggest = jnp.max(a)
+    largest = jnp.maximum(largest, biggest.astype(jnp.float32))
+    # In the leaf's accumulation dtype: a finite float64 may be inf in float32.
+    finite = finite & (biggest < jnp.inf)
+    # Not ``a > limit``: a NaN is not kept as it was either.
+    clipped = clipped + _norms.count(~(a <= limit)) * weight
+    total += x.size
+    # Element-wise: NaN for an inf element, 0 otherwise.
+    poison = jnp.where(jnp.isinf(x), jnp.nan, 0).astype(limit.dtype)
+    out.append(_functional.clip_leaf_to_range(x, -limit, limit, poison))
+  limit = jnp.asarray(max_delta_now, jnp.float32)
+  new_state = ClipValueState(
+    norm=_stats.as_stat(largest),
+    clipped_norm=_stats.as_stat(
+      jnp.where(finite, jnp.minimum(largest, limit), jnp.nan)
+    ),
+    clip_fraction=_fraction(clipped, total),
+    threshold=_stats.as_stat(limit),
+    count=_schedules.next_count(_schedules.count_of(state)),
+  )
+  return out, new_state
 
 
 def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redefined-builtin

@@ -90,6 +90,13 @@ BAD = [
   ("clip_value", {"max_delta": True}, "max_delta", TypeError, "real number"),
   ("clip_value", {"max_delta": 1j}, "max_delta", TypeError, "real number"),
   ("clip_value", {"max_delta": -INF}, "max_delta", ValueError, "finite"),
+  (
+    "clip_value",
+    {"max_delta": 1.0, "stats": "approx"},
+    "stats",
+    ValueError,
+    "one of",
+  ),
   ("clip_norm", {"max_norm": -1.0}, "max_norm", ValueError, ">= 0"),
   ("clip_norm", {"max_norm": 1.0, "ord": 0.5}, "ord", ValueError, ">= 1"),
   (

@@ -5,6 +5,7 @@ budget (small trees, few examples, programs compiled once per shape).
 """
 
 import functools
+import math
 
 import hypothesis
 from hypothesis import strategies as st
@@ -81,3 +82,78 @@ def test_clipped_grad_vmap_clips_examples_beyond_the_range(tree, l2):
   assert float(fz.measure_tree([np.asarray(g) for g in grads])) <= (
     sum(finite) * l2 * (1 + 1e-5) + fz.flush_atol(F32)
   )
+
+
+# --------------------------------------------------------------------------
+# Hessian-vector products through a clipped p-norm in float32
+# --------------------------------------------------------------------------
+
+_HVP_LAYOUT = ((4, 3), (3,))
+
+
+@functools.cache
+def _hvp_runner(ord_):
+  """``(g, w, v, limit) -> d^2/dt^2 sum(w * clip_norm(g + t v))`` at 0, by
+  ``jax.jvp`` of ``jax.grad`` (a Hessian-vector product) in float32.
+  """
+
+  def f(g, w, limit):
+    tx = optaxclip.clip_norm(limit, ord=ord_)
+    out, _ = tx.update(g, tx.init(g))
+    return sum(jnp.vdot(a, b) for a, b in zip(w, out))
+
+  def hvp(g, w, v, limit):
+    d = jax.jvp(lambda g_: jax.grad(f)(g_, w, limit), (g,), (v,))[1]
+    return sum(jnp.vdot(a, b) for a, b in zip(d, v))
+
+  return fz.FastJit(hvp)
+
+
+def _clip_norm_f64(leaves, limit, ord_):
+  out = []
+  for x in leaves:
+    n = np.sum(np.abs(x) ** ord_) ** (1 / ord_)
+    out.append(x * (min(1.0, limit / n) if n > 0 else 1.0))
+  return out
+
+
+@hypothesis.settings(max_examples=4)
+@hypothesis.given(
+  scale=st.sampled_from((1e-30, 1e-15, 1e-8, 1e8, 1e11)),
+  ord_=st.sampled_from((1.5, 3.0)),
+  ratio=st.sampled_from((0.3, 3.0)),
+  seed=st.integers(0, 2**16),
+)
+# The float32 HVP of clip_norm(ord=3) on a clipped gradient of about 1e8 was
+# 8% off (JAX's rule for s**(1/p) flushed s**(1/p - 2) to zero), and NaN at
+# 1e-8 (it overflowed).
+@hypothesis.example(scale=1e8, ord_=3.0, ratio=0.3, seed=0)
+@hypothesis.example(scale=1e-8, ord_=3.0, ratio=0.3, seed=0)
+# On the exact recompute (the power sum below float32's range), unclipped.
+@hypothesis.example(scale=1e-30, ord_=1.5, ratio=3.0, seed=0)
+def test_hvp_of_a_clipped_p_norm_in_float32(scale, ord_, ratio, seed):
+  """Hessian-vector products through clip_norm(ord=p) in float32 equal
+  second finite differences of a float64 NumPy formula, at magnitudes where
+  the power sum ``sum |x|**p`` is far from 1 (1e-90 to 1e44: the direct
+  sum and the exact recompute).
+  """
+  rng = np.random.default_rng(seed)
+  draw = lambda s: [(s * rng.normal(size=n)).astype(F32) for n in _HVP_LAYOUT]
+  g, w, v = draw(scale), draw(1.0), draw(scale)
+  norms = [
+    np.sum(np.abs(x.astype(np.float64)) ** ord_) ** (1 / ord_) for x in g
+  ]
+  limit = F32(ratio * max(norms))
+  got = float(_hvp_runner(ord_)(g, w, v, limit))
+  h = 1e-4
+
+  def value(t):
+    moved = [x.astype(np.float64) + t * d for x, d in zip(g, v)]
+    out = _clip_norm_f64(moved, float(limit), ord_)
+    return sum(np.longdouble(np.vdot(a, b)) for a, b in zip(w, out))
+
+  want = float((value(h) - 2 * value(0.0) + value(-h)) / (h * h))
+  size = float(fz.measure_tree(w)) * float(fz.measure_tree(v)) ** 2
+  size /= float(fz.measure_tree(g))
+  assert math.isfinite(got), got
+  assert abs(got - want) <= 1e-3 * abs(want) + 1e-3 * size, (got, want)
