@@ -28,6 +28,7 @@ attention, MLP, LayerNorms, blocks under ``nn.scan``), per size:
 import argparse
 import importlib.util
 import pathlib
+import sys
 import time
 
 import jax
@@ -41,11 +42,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_example():
+  """examples/dp_transformer.py as a module (examples/ on ``sys.path`` while
+  it loads, for its ``_flags``).
+  """
   spec = importlib.util.spec_from_file_location(
     "dp_transformer", ROOT / "examples" / "dp_transformer.py"
   )
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  saved = list(sys.path)
+  sys.path.insert(0, str(ROOT / "examples"))
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    sys.path[:] = saved
   return module
 
 

@@ -9,14 +9,12 @@ one's threshold and clip fraction (guard: whether it skipped), then totals.
     python examples/adaptive_spikes.py [--steps 200] [--png spikes.png]
 """
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _flags import number
+import _flags as flags
 import optaxclip
 
 SPIKES = {60: 8.0, 61: 1.5, 100: 25.0, 130: 4.0, 131: 6.0, 132: 5.0, 170: 3.0}
@@ -130,15 +128,12 @@ def plot(norms, records, path):
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-  )
-  parser.add_argument(
+  parser = flags.parser(__doc__)
+  flags.add_count(
+    parser,
     "--steps",
-    type=number(int, 1),
-    default=200,
-    help="length of the norm stream (its spikes, NaN and "
+    200,
+    "length of the norm stream (its spikes, NaN and "
     f"jump are at steps {min(SPIKES)} to {JUMP_AT})",
   )
   parser.add_argument(

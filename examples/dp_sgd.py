@@ -17,7 +17,6 @@ delta) of a run follows from the noise multiplier, the sampling rate
 sampling of batches, not the shuffled fixed-size batches used here for brevity.
 """
 
-import argparse
 import time
 
 import flax.linen as nn
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import _flags as flags
 import optaxclip
 
 
@@ -54,84 +54,32 @@ def synthetic_data(key, n, teacher_weights, noise=0.3):
   return x, y + noise * jax.random.normal(k_noise, (n,))
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+def parse_args(argv=None):
+  parser = flags.parser(__doc__)
+  flags.add_count(parser, "--epochs", 8, "passes over the training examples")
+  flags.add_count(
+    parser, "--examples", 8192, "training examples (at least one batch)"
   )
-  parser.add_argument(
-    "--epochs", type=int, default=8, help="passes over the training examples"
+  flags.add_count(parser, "--batch-size", 256, "examples per step (B)")
+  flags.add_count(parser, "--dim", 16, "input dimension of the synthetic data")
+  flags.add_dp(parser, noise_multiplier=1.0)
+  flags.add_positive(
+    parser, "--learning-rate", 0.1, "SGD learning rate (momentum 0.9)"
   )
-  parser.add_argument(
-    "--examples",
-    type=int,
-    default=8192,
-    help="training examples (at least one batch)",
-  )
-  parser.add_argument(
-    "--batch-size", type=int, default=256, help="examples per step (B)"
-  )
-  parser.add_argument(
-    "--dim", type=int, default=16, help="input dimension of the synthetic data"
-  )
-  parser.add_argument(
-    "--l2-clip",
-    type=float,
-    default=1.0,
-    help="the starting per-example clip norm C",
-  )
-  parser.add_argument(
-    "--noise-multiplier",
-    type=float,
-    default=1.0,
-    help="noise standard deviation in units of C (0: none)",
-  )
-  parser.add_argument(
-    "--target-quantile",
-    type=float,
-    default=0.5,
-    help="share of examples the adaptive clip norm leaves unclipped",
-  )
-  parser.add_argument(
-    "--learning-rate",
-    type=float,
-    default=0.1,
-    help="SGD learning rate (momentum 0.9)",
-  )
-  parser.add_argument(
-    "--seed",
-    type=int,
-    default=0,
-    help="seeds the data, the model and the noise",
-  )
+  flags.add_seed(parser, "seeds the data, the model and the noise")
   args = parser.parse_args(argv)
-  for name in ("epochs", "examples", "batch_size", "dim"):
-    if getattr(args, name) < 1:
-      parser.error(
-        f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}"
-      )
   if args.examples < args.batch_size:
     parser.error(
       f"--examples ({args.examples}) must be at least one batch "
       f"(--batch-size {args.batch_size}): an epoch takes "
       "examples // batch-size steps"
     )
-  if args.l2_clip <= 0 or args.noise_multiplier < 0 or args.learning_rate <= 0:
-    parser.error(
-      "--l2-clip and --learning-rate must be > 0 and --noise-multiplier >= 0"
-    )
-  if not 0 <= args.target_quantile <= 1:
-    parser.error(
-      f"--target-quantile must be in [0, 1]; got {args.target_quantile}"
-    )
-  if args.noise_multiplier > 0 and args.batch_size <= 10 * (
-    args.noise_multiplier
-  ):
-    parser.error(
-      f"--batch-size must exceed 10 * --noise-multiplier "
-      f"({10 * args.noise_multiplier:g}) to noise the unclipped "
-      "count (Andrew et al. 2021)"
-    )
+  flags.check_dp(parser, args)
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
 
   key = jax.random.PRNGKey(args.seed)
   k_teacher, k_data, k_test, k_init, k_shuffle = jax.random.split(key, 5)

@@ -27,7 +27,6 @@ number of steps, e.g. with Google's ``dp_accounting`` library, which assumes
 Poisson sampling of batches, not the fixed-size batches used here.
 """
 
-import argparse
 import time
 
 import flax.linen as nn
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import _flags as flags
 import optaxclip
 
 SIZES = {  # vocab, sequence length, width, heads, layers
@@ -126,73 +126,27 @@ def temp_bytes(fn, *args):
   return getattr(analysis, "temp_size_in_bytes", None)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-  )
+def parse_args(argv=None):
+  parser = flags.parser(__doc__)
   parser.add_argument(
     "--size",
     choices=sorted(SIZES),
     default="small",
     help="model and sequence size",
   )
-  parser.add_argument("--steps", type=int, default=200, help="training steps")
-  parser.add_argument(
-    "--batch-size", type=int, default=64, help="sequences per step (B)"
-  )
-  parser.add_argument(
-    "--l2-clip",
-    type=float,
-    default=1.0,
-    help="the starting per-example clip norm C",
-  )
-  parser.add_argument(
-    "--noise-multiplier",
-    type=float,
-    default=0.5,
-    help="noise standard deviation in units of C (0: none)",
-  )
-  parser.add_argument(
-    "--target-quantile",
-    type=float,
-    default=0.5,
-    help="share of examples the adaptive clip norm leaves unclipped",
-  )
-  parser.add_argument(
-    "--learning-rate", type=float, default=3e-3, help="Adam learning rate"
-  )
-  parser.add_argument(
-    "--log-every", type=int, default=25, help="steps between printed lines"
-  )
-  parser.add_argument(
-    "--seed",
-    type=int,
-    default=0,
-    help="seeds the data, the model and the noise",
-  )
+  flags.add_count(parser, "--steps", 200, "training steps")
+  flags.add_count(parser, "--batch-size", 64, "sequences per step (B)")
+  flags.add_dp(parser, noise_multiplier=0.5)
+  flags.add_positive(parser, "--learning-rate", 3e-3, "Adam learning rate")
+  flags.add_count(parser, "--log-every", 25, "steps between printed lines")
+  flags.add_seed(parser, "seeds the data, the model and the noise")
   args = parser.parse_args(argv)
-  for name in ("steps", "batch_size", "log_every"):
-    if getattr(args, name) < 1:
-      parser.error(
-        f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}"
-      )
-  if args.l2_clip <= 0 or args.learning_rate <= 0 or args.noise_multiplier < 0:
-    parser.error(
-      "--l2-clip and --learning-rate must be > 0 and --noise-multiplier >= 0"
-    )
-  if not 0 <= args.target_quantile <= 1:
-    parser.error(
-      f"--target-quantile must be in [0, 1]; got {args.target_quantile}"
-    )
-  if args.noise_multiplier > 0 and args.batch_size <= 10 * (
-    args.noise_multiplier
-  ):
-    parser.error(
-      f"--batch-size must exceed 10 * --noise-multiplier "
-      f"({10 * args.noise_multiplier:g}) to noise the unclipped "
-      "count (Andrew et al. 2021)"
-    )
+  flags.check_dp(parser, args)
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
 
   size = SIZES[args.size]
   model = Transformer(**size)

@@ -32,7 +32,6 @@ Run: ``python examples/lstm_exploding.py`` (about 80 s on 2 CPU cores);
 ``--steps 20`` for a smoke test.
 """
 
-import argparse
 import math
 import os
 import time
@@ -46,7 +45,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from _flags import number
+import _flags as flags
 import optaxclip
 
 matplotlib.use("Agg")
@@ -298,71 +297,30 @@ def plot(names, losses, norms, path, title):
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.split("\n\n", maxsplit=1)[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  parser = flags.parser(__doc__)
+  flags.add_count(parser, "--steps", 1500, "training steps of each variant")
+  flags.add_count(
+    parser, "--seq-len", 100, "length of the adding problem's sequences", low=2
   )
-  parser.add_argument(
-    "--steps",
-    type=number(int, 1),
-    default=1500,
-    help="training steps of each variant",
+  flags.add_positive(parser, "--lr", 2e-2, "Adam's learning rate")
+  flags.add_seed(
+    parser, "seed of the init and the data (the same for every variant)"
   )
-  parser.add_argument(
-    "--seq-len",
-    type=number(int, 2),
-    default=100,
-    help="length of the adding problem's sequences",
-  )
-  parser.add_argument(
-    "--lr",
-    type=number(float, 0, open_low=True),
-    default=2e-2,
-    help="Adam's learning rate",
-  )
-  parser.add_argument(
-    "--seed",
-    type=number(int, 0, high=2**32),
-    default=0,
-    help="seed of the init and the data (the same for every variant)",
-  )
-  parser.add_argument(
+  flags.add_positive(
+    parser,
     "--init-scale",
-    type=number(float, 0, open_low=True),
-    default=INIT_SCALE,
-    help="the recurrent kernel's orthogonal init scale; 1 is "
+    INIT_SCALE,
+    "the recurrent kernel's orthogonal init scale; 1 is "
     "Flax's default, where gradients do not explode",
   )
-  parser.add_argument(
-    "--variants",
-    default="all",
-    help="comma-separated, from: " + ", ".join(VARIANTS),
-  )
-  parser.add_argument(
-    "--out",
-    help="where to write the PNG",
-    default=os.path.join(
-      os.path.dirname(os.path.abspath(__file__)), "out", "lstm_exploding.png"
-    ),
-  )
-  args = parser.parse_args(argv)
-  args.names = (
-    list(VARIANTS)
-    if args.variants == "all"
-    else [n.strip() for n in args.variants.split(",") if n.strip()]
-  )
-  unknown = [n for n in args.names if n not in VARIANTS]
-  if unknown or not args.names:
-    parser.error(
-      f"argument --variants: unknown {unknown or 'none given'}; "
-      f"choose from {', '.join(VARIANTS)}"
-    )
-  return args
+  flags.add_variants(parser, VARIANTS)
+  flags.add_out(parser, "lstm_exploding.png", "where to write the PNG")
+  return parser.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
-  names = args.names
+  names = args.variants
 
   print(
     f"adding problem, sequence length {args.seq_len}; LSTM({HIDDEN}), "

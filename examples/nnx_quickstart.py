@@ -8,14 +8,12 @@ reads the gradient norm the clipper saw before clipping.
 Run: ``python examples/nnx_quickstart.py`` (well under a minute on a CPU).
 """
 
-import argparse
-
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import optax
 
-from _flags import number
+import _flags as flags
 import optaxclip
 
 
@@ -52,31 +50,13 @@ def train_step(model, optimizer, x, y):
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  parser = flags.parser(__doc__)
+  flags.add_count(parser, "--steps", 300, "training steps")
+  flags.add_count(
+    parser, "--seq-len", 50, "length of the adding problem's sequences", low=2
   )
-  parser.add_argument(
-    "--steps", type=number(int, 1), default=300, help="training steps"
-  )
-  parser.add_argument(
-    "--seq-len",
-    type=number(int, 2),
-    default=50,
-    help="length of the adding problem's sequences",
-  )
-  parser.add_argument(
-    "--lr",
-    type=number(float, 0, open_low=True),
-    default=1e-2,
-    help="Adam's learning rate",
-  )
-  parser.add_argument(
-    "--seed",
-    type=number(int, 0, high=2**32),
-    default=0,
-    help="seed of the init and the data",
-  )
+  flags.add_positive(parser, "--lr", 1e-2, "Adam's learning rate")
+  flags.add_seed(parser)
   return parser.parse_args(argv)
 
 

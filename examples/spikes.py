@@ -33,7 +33,6 @@ Run: ``python examples/spikes.py`` (a few minutes on 2 CPU cores);
 ``--steps 12 --layers 1`` for a smoke test.
 """
 
-import argparse
 import inspect
 import os
 import time
@@ -45,7 +44,7 @@ import matplotlib
 import numpy as np
 import optax
 
-from _flags import number
+import _flags as flags
 import optaxclip
 
 matplotlib.use("Agg")
@@ -222,72 +221,32 @@ def skipped(opt_state):
   return int(logs["guard/skipped"]) if "guard/skipped" in logs else 0
 
 
-def _variant_list(text):
-  names = [n for n in text.split(",") if n]
-  if text == "all":
-    return list(VARIANTS)
-  unknown = sorted(set(names) - set(VARIANTS))
-  if unknown or not names:
-    raise argparse.ArgumentTypeError(f"unknown {unknown or 'none given'}")
-  return names
-
-
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.split("\n\n", maxsplit=1)[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-  )
-  parser.add_argument(
+  parser = flags.parser(__doc__)
+  flags.add_count(
+    parser,
     "--steps",
-    type=number(int, 10),
-    default=400,
-    help="training steps of each variant (bad batches at 30, 50 and 70%%)",
+    400,
+    "training steps of each variant (bad batches at 30, 50 and 70%%)",
+    low=10,
   )
-  parser.add_argument(
-    "--batch", type=number(int, 1), default=32, help="sequences per batch"
+  flags.add_count(parser, "--batch", 32, "sequences per batch")
+  flags.add_count(parser, "--seq-len", 24, "tokens per sequence", PERIOD + 1)
+  flags.add_count(parser, "--dim", 32, "the model's width")
+  flags.add_count(parser, "--heads", 2, "attention heads")
+  flags.add_count(parser, "--layers", 2, "transformer blocks")
+  flags.add_positive(parser, "--lr", 1e-2, "the learning rate of every variant")
+  flags.add_positive(
+    parser, "--bad-scale", 100.0, "factor on a bad batch's input embeddings"
   )
-  parser.add_argument(
-    "--seq-len",
-    type=number(int, PERIOD + 1),
-    default=24,
-    help="tokens per sequence",
-  )
-  parser.add_argument(
-    "--dim", type=number(int, 1), default=32, help="the model's width"
-  )
-  parser.add_argument(
-    "--heads", type=number(int, 1), default=2, help="attention heads"
-  )
-  parser.add_argument(
-    "--layers", type=number(int, 1), default=2, help="transformer blocks"
-  )
-  parser.add_argument(
-    "--lr",
-    type=number(float, 0, open_low=True),
-    default=1e-2,
-    help="the learning rate of every variant",
-  )
-  parser.add_argument(
-    "--bad-scale",
-    type=number(float, 0, open_low=True),
-    default=100.0,
-    help="factor on a bad batch's input embeddings",
-  )
-  parser.add_argument(
-    "--seed",
-    type=number(int, 0, high=2**32),
-    default=0,
-    help="seed of the init and the data (the same for every variant)",
+  flags.add_seed(
+    parser, "seed of the init and the data (the same for every variant)"
   )
   parser.add_argument(
     "--out", default="spikes.png", help="the PNG of the loss curves"
   )
-  parser.add_argument(
-    "--variants",
-    type=_variant_list,
-    default="all",
-    help="comma-separated, from: " + ", ".join(VARIANTS) + " (adam always "
-    "runs: the baseline of the cost column)",
+  flags.add_variants(
+    parser, VARIANTS, " (adam always runs: the baseline of the cost column)"
   )
   args = parser.parse_args(argv)
   if args.dim % args.heads:

@@ -22,7 +22,6 @@ scalar per layer) and a histogram of the layer norms as TensorBoard events
     python examples/which_layer.py --out docs/which_layer.png
 """
 
-import argparse
 import math
 import os
 import time
@@ -33,7 +32,7 @@ import matplotlib
 import numpy as np
 import optax
 
-from _flags import number
+import _flags as flags
 
 matplotlib.use("Agg")
 import matplotlib.colors
@@ -196,62 +195,31 @@ def write_tensorboard(summary_writer, logdir, states, losses):
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.split("\n\n", maxsplit=1)[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-  )
-  parser.add_argument(
-    "--steps", type=number(int, 1), default=300, help="training steps"
-  )
-  parser.add_argument(
-    "--layers", type=number(int, 2), default=12, help="blocks in the stack"
-  )
-  parser.add_argument(
-    "--width", type=number(int, 1), default=32, help="width of each block"
-  )
-  parser.add_argument(
+  parser = flags.parser(__doc__)
+  flags.add_count(parser, "--steps", 300, "training steps")
+  flags.add_count(parser, "--layers", 12, "blocks in the stack", low=2)
+  flags.add_count(parser, "--width", 32, "width of each block")
+  flags.add_count(
+    parser,
     "--bad-layer",
-    type=number(int, 0),
-    default=7,
-    help="the badly scaled block (counted from 0; below --layers)",
+    7,
+    "the badly scaled block (counted from 0; below --layers)",
+    low=0,
   )
-  parser.add_argument(
-    "--gain",
-    type=number(float, 0, open_low=True),
-    default=30.0,
-    help="how much larger the bad block's gradient is",
+  flags.add_positive(
+    parser, "--gain", 30.0, "how much larger the bad block's gradient is"
   )
-  parser.add_argument(
-    "--max-norm",
-    type=number(float, 0, open_low=True),
-    default=5.0,
-    help="clip_global's max_norm",
-  )
-  parser.add_argument(
-    "--lr",
-    type=number(float, 0, open_low=True),
-    default=1e-2,
-    help="Adam's learning rate",
-  )
-  parser.add_argument(
-    "--seed",
-    type=number(int, 0, high=2**32),
-    default=0,
-    help="seed of the init and the data",
-  )
-  parser.add_argument(
+  flags.add_positive(parser, "--max-norm", 5.0, "clip_global's max_norm")
+  flags.add_positive(parser, "--lr", 1e-2, "Adam's learning rate")
+  flags.add_seed(parser)
+  flags.add_count(
+    parser,
     "--worst",
-    type=number(int, 0),
-    default=3,
-    help="how many of the largest-norm steps to explain()",
+    3,
+    "how many of the largest-norm steps to explain()",
+    low=0,
   )
-  parser.add_argument(
-    "--out",
-    help="where to write the heatmap PNG",
-    default=os.path.join(
-      os.path.dirname(os.path.abspath(__file__)), "out", "which_layer.png"
-    ),
-  )
+  flags.add_out(parser, "which_layer.png", "where to write the heatmap PNG")
   parser.add_argument(
     "--tensorboard",
     metavar="DIR",

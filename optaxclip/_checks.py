@@ -81,10 +81,7 @@ def check_number(
   if isinstance(value, np.ndarray) and value.ndim == 0:
     value = value.item()  # a 0-d bool, complex or str array is checked as such.
   if isinstance(value, jax.Array):
-    if value.ndim != 0 or not (
-      jnp.issubdtype(value.dtype, jnp.floating)
-      or jnp.issubdtype(value.dtype, jnp.integer)
-    ):
+    if value.ndim != 0 or not is_real_dtype(value.dtype):
       raise TypeError(
         f"{arg} must be a real scalar; got an array of shape {value.shape}"
         f" and dtype {value.dtype}."
@@ -119,21 +116,27 @@ def check_number(
     raise ValueError(f"{arg} must be {bound}{reason}; got {value!r}.")
 
 
+def is_real_dtype(dtype: Any) -> bool:
+  """Whether ``dtype`` holds real numbers (a float or an integer type)."""
+  return bool(
+    jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+  )
+
+
+def _check_int32(who: str, name: str, value: Any, low: int, why: str) -> None:
+  """A whole number in [low, 2**31 - 1]; ``why`` says what needs int32."""
+  check_number(
+    name, value, who=who, low=low, high=INT32_MAX, integer=True, why=why
+  )
+
+
 def check_steps(who: str, name: str, value: Any, *, low: int = 1) -> None:
   """A step count (warm-up length): a whole number in [low, 2**31 - 1].
 
   Traced values are accepted; the bound keeps the int32 counters of the
   state from overflowing.
   """
-  check_number(
-    name,
-    value,
-    who=who,
-    low=low,
-    high=INT32_MAX,
-    integer=True,
-    why="the state counts steps in int32",
-  )
+  _check_int32(who, name, value, low, "the state counts steps in int32")
 
 
 def check_probability(
@@ -173,15 +176,7 @@ def check_count(who: str, name: str, value: Any, *, low: int = 1) -> int:
       f"{who}: {name} must be a Python int, not an array: "
       f"{_STATIC_HINT}=({name!r},); got {value!r}."
     )
-  check_number(
-    name,
-    value,
-    who=who,
-    low=low,
-    high=INT32_MAX,
-    integer=True,
-    why="the state indexes it with int32",
-  )
+  _check_int32(who, name, value, low, "the state indexes it with int32")
   return int(value)
 
 

@@ -96,10 +96,7 @@ def value_at(
   if not is_schedule(value):
     return value
   out = jnp.asarray(value(count))
-  if out.size != 1 or not (
-    jnp.issubdtype(out.dtype, jnp.floating)
-    or jnp.issubdtype(out.dtype, jnp.integer)
-  ):
+  if out.size != 1 or not _checks.is_real_dtype(out.dtype):
     raise TypeError(
       f"{who}: the schedule {name} must return one real number; got an "
       f"array of shape {out.shape} and dtype {out.dtype}."

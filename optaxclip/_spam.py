@@ -120,6 +120,56 @@ def _ema_step_count(t: jax.Array, interval: Any) -> jax.Array:
   return jnp.where(t <= interval, t, (t - 1) % interval + 2)
 
 
+def _adam_with_resets(
+  leaves: list[jax.Array],
+  treedef: Any,
+  state: Any,
+  reset: jax.Array,
+  b1: Any,
+  b2: Any,
+  direction: Callable[[jax.Array, jax.Array, Any], jax.Array],
+  clip: Optional[Callable] = None,
+) -> tuple[Any, Any, Any, jax.Array]:
+  """One step of Adam with moment resets, the part SPAM and Stable-SPAM share.
+
+  Per leaf ``g``: the moments ``state.mu``, ``state.nu`` are zeroed where
+  ``reset``; ``clip(g, nu)``, if given, returns ``(g, number clipped)``
+  against the zeroed second moment (SPAM's spike clipping); the moments take
+  in ``g``, ``m <- b1 m + (1 - b1) g`` and ``v <- b2 v + (1 - b2) g^2``
+  (a traced ``b1``, stable_spam's scaled one, is cast to the moments'
+  dtype); ``direction(m, v, dtype)`` is the leaf's update, cast to ``g``'s
+  dtype (``dtype``: the stored moments').
+
+  Returns:
+    ``(updates, mu, nu, clipped)``: trees like ``treedef``'s, and the number
+    of coordinates ``clip`` clipped (0 without it).
+  """
+  out, mus, nus, clipped = [], [], [], jnp.zeros((), _F32)
+  mu_leaves = treedef.flatten_up_to(state.mu)
+  nu_leaves = treedef.flatten_up_to(state.nu)
+  for g, mu, nu in zip(leaves, mu_leaves, nu_leaves):
+    dtype = mu.dtype
+    mu = jnp.where(reset, jnp.zeros_like(mu), mu)
+    nu = jnp.where(reset, jnp.zeros_like(nu), nu)
+    if clip is not None:
+      g, n = clip(g, nu)
+      clipped = clipped + n
+    if isinstance(b1, jax.Array):
+      mu = b1.astype(dtype) * mu + (1 - b1).astype(dtype) * g
+    else:
+      mu = b1 * mu + (1 - b1) * g
+    nu = b2 * nu + (1 - b2) * g * g
+    out.append(direction(mu, nu, dtype).astype(g.dtype))
+    mus.append(mu)
+    nus.append(nu)
+  return (
+    treedef.unflatten(out),
+    treedef.unflatten(mus),
+    treedef.unflatten(nus),
+    clipped,
+  )
+
+
 # --- SPAM -------------------------------------------------------------------
 
 
@@ -356,24 +406,22 @@ def _scale_by_spam(
     # 1 - b**t for the global t (the warm-up makes up for it).
     step = jnp.sqrt(_one_minus_power(b2, t)) / _one_minus_power(b1, t)
     factor = step * scale
-    out, mus, nus, clipped = [], [], [], jnp.zeros((), _F32)
-    mu_leaves = treedef.flatten_up_to(state.mu)
-    nu_leaves = treedef.flatten_up_to(state.nu)
-    for g, mu, nu in zip(leaves, mu_leaves, nu_leaves):
-      mu = jnp.where(reset, jnp.zeros_like(mu), mu)
-      nu = jnp.where(reset, jnp.zeros_like(nu), nu)
-      g, n = _clip_to_moment(g, nu, threshold_now, clip_on)
-      mu = b1 * mu + (1 - b1) * g
-      nu = b2 * nu + (1 - b2) * g * g
-      direction = mu / (jnp.sqrt(nu) + eps)
-      out.append((direction * factor.astype(direction.dtype)).astype(g.dtype))
-      mus.append(mu)
-      nus.append(nu)
-      clipped = clipped + n
-    return treedef.unflatten(out), SpamState(
+
+    def clip(g, nu):
+      return _clip_to_moment(g, nu, threshold_now, clip_on)
+
+    def direction(mu, nu, dtype):
+      del dtype
+      d = mu / (jnp.sqrt(nu) + eps)
+      return d * factor.astype(d.dtype)
+
+    out, mu, nu, clipped = _adam_with_resets(
+      leaves, treedef, state, reset, b1, b2, direction, clip
+    )
+    return out, SpamState(
       count=optax.safe_int32_increment(state.count),
-      mu=treedef.unflatten(mus),
-      nu=treedef.unflatten(nus),
+      mu=mu,
+      nu=nu,
       clipped=clipped,
       clip_fraction=_share(clipped, leaves),
       resets=resets,
@@ -829,23 +877,18 @@ def _scale_by_stable_spam_adam(
     beta1 = b1 * scale
     correction1 = _one_minus_power(beta1, k)
     root2 = jnp.sqrt(_one_minus_power(b2, k))
-    out, mus, nus = [], [], []
-    mu_leaves = treedef.flatten_up_to(state.mu)
-    nu_leaves = treedef.flatten_up_to(state.nu)
-    for g, mu, nu in zip(leaves, mu_leaves, nu_leaves):
-      dtype = mu.dtype
-      mu = jnp.where(reset, jnp.zeros_like(mu), mu)
-      nu = jnp.where(reset, jnp.zeros_like(nu), nu)
-      mu = beta1.astype(dtype) * mu + (1 - beta1).astype(dtype) * g
-      nu = b2 * nu + (1 - b2) * g * g
+
+    def direction(mu, nu, dtype):
       denom = jnp.sqrt(nu) / root2.astype(dtype) + eps
-      out.append(((mu / correction1.astype(dtype)) / denom).astype(g.dtype))
-      mus.append(mu)
-      nus.append(nu)
-    return treedef.unflatten(out), StableSpamState(
+      return (mu / correction1.astype(dtype)) / denom
+
+    out, mu, nu, _ = _adam_with_resets(
+      leaves, treedef, state, reset, beta1, b2, direction
+    )
+    return out, StableSpamState(
       count=optax.safe_int32_increment(state.count),
-      mu=treedef.unflatten(mus),
-      nu=treedef.unflatten(nus),
+      mu=mu,
+      nu=nu,
       resets=resets,
       scale=scale,
     )

@@ -1,7 +1,9 @@
 """Runs a script of the checkout (an example, a benchmark) in a subprocess,
-as a user would: the checkout on ``PYTHONPATH``, JAX on the CPU.
+as a user would: the checkout on ``PYTHONPATH``, JAX on the CPU; or loads it
+as a module, its folder on ``sys.path`` as when it runs.
 """
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -30,3 +32,21 @@ def run_script(path, *args, cwd, timeout=600):
   )
   assert result.returncode == 0, result.stdout + result.stderr
   return result.stdout
+
+
+def load_script(path):
+  """``ROOT / path`` as a module, its folder on ``sys.path`` while it loads
+  (as when it runs: the examples import ``_flags``, the benchmarks their
+  harness).
+  """
+  path = ROOT / path
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  saved = list(sys.path)
+  sys.path.insert(0, str(path.parent))
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    sys.path[:] = saved
+  return module

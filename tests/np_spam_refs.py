@@ -200,3 +200,26 @@ class StableSpamReference:
         self.dtype
       )
     return scale
+
+
+def spam_reference(params, *, reset_interval, dtype=F32, **kwargs):
+  """A :class:`SpamReference` given ``optaxclip.spam``'s argument names
+  (``reset_interval`` is the reference's ``delta_t``).
+  """
+  return SpamReference(params, delta_t=reset_interval, dtype=dtype, **kwargs)
+
+
+def stable_spam_reference(
+  params, *, reset_interval, total_steps, dtype=F32, **kwargs
+):
+  """A :class:`StableSpamReference` given ``optaxclip.stable_spam``'s
+  argument names (``reset_interval`` is the reference's ``update_proj_gap``,
+  ``total_steps`` its ``total_t``).
+  """
+  return StableSpamReference(
+    params,
+    update_proj_gap=reset_interval,
+    total_t=total_steps,
+    dtype=dtype,
+    **kwargs,
+  )

@@ -7,13 +7,13 @@ this checks that every row is measured and every figure is a positive number.
 
 import importlib
 import math
-import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
+
+from example_runner import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -72,25 +72,11 @@ def _tables(text):
 
 def test_quick_run_writes_a_sane_report(tmp_path):
   out = tmp_path / "RESULTS.md"
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
-  proc = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "run.py"),
-      "--quick",
-      "--out",
-      str(out),
-    ],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=False,
+  stdout = run_script(
+    "benchmarks/run.py", "--quick", "--out", str(out), cwd=ROOT
   )
-  assert proc.returncode == 0, proc.stderr[-3000:]
   text = out.read_text(encoding="utf-8")
-  assert text == proc.stdout.rstrip("\n") + "\n"
+  assert text == stdout.rstrip("\n") + "\n"
   for key in ("Machine", "Versions", "Date", "Command", "Commit"):
     assert f"- {key}:" in text, key
   tables = _tables(text)
@@ -182,29 +168,20 @@ def test_help_says_how_long_a_run_takes(capsys):
 
 
 def test_floors_runs_at_a_tiny_size():
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
-  proc = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "floors.py"),
-      "--rounds",
-      "2",
-      "--leaves",
-      "3",
-      "--size",
-      "1000",
-    ],
+  stdout = run_script(
+    "benchmarks/floors.py",
+    "--rounds",
+    "2",
+    "--leaves",
+    "3",
+    "--size",
+    "1000",
     cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
     timeout=300,
-    check=False,
   )
-  assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [
     _cells(line)
-    for line in proc.stdout.splitlines()
+    for line in stdout.splitlines()
     if line.startswith("| ") and not line.startswith("| variant")
   ]
   floors = _import("floors")

@@ -3,7 +3,6 @@ surface (padding, per-layer clip norms, automatic clipping, non-finite
 examples, sensitivity, dp_noise).
 """
 
-import importlib.util
 import pathlib
 
 import flax.linen as nn
@@ -12,16 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from example_runner import load_script
 from fast_compile import compile_fast
 from fast_compile import run_fast
 import optaxclip
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-  "dp_transformer", ROOT / "examples" / "dp_transformer.py"
-)
-dp_transformer = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(dp_transformer)
+dp_transformer = load_script("examples/dp_transformer.py")
 
 
 class MLP(nn.Module):

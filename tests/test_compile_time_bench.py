@@ -2,21 +2,13 @@
 (so that it never rots); the timings themselves belong to the benchmarks.
 """
 
-import importlib.util
-import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from example_runner import load_script
 
 
 def _module():
-  spec = importlib.util.spec_from_file_location(
-    "compile_time", ROOT / "benchmarks" / "compile_time.py"
-  )
-  assert spec is not None and spec.loader is not None
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("benchmarks/compile_time.py")
 
 
 def test_measures_each_clipper_and_tabulates_ratios():

@@ -4,12 +4,11 @@ The examples run at tiny sizes; the Python blocks of README.md and of
 docs/*.md each run on their own, as a reader would paste them.
 """
 
-import importlib.util
 import math
 import pathlib
 import re
-import sys
 
+from example_runner import load_script
 from example_runner import run_script
 import optaxclip
 
@@ -20,19 +19,6 @@ GUIDES = {
   path.name: path.read_text(encoding="utf-8")
   for path in sorted((ROOT / "docs").glob("*.md"))
 }
-
-
-def _load(path):
-  """An example as a module (its folder on sys.path, as when it runs)."""
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  module = importlib.util.module_from_spec(spec)
-  saved = list(sys.path)
-  sys.path.insert(0, str(path.parent))
-  try:
-    spec.loader.exec_module(module)
-  finally:
-    sys.path[:] = saved
-  return module
 
 
 def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
@@ -52,7 +38,7 @@ def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
     re.M,
   )
   assert header, stdout
-  variants = _load(ROOT / "examples" / "lstm_exploding.py").VARIANTS
+  variants = load_script("examples/lstm_exploding.py").VARIANTS
   rows = {}
   for name in variants:
     row = re.search(

@@ -2,28 +2,25 @@
 value is a clear error (argparse's exit 2), before anything runs.
 """
 
-import importlib.util
-import pathlib
 import re
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLES = ("lstm_exploding", "adaptive_spikes", "nnx_quickstart", "spikes")
+from example_runner import load_script
+
+EXAMPLES = (
+  "lstm_exploding",
+  "adaptive_spikes",
+  "nnx_quickstart",
+  "spikes",
+  "which_layer",
+  "dp_sgd",
+  "dp_transformer",
+)
 
 
 def _load(name):
-  path = ROOT / "examples" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(f"example_{name}", path)
-  module = importlib.util.module_from_spec(spec)
-  saved = list(sys.path)
-  sys.path.insert(0, str(path.parent))
-  try:
-    spec.loader.exec_module(module)
-  finally:
-    sys.path[:] = saved
-  return module
+  return load_script(f"examples/{name}.py")
 
 
 def _help(module, capsys):
@@ -37,7 +34,7 @@ def _help(module, capsys):
 def test_every_flag_has_help_with_its_default(name, capsys):
   text = _help(_load(name), capsys)
   usage, options = text.split("options:", 1)
-  flags = set(re.findall(r"\[(--[a-z-]+)", usage))
+  flags = set(re.findall(r"\[(--[a-z0-9-]+)", usage))
   assert flags, text
   # One entry per flag (argparse indents continuation lines further).
   entries = {}
@@ -120,6 +117,31 @@ BAD = [
     ["--seq-len", "1.5"],
     "argument --seq-len: must be a whole number >= 2; got '1.5'",
   ),
+  (
+    "which_layer",
+    ["--bad-layer", "12"],
+    "argument --bad-layer: must be below --layers (12); got 12",
+  ),
+  (
+    "dp_sgd",
+    ["--l2-clip", "0"],
+    "argument --l2-clip: must be a number > 0; got '0'",
+  ),
+  (
+    "dp_sgd",
+    ["--examples", "100"],
+    "--examples (100) must be at least one batch",
+  ),
+  (
+    "dp_transformer",
+    ["--target-quantile", "1.5"],
+    "argument --target-quantile: must be a number >= 0 and <= 1; got '1.5'",
+  ),
+  (
+    "dp_transformer",
+    ["--batch-size", "4"],
+    "--batch-size must exceed 10 * --noise-multiplier (5)",
+  ),
 ]
 
 
@@ -135,4 +157,4 @@ def test_bad_values_are_clear_errors(name, argv, message, capsys):
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_defaults_parse(name):
   args = _load(name).parse_args([])
-  assert args.steps >= 1
+  assert (args.epochs if name == "dp_sgd" else args.steps) >= 1

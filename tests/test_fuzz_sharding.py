@@ -11,18 +11,17 @@ programs, so the examples are few (tests/fast_compile.py compiles them
 cheaply).
 """
 
-import functools
 import math
 
 import hypothesis
 import hypothesis.strategies as st
 import jax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from fast_compile import run_fast
 import optaxclip
+from sharded_runs import assert_updates_close
+from sharded_runs import one_device_and_mapped
 
 MESHES = {
   "1 device": ((1,), ("d",)),
@@ -103,26 +102,10 @@ def test_sharded_clippers_equal_one_device(case):
       out[name] = (updates, optaxclip.stats(state))
     return out
 
-  want = run_fast(functools.partial(run, mapped=False), grads, params)
-  mapped = jax.shard_map(
-    functools.partial(run, mapped=True),
-    mesh=mesh,
-    in_specs=(specs, specs),
-    out_specs={name: (specs, P()) for name in clippers},
-  )
-  put = lambda t: jax.tree.map(
-    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs
-  )
-  got = run_fast(mapped, put(grads), put(params))
+  out_specs = {name: (specs, P()) for name in clippers}
+  got, want = one_device_and_mapped(run, mesh, specs, out_specs, grads, params)
+  assert_updates_close(got, want, grads, TOL)
   for name in clippers:
-    for key in grads:
-      np.testing.assert_allclose(
-        got[name][0][key],
-        want[name][0][key],
-        rtol=TOL,
-        atol=TOL,
-        err_msg=f"{name} {key}",
-      )
     for key, value in want[name][1].items():
       np.testing.assert_allclose(
         got[name][1][key], value, rtol=TOL, atol=TOL, err_msg=f"{name} {key}"

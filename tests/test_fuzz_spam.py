@@ -145,16 +145,8 @@ def test_spam_matches_the_reference(
     tuple(jnp.asarray(p) for p in _params()),
     {k: jnp.asarray(v) for k, v in hyper.items()},
   )
-  ref = np_spam_refs.SpamReference(
-    _params(),
-    lr=LR,
-    eps=1e-6,
-    weight_decay=weight_decay,
-    warmup_steps=warmup_steps,
-    threshold=threshold,
-    delta_t=reset_interval,
-    grad_accu_steps=grad_accu_steps,
-    dtype=np.float64,
+  ref = np_spam_refs.spam_reference(
+    _params(), lr=LR, eps=1e-6, dtype=np.float64, **hyper
   )
   _check(ours, clipped, *_reference_updates(ref, run, weight_decay))
 
@@ -201,20 +193,7 @@ def test_stable_spam_matches_the_reference_in_the_paper_order(
     tuple(jnp.asarray(p) for p in _params()),
     {k: jnp.asarray(v) for k, v in hyper.items()},
   )
-  ref = np_spam_refs.StableSpamReference(
-    _params(),
-    lr=LR,
-    b1=b1,
-    b2=b2,
-    eps=1e-8,
-    weight_decay=weight_decay,
-    gamma1=gamma1,
-    gamma2=gamma2,
-    gamma3=gamma3,
-    total_t=total_steps,
-    eta_min=eta_min,
-    update_proj_gap=reset_interval,
-    rebind=False,
-    dtype=np.float64,
+  ref = np_spam_refs.stable_spam_reference(
+    _params(), lr=LR, eps=1e-8, rebind=False, dtype=np.float64, **hyper
   )
   _check(ours, clipped, *_reference_updates(ref, run, weight_decay))

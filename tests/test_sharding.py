@@ -13,7 +13,6 @@ import re
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
@@ -22,6 +21,9 @@ import pytest
 from fast_compile import compile_fast
 from fast_compile import run_fast
 import optaxclip
+from sharded_runs import assert_updates_close
+from sharded_runs import one_device_and_mapped
+from sharded_runs import put
 
 # Every clipper checked on sharded trees, by name: a factory of the clipper
 # that is chained before adam. A new clipper is checked by adding it here.
@@ -87,9 +89,7 @@ def _mesh(kind):
 
 
 def _put(tree, mesh):
-  return jax.tree.map(
-    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, _specs()
-  )
+  return put(tree, mesh, _specs())
 
 
 def collectives(hlo_text):
@@ -259,32 +259,14 @@ def test_axis_name_inside_shard_map_matches_one_device():
       out[name] = (updates, state)
     return out
 
-  want = run_fast(functools.partial(run, mapped=False), grads, params)
   out_specs = {
     name: (SHARD_SPECS, None if name in local_stats else P()) for name in cases
   }
-  mapped = jax.shard_map(
-    functools.partial(run, mapped=True),
-    mesh=mesh,
-    in_specs=(SHARD_SPECS, SHARD_SPECS),
-    out_specs=out_specs,
+  got, want = one_device_and_mapped(
+    run, mesh, SHARD_SPECS, out_specs, grads, params
   )
-
-  def put(t):
-    return jax.tree.map(
-      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, SHARD_SPECS
-    )
-
-  got = run_fast(mapped, put(grads), put(params))
+  assert_updates_close(got, want, grads, TOL)
   for name in cases:
-    for key in grads:
-      np.testing.assert_allclose(
-        got[name][0][key],
-        want[name][0][key],
-        rtol=TOL,
-        atol=TOL,
-        err_msg=f"{name}: {key}",
-      )
     if name not in local_stats:
       for field in ("norm", "clipped_norm", "clip_fraction"):
         np.testing.assert_allclose(
@@ -336,9 +318,7 @@ def test_tuple_axis_name_and_pmap():
   )
   got, state = run_fast(
     f,
-    jax.tree.map(
-      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), g, specs
-    ),
+    put(g, mesh, specs),
   )
   for key in g:
     np.testing.assert_allclose(got[key], want[key], rtol=TOL, atol=TOL)
@@ -495,10 +475,9 @@ def test_adaptive_clippers_inside_shard_map_match_one_device(mesh_shape):
     in_specs=(stacked_specs, specs),
     out_specs=out_specs,
   )
-  put = lambda t, s: jax.tree.map(
-    lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), t, s
+  got = run_fast(
+    mapped, put(stacked, mesh, stacked_specs), put(params, mesh, specs)
   )
-  got = run_fast(mapped, put(stacked, stacked_specs), put(params, specs))
   _check_adaptive(got, want)
 
 
@@ -686,26 +665,12 @@ def test_per_leaf_axes_on_a_2d_mesh_match_one_device():
       out[name] = tx.update(grads, tx.init(params), params)
     return out
 
-  want = run_fast(functools.partial(run, mapped=False), grads, params)
-  mapped = jax.shard_map(
-    functools.partial(run, mapped=True),
-    mesh=mesh,
-    in_specs=(MESH_2D_SPECS, MESH_2D_SPECS),
-    out_specs={name: (MESH_2D_SPECS, P()) for name in cases},
+  out_specs = {name: (MESH_2D_SPECS, P()) for name in cases}
+  got, want = one_device_and_mapped(
+    run, mesh, MESH_2D_SPECS, out_specs, grads, params
   )
-  put = lambda t: jax.tree.map(
-    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, MESH_2D_SPECS
-  )
-  got = run_fast(mapped, put(grads), put(params))
+  assert_updates_close(got, want, grads, TOL)
   for name in cases:
-    for key in grads:
-      np.testing.assert_allclose(
-        got[name][0][key],
-        want[name][0][key],
-        rtol=TOL,
-        atol=TOL,
-        err_msg=f"{name}: {key}",
-      )
     got_stats, want_stats = (
       optaxclip.stats(got[name][1]),
       optaxclip.stats(want[name][1]),
@@ -750,13 +715,7 @@ def test_global_norm_with_leaves_on_different_axes():
       out_specs=P(),
       check_vma=False,
     )
-    return float(
-      jax.jit(f)(
-        jax.tree.map(
-          lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), g, specs
-        )
-      )
-    )
+    return float(jax.jit(f)(put(g, mesh, specs)))
 
   np.testing.assert_allclose(norm(specs), want, rtol=TOL)
   np.testing.assert_allclose(
@@ -832,9 +791,6 @@ def test_sharded_prefix_survives_masked_and_frozen_dict():
     },
   }
   specs = {"enc": {"k": P("d")}, "dec": {"k": P("d"), "b": P()}}
-  put = lambda t: jax.tree.map(
-    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs
-  )
   mask = {"enc": False, "dec": True}  # the whole "enc" subtree masked out
   inner = lambda **kw: optaxclip.clip_global(1.0, **kw)
   ref = optax.masked(inner(), mask)
@@ -847,7 +803,7 @@ def test_sharded_prefix_survives_masked_and_frozen_dict():
     in_specs=(specs,),
     out_specs=specs,
   )
-  got = jax.jit(f)(put(g))
+  got = jax.jit(f)(put(g, mesh, specs))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
   # FrozenDict updates with a plain-dict prefix.
@@ -859,7 +815,9 @@ def test_sharded_prefix_survives_masked_and_frozen_dict():
     out_specs=P(),
   )
   want_norm = np.sqrt(sum(np.sum(x**2) for x in jax.tree.leaves(g)))
-  np.testing.assert_allclose(jax.jit(f)(put(g)), want_norm, rtol=TOL)
+  np.testing.assert_allclose(
+    jax.jit(f)(put(g, mesh, specs)), want_norm, rtol=TOL
+  )
   with pytest.raises(
     ValueError,
     match=r"clip_global: sharded must be a "

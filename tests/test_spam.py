@@ -152,18 +152,8 @@ def spam_parity():
   kw = SPAM_KW
   return _parity(
     SPAM_TX,
-    lambda params, dtype: np_spam_refs.SpamReference(
-      params,
-      lr=LR,
-      b1=kw["b1"],
-      b2=kw["b2"],
-      eps=kw["eps"],
-      weight_decay=kw["weight_decay"],
-      warmup_steps=kw["warmup_steps"],
-      threshold=kw["threshold"],
-      delta_t=kw["reset_interval"],
-      grad_accu_steps=kw["grad_accu_steps"],
-      dtype=dtype,
+    lambda params, dtype: np_spam_refs.spam_reference(
+      params, lr=LR, dtype=dtype, **kw
     ),
   )
 
@@ -172,21 +162,8 @@ def stable_parity(rebind):
   kw = STABLE_KW
   return _parity(
     STABLE_TX,
-    lambda params, dtype: np_spam_refs.StableSpamReference(
-      params,
-      lr=LR,
-      b1=kw["b1"],
-      b2=kw["b2"],
-      eps=kw["eps"],
-      weight_decay=kw["weight_decay"],
-      gamma1=kw["gamma1"],
-      gamma2=kw["gamma2"],
-      gamma3=kw["gamma3"],
-      total_t=kw["total_steps"],
-      eta_min=kw["eta_min"],
-      update_proj_gap=kw["reset_interval"],
-      rebind=rebind,
-      dtype=dtype,
+    lambda params, dtype: np_spam_refs.stable_spam_reference(
+      params, lr=LR, rebind=rebind, dtype=dtype, **kw
     ),
   )
 
@@ -322,17 +299,7 @@ def test_learning_rate_schedule_matches_the_reference_lr_per_step():
   _, _, ours = _run_with_updates(
     optaxclip.spam(schedule, **SPAM_KW), params, grads
   )
-  ref = np_spam_refs.SpamReference(
-    params,
-    lr=LR,
-    eps=SPAM_KW["eps"],
-    weight_decay=SPAM_KW["weight_decay"],
-    warmup_steps=5,
-    threshold=50.0,
-    delta_t=12,
-    grad_accu_steps=3,
-    dtype=np.float64,
-  )
+  ref = np_spam_refs.spam_reference(params, lr=LR, dtype=np.float64, **SPAM_KW)
   theirs = []
   for t, g in enumerate(grads):
     ref.lr = float(schedule(t))
