@@ -440,6 +440,21 @@ def _scale_exponent(m: jax.Array) -> jax.Array:
 
 
 def _scaled_sum_plain(x, p, axes, dtype):
+  if jnp.iscomplexobj(x):
+    # A modulus may exceed the range while both parts are finite
+    # (3.4e38 - 8e37j): M is the largest part, and the modulus is taken
+    # after scaling.
+    m = jax.lax.stop_gradient(
+      jnp.max(
+        jnp.maximum(magnitude(x.real, dtype), magnitude(x.imag, dtype)),
+        axis=axes,
+        keepdims=True,
+        initial=0,
+      )
+    )
+    scale = pow2(-_scale_exponent(m), dtype)
+    a = magnitude(x * scale.astype(x.real.dtype), dtype)
+    return jnp.sum(_power(a, p), axis=axes, keepdims=True), m
   a = magnitude(x, dtype)
   # M only picks an exact power-of-two scale: it has no derivative.
   m = jax.lax.stop_gradient(jnp.max(a, axis=axes, keepdims=True, initial=0))
@@ -489,7 +504,9 @@ def _scaled_sum(x: jax.Array, p: float, axes, dtype):
   largest magnitude, and two partials are merged by rescaling to the larger.
   An infinite element gives ``q = inf``, a NaN ``q = NaN``. A leaf that may
   span devices takes two plain passes instead: XLA's partitioner does not
-  split a multi-output reduction, it would all-gather the leaf.
+  split a multi-output reduction, it would all-gather the leaf. So does a
+  complex leaf, whose modulus may exceed the range while both parts are
+  finite: it is scaled by the power of two of its largest part first.
   """
   axes = _reduce_axes(x, axes)
   dtype = np.dtype(dtype)
@@ -500,7 +517,7 @@ def _scaled_sum(x: jax.Array, p: float, axes, dtype):
       tuple(1 if d in axes else n for d, n in enumerate(x.shape))
     )
     return zero.astype(dtype), _scale_exponent(zero.astype(dtype))
-  if may_span_devices(x):
+  if may_span_devices(x) or jnp.iscomplexobj(x):
     q, m = _scaled_sum_plain(x, p, axes, dtype)
   else:
     q, m = _scaled_sum_custom(x, p, axes, dtype)
@@ -690,17 +707,6 @@ class UnitLayout:
         out.append(self.axes[what])
     return out
 
-  def _matrix(self, x, i, dtype):
-    ax = self.axes[i]
-    kept = [d for d in range(x.ndim) if d not in ax]
-    unit = math.prod(x.shape[d] for d in ax)
-    x = (
-      jnp.transpose(x, kept + list(ax))
-      if kept and ax != tuple(range(len(kept), x.ndim))
-      else x
-    )
-    return x.astype(dtype).reshape(-1, unit)
-
   def pack(self, leaves) -> list[jax.Array]:
     """The leaves (or arrays of their shapes, e.g. the params) as parts.
 
@@ -715,8 +721,17 @@ class UnitLayout:
       if kind == "stack":
         out.append(jnp.stack([leaves[i].astype(dtype) for i, _, _ in what]))
         continue
-      mats = [self._matrix(leaves[i], i, dtype) for i, _, _ in what]
-      out.append(jnp.concatenate(mats) if len(mats) > 1 else mats[0])
+      # Units are trailing (or whole leaves): the rows are the leaves'
+      # raveled elements, concatenated as one vector and reshaped once (a
+      # reshape per leaf is an instruction per leaf for XLA to process).
+      unit = math.prod(
+        self.shapes[what[0][0]][d] for d in self.axes[what[0][0]]
+      )
+      flat = [
+        jax.lax.convert_element_type(jnp.ravel(leaves[i]), dtype)
+        for i, _, _ in what
+      ]
+      out.append(_flat_concat(flat).reshape(-1, unit))
     return out
 
   def pack_units(self, values) -> list[jax.Array]:

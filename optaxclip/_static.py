@@ -10,6 +10,7 @@ from typing import Any, Literal, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optaxclip import _checks
@@ -759,10 +760,18 @@ def clip_block_rms(
         for x, f in zip(leaves, flags)
       ]
     )
-    limits = [
-      jnp.asarray(rms, n.value.dtype) * r.astype(n.value.dtype)
-      for r, n in zip(roots, norms)
-    ]
+    # rms * sqrt(n) may exceed the dtype's range (a threshold near 3.4e38
+    # on a leaf of several elements) while the clip is still meaningful:
+    # the limit as a Scaled number, with sqrt(n) = m * 2**e (exact).
+    limits = []
+    for r, n in zip(roots, norms):
+      m, e = np.frexp(r)
+      limits.append(
+        _norms.Scaled(
+          jnp.asarray(rms, n.value.dtype) * m.astype(n.value.dtype),
+          jnp.asarray(e, jnp.int32),
+        )
+      )
     out, stats = _per_unit_clip(leaves, layout, norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipBlockRMSState(
       *stats,

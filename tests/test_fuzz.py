@@ -256,15 +256,27 @@ def test_static_clippers_match_the_oracle(data):
   strict=True,
   raises=AssertionError,
   reason=(
-    "the clip_unitwise example below is fixed (an empty leaf's units, "
-    "NaN from XLA's two-output reduction over an empty axis); these draws "
-    "now find clip_block_rms(0.0) of a pure-imaginary complex64 leaf of "
-    "70000 elements near 8e37 coming out NaN in the test's fast-compiled "
-    "program (not reproduced under the default jit); no fix yet"
+    "the clip_unitwise and complex clip_block_rms examples below are fixed "
+    "(the latter was a modulus beyond float32's range, 3.4e38 - 8.2e37j, "
+    "taken as inf, under jit and fast compile alike); these draws now find "
+    "clipped.global_clipnorm at limit 0 not idempotent (clip(clip(g)) NaN "
+    "where clip(g) is 0) on a tree with subnormal complex64 values, not "
+    "reproduced outside this test yet; no fix yet"
   ),
 )
 @_examples(8, xfailing=True)
 @hypothesis.given(case=_static_case(magnitudes="extreme"))
+# Found by this suite, fixed: a complex64 leaf holding 3.4e38 - 8.2e37j (a
+# modulus beyond float32's range, both parts finite) came out NaN from
+# clip_block_rms (its norm was taken as inf, a non-finite gradient).
+@hypothesis.example(
+  case=(
+    fz.Config("clip_block_rms", (("threshold", 1.0),)),
+    {"a": np.array([3.4028235e38 - 8.1875762e37j, 6.4e37j, 0], np.complex64)},
+    None,
+    0.0,
+  )
+)
 # Issue 10 item 1's reports, pinned: a leaf above 2**126 (its norm flushed to
 # 0, the leaf unclipped) and a clip factor below float32's smallest normal.
 @hypothesis.example(

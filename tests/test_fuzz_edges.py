@@ -157,3 +157,63 @@ def test_hvp_of_a_clipped_p_norm_in_float32(scale, ord_, ratio, seed):
   size /= float(fz.measure_tree(g))
   assert math.isfinite(got), got
   assert abs(got - want) <= 1e-3 * abs(want) + 1e-3 * size, (got, want)
+
+
+# --------------------------------------------------------------------------
+# Complex moduli beyond float32's range, under jit and the fast compile
+# --------------------------------------------------------------------------
+
+_COMPLEX_CLIPPERS = ("clip_norm", "clip_global", "clip_block_rms")
+_PART = st.one_of(
+  st.sampled_from((0.0, 1e-45, 1.2e-38, 8.5e37, 3e38, 3.4028235e38)),
+  st.floats(allow_nan=False, allow_infinity=False, width=32),
+)
+
+
+@functools.cache
+def _complex_runners(name):
+  """``(g, limit) -> (update, state)`` under the default jit and compiled
+  with the fast options of tests/fast_compile.py (the fuzz suite's).
+  """
+
+  def run(g, limit):
+    tx = getattr(optaxclip, name)(limit)
+    return tx.update(g, tx.init(g))
+
+  return {"jit": jax.jit(run), "fast": fz.FastJit(run)}
+
+
+@hypothesis.settings(max_examples=6)
+@hypothesis.given(
+  name=st.sampled_from(_COMPLEX_CLIPPERS),
+  parts=st.lists(st.tuples(_PART, _PART), min_size=3, max_size=3),
+  limit=st.sampled_from((0.0, 1.0, 1e37, 2e38)),
+)
+# Found by test_fuzz.py (fixed): clip_block_rms(0.0) of this leaf was NaN;
+# the modulus of 3.4e38 - 8.2e37j exceeds float32's range.
+@hypothesis.example(
+  name="clip_block_rms",
+  parts=[(3.4028235e38, -8.1875762e37), (0.0, 6.4e37), (0.0, 0.0)],
+  limit=0.0,
+)
+@hypothesis.example(
+  name="clip_block_rms",
+  parts=[(3.4028235e38, -8.1875762e37), (0.0, 6.4e37), (0.0, 0.0)],
+  limit=2e38,
+)
+def test_complex_leaves_beyond_the_range_are_clipped(name, parts, limit):
+  """A complex64 leaf with finite parts (moduli up to 4.8e38, beyond
+  float32's range) is clipped to a finite update within the limit, along
+  its direction, under the default jit and the fast compile alike.
+  """
+  x = np.array([complex(a, b) for a, b in parts], np.complex64)
+  wide = x.astype(np.complex128)
+  norm = float(np.sqrt(np.sum(np.abs(wide) ** 2)))
+  bound = limit * (math.sqrt(x.size) if name == "clip_block_rms" else 1.0)
+  factor = min(1.0, bound / norm) if norm > 0 else 1.0
+  for how, run in _complex_runners(name).items():
+    out, _ = run({"c": jnp.asarray(x)}, F32(limit))
+    got = np.asarray(out["c"]).astype(np.complex128)
+    assert np.all(np.isfinite(got)), (how, got)
+    tol = 1e-5 * np.abs(wide) * factor + fz.flush_atol(F32)
+    assert np.all(np.abs(got - wide * factor) <= tol), (how, got, factor)
