@@ -203,7 +203,11 @@ def clipped_grad(
   is reported as 0) and ``l2_clip`` (this call's clip norm, e.g. an adapted
   one from :func:`dp_noise`'s state). An example whose gradient is not finite
   is left out (its ``norms`` entry is Inf or NaN): none of its coordinates
-  reaches ``grads``.
+  reaches ``grads``. With ``method="vmap"`` a finite example whose norm
+  exceeds the dtype's range is clipped like any other (its ``norms`` entry
+  is the dtype's largest value); the ghost method sums squared norms in
+  float32, so an example of norm above about 1.8e19 reads Inf there and is
+  left out.
 
   Its ``sensitivity`` attribute is a :class:`Sensitivity`: the L2
   sensitivity of ``grads`` for add/remove and replace-one adjacency.

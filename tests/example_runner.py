@@ -1,6 +1,10 @@
 """Runs a script of the checkout (an example, a benchmark) in a subprocess,
 as a user would: the checkout on ``PYTHONPATH``, JAX on the CPU; or loads it
 as a module, its folder on ``sys.path`` as when it runs.
+
+The scripts' tests check what they print, not how fast they run: the
+subprocess compiles cheaply, with tests/fast_compile.py's options as
+``XLA_FLAGS`` (an example's CPU time halves).
 """
 
 import importlib.util
@@ -8,6 +12,8 @@ import os
 import pathlib
 import subprocess
 import sys
+
+import fast_compile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -17,10 +23,11 @@ def run_script(path, *args, cwd, timeout=600):
   fails the test (with its output) when it exits non-zero.
   """
   env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-    filter(None, (str(ROOT), env.get("PYTHONPATH")))
-  )
+  paths = (str(ROOT), env.get("PYTHONPATH"))
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
   env["JAX_PLATFORMS"] = "cpu"
+  flags = (env.get("XLA_FLAGS"), fast_compile.xla_flags())
+  env["XLA_FLAGS"] = " ".join(filter(None, flags))
   result = subprocess.run(
     [sys.executable, str(ROOT / path), *args],
     cwd=cwd,

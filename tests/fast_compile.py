@@ -5,7 +5,10 @@ compile time of the large test programs here; the HLO passes (sharding
 propagation, SPMD partitioning, collective combining) run as usual, so the
 collectives a test counts are those users get. An option this jaxlib does
 not know is dropped (falling back to the default compilation).
+:func:`xla_flags` passes the same options to a script run in a subprocess.
 """
+
+import functools
 
 import jax
 
@@ -16,18 +19,32 @@ OPTIONS = {
 }
 
 
-def compile_fast(lowered):
-  """``lowered.compile()`` with :data:`OPTIONS` (those this jaxlib knows)."""
+@functools.cache
+def known_options():
+  """The :data:`OPTIONS` this jaxlib knows (a trivial program compiled with
+  them; those it rejects are dropped).
+  """
   options = dict(OPTIONS)
   while True:
     try:
-      return lowered.compile(options)
+      jax.jit(lambda: 0).lower().compile(options)
+      return options
     except jax.errors.JaxRuntimeError as err:
       unknown = [k for k in options if f"'{k}'" in str(err)]
       if "No such compile option" not in str(err) or not unknown:
         raise
       for k in unknown:
         del options[k]
+
+
+def compile_fast(lowered):
+  """``lowered.compile()`` with :data:`OPTIONS` (those this jaxlib knows)."""
+  return lowered.compile(dict(known_options()))
+
+
+def xla_flags():
+  """:func:`known_options` as ``XLA_FLAGS`` words, for a subprocess."""
+  return " ".join(f"--{k}={str(v).lower()}" for k, v in known_options().items())
 
 
 def run_fast(fn, *args):

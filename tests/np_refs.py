@@ -228,3 +228,15 @@ def top_leaf(norms, ord=2.0):
     return (1.0 if norms[index] > 0 else 0.0), index
   total = np.sum(norms**ord)
   return (float(norms[index] ** ord / total) if total > 0 else 0.0), index
+
+
+# clip_per_example's and dp_noise's stats() fields (API), spelled out once
+# for their tests.
+PER_EXAMPLE_STAT_FIELDS = (
+  "norm",
+  "clipped_norm",
+  "clip_fraction",
+  "nonfinite",
+  "clip_norm",
+  "threshold",
+)

@@ -122,6 +122,15 @@ def _check(ours, clipped, ref_updates, ref_clipped, scales):
       assert np.max(np.abs(got - want)) <= bound, (t, i)
 
 
+def _ours(program, run, hyper):
+  """``program`` on ``run``'s gradients, the hyperparameters traced."""
+  return program(
+    _stacked(run),
+    tuple(jnp.asarray(p) for p in _params()),
+    {k: jnp.asarray(v) for k, v in hyper.items()},
+  )
+
+
 @hypothesis.given(
   run=gradient_runs(),
   threshold=st.sampled_from([0.0, 2.0, 50.0, 5000.0]),
@@ -140,11 +149,7 @@ def test_spam_matches_the_reference(
     grad_accu_steps=grad_accu_steps,
     weight_decay=weight_decay,
   )
-  ours, clipped = _spam(
-    _stacked(run),
-    tuple(jnp.asarray(p) for p in _params()),
-    {k: jnp.asarray(v) for k, v in hyper.items()},
-  )
+  ours, clipped = _ours(_spam, run, hyper)
   ref = np_spam_refs.spam_reference(
     _params(), lr=LR, eps=1e-6, dtype=np.float64, **hyper
   )
@@ -188,11 +193,7 @@ def test_stable_spam_matches_the_reference_in_the_paper_order(
     reset_interval=reset_interval,
     weight_decay=weight_decay,
   )
-  ours, clipped = _stable(
-    _stacked(run),
-    tuple(jnp.asarray(p) for p in _params()),
-    {k: jnp.asarray(v) for k, v in hyper.items()},
-  )
+  ours, clipped = _ours(_stable, run, hyper)
   ref = np_spam_refs.stable_spam_reference(
     _params(), lr=LR, eps=1e-8, rebind=False, dtype=np.float64, **hyper
   )

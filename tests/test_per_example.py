@@ -16,6 +16,7 @@ import pytest
 
 from fast_compile import compile_fast
 from fast_compile import run_fast
+import np_refs
 import optaxclip
 from optaxclip import _per_example
 
@@ -364,15 +365,7 @@ def test_chained_with_adam_jitted_without_retrace_or_host_transfer():
   assert len(traces) == 1
   keys = set(optaxclip.stats(state))
   assert keys == {
-    "clip_per_example/" + f
-    for f in (
-      "norm",
-      "clipped_norm",
-      "clip_fraction",
-      "nonfinite",
-      "clip_norm",
-      "threshold",
-    )
+    "clip_per_example/" + f for f in np_refs.PER_EXAMPLE_STAT_FIELDS
   }
   chex.assert_trees_all_equal_shapes(
     params, jax.tree.map(lambda x: jnp.zeros(x.shape[1:]), _batch(0))
