@@ -150,8 +150,9 @@ def clip_leaf_to_range(
   low, high = low + poison, high + poison
   if jnp.iscomplexobj(x):
     # min(1, high / |x|) exactly: a plain quotient would be flushed to zero
-    # below 2**-126 (a modulus of 1e37 clipped to 1e-7).
-    return _norms.scale_leaf(x, _norms.clip_scale(_norms.magnitude(x), high))
+    # below 2**-126 (a modulus of 1e37 clipped to 1e-7), and a modulus may
+    # exceed the range while both parts are finite.
+    return _norms.scale_leaf(x, _norms.clip_scale(_norms.modulus(x), high))
   return jnp.clip(x.astype(high.dtype), low, high).astype(x.dtype)
 
 
@@ -448,7 +449,7 @@ def clip_by_value(tree: Any, min_value: Scalar, max_value: Scalar) -> Any:
     if x.size == 0:
       out.append(x)
       continue
-    biggest = _norms.largest_magnitude(x)
+    biggest = _norms.largest_part(x)  # finite exactly when x is
     dtype = biggest.dtype
     out.append(
       clip_leaf_to_range(

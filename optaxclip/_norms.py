@@ -1243,6 +1243,33 @@ def largest_magnitude(x: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.max(x), -jnp.min(x)).astype(dtype)
 
 
+def largest_part(x: jax.Array) -> jax.Array:
+  """:func:`largest_magnitude` of a real leaf; of a complex one, the largest
+  magnitude of its real and imaginary parts. Finite exactly when every
+  element is, where a complex modulus may exceed the range (3e38 + 3e38j).
+  """
+  if not jnp.iscomplexobj(x):
+    return largest_magnitude(x)
+  dtype = accumulation_dtype(x.dtype)
+  if x.size == 0:
+    return jnp.zeros((), dtype)
+  return jnp.maximum(largest_magnitude(x.real), largest_magnitude(x.imag))
+
+
+def modulus(x: jax.Array) -> Scaled:
+  """``|x|`` element-wise as :class:`Scaled`, in the accumulation dtype: a
+  complex modulus beyond the range (both parts finite) is exact, taken
+  after scaling by the power of two of the larger part.
+  """
+  dtype = accumulation_dtype(x.dtype)
+  if not jnp.iscomplexobj(x):
+    return as_scaled(magnitude(x, dtype))
+  part = jnp.maximum(magnitude(x.real, dtype), magnitude(x.imag, dtype))
+  e = _scale_exponent(part)
+  scaled = x * pow2(-e, dtype).astype(x.real.dtype)
+  return Scaled(magnitude(scaled, dtype), e)
+
+
 def count_above(x: jax.Array, limit: Any) -> jax.Array:
   """The number of elements with ``|x| > limit``, a float32 scalar.
 
@@ -1273,10 +1300,11 @@ def sample_elements(x: jax.Array) -> tuple[jax.Array, float]:
 
 def largest_and_count_parts(
   layout: UnitLayout, leaves: Sequence[jax.Array], limit: Any
-) -> list[tuple[jax.Array, jax.Array, int]]:
+) -> list[tuple[jax.Array, jax.Array, int, jax.Array]]:
   """Per part of ``layout`` (whole leaves as units): the largest magnitude
-  of each leaf, the number of its elements with ``|x| > limit`` (float32)
-  and the leaf's size.
+  of each leaf, the number of its elements with ``|x| > limit`` (float32),
+  the leaf's size, and whether the leaf is finite (a complex modulus may
+  exceed the range while both parts are finite: see :func:`largest_part`).
 
   Small leaves stacked as rows are reduced at once, along the rows (exact
   counts); other leaves as :func:`largest_magnitude` and
@@ -1286,9 +1314,11 @@ def largest_and_count_parts(
   out = []
   for (kind, _, _), part in zip(layout.parts, layout.pack(list(leaves))):
     if kind == "leaf":
-      out.append(
-        (largest_magnitude(part), count_above(part, limit), int(part.size))
-      )
+      biggest = largest_magnitude(part)
+      finite = (
+        largest_part(part) if jnp.iscomplexobj(part) else biggest
+      ) < jnp.inf
+      out.append((biggest, count_above(part, limit), int(part.size), finite))
       continue
     m = jax.lax.optimization_barrier(part)  # read once, as _power_sum
     biggest = jnp.maximum(
@@ -1296,7 +1326,7 @@ def largest_and_count_parts(
     )
     above = jnp.abs(m) > jnp.asarray(limit, m.dtype)
     n_over = jnp.sum(above, axis=1, keepdims=True, dtype=jnp.float32)
-    out.append((biggest, n_over, int(m.shape[1])))
+    out.append((biggest, n_over, int(m.shape[1]), biggest < jnp.inf))
   return out
 
 

@@ -313,25 +313,25 @@ def clip_value(
     largest = jnp.zeros((), jnp.float32)
     clipped, total, finite = jnp.zeros((), jnp.float32), 0, jnp.array(True)
     poisons = []
-    for biggest, n_over, size in _norms.largest_and_count_parts(
+    for biggest, n_over, size, leaf_finite in _norms.largest_and_count_parts(
       layout, leaves, max_delta_now
     ):
       # 0 for a finite leaf, NaN otherwise: a leaf holding a NaN or an inf
-      # comes out all NaN (the non-finite policy). Adding it to the limit
-      # also makes a leaf's clip wait for its own statistics, so that XLA
+      # comes out all NaN (the non-finite policy). Computed from the
+      # statistics, it also makes a leaf's clip wait for them, so that XLA
       # computes them while the leaf is in cache.
-      poison = 0 * (biggest + n_over)
+      poison = jnp.where(leaf_finite, 0 * n_over, jnp.nan).astype(biggest.dtype)
       poisons.append(poison)
       if size == 0:
         continue
       limit = jnp.asarray(max_delta_now, biggest.dtype) + poison
       largest = jnp.maximum(largest, jnp.max(biggest).astype(jnp.float32))
       # In the leaf's own dtype: a finite float64 may be inf in float32.
-      finite = finite & jnp.all(biggest < jnp.inf)
+      finite = finite & jnp.all(leaf_finite)
       # A sampled count may miss rare outliers: a leaf whose largest element
       # is clipped counts at least one clipped element.
       n_over = jnp.clip(n_over, (biggest > limit).astype(n_over.dtype), size)
-      clipped = clipped + jnp.sum(jnp.where(biggest < jnp.inf, n_over, size))
+      clipped = clipped + jnp.sum(jnp.where(leaf_finite, n_over, size))
       total += size * biggest.size
     out = []
     for x, poison in zip(leaves, layout.unpack(poisons)):
@@ -372,8 +372,9 @@ def _clip_value_sampled(leaves, max_delta_now, state):
     limit = jnp.asarray(max_delta_now, a.dtype)
     biggest = jnp.max(a)
     largest = jnp.maximum(largest, biggest.astype(jnp.float32))
-    # In the leaf's accumulation dtype: a finite float64 may be inf in float32.
-    finite = finite & (biggest < jnp.inf)
+    # In the leaf's accumulation dtype: a finite float64 may be inf in
+    # float32; a complex modulus may be inf while both parts are finite.
+    finite = finite & (_norms.largest_part(sample) < jnp.inf)
     # Not ``a > limit``: a NaN is not kept as it was either.
     clipped = clipped + _norms.count(~(a <= limit)) * weight
     total += x.size

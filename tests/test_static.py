@@ -1069,17 +1069,23 @@ class ExtremeMagnitudeTest(parameterized.TestCase):
     out, _ = jax.jit(tx.update)(g, tx.init(g))
     _close(out["c"], np.asarray([1j, -0.6 + 0.8j]) * 2.0**-21, atol=0)
 
-  @pytest.mark.xfail(
-    strict=True,
-    reason="a complex modulus beyond float32's range (both parts finite) is "
-    "computed as inf, so the element is NaN'd as non-finite (issue 10 item 1's "
-    "class, complex leaves)",
-  )
   def test_complex_modulus_beyond_range(self):
-    g = {"c": jnp.asarray([3e38 + 3e38j, 1.0], jnp.complex64)}
-    for tx in (optaxclip.clip_value(1.0), optaxclip.clip_norm(1.0)):
-      out, _ = jax.jit(tx.update)(g, tx.init(g))
-      self.assertTrue(np.all(np.isfinite(np.asarray(out["c"]))))
+    # Both parts finite, the modulus 4.2e38 beyond float32: clipped, not
+    # NaN'd as non-finite.
+    g = {"c": jnp.asarray([3e38 + 3e38j, 0.5], jnp.complex64)}
+    want = np.asarray([(1 + 1j) / np.sqrt(2), 0.5])
+    for tx in (
+      optaxclip.clip_value(1.0),
+      optaxclip.clip_value(1.0, stats="sampled"),
+    ):
+      out, state = jax.jit(tx.update)(g, tx.init(g))
+      _close(out["c"], want)
+      self.assertEqual(float(state.norm), math.inf)  # honest float32 stat
+      _close(state.clipped_norm, 1.0)
+      _close(state.clip_fraction, 0.5)
+    _close(optaxclip.clip_by_value(g, -1.0, 1.0)["c"], want)
+    out, _ = jax.jit(optaxclip.clip_norm(1.0).update)(g, None)
+    _close(out["c"], [(1 + 1j) / np.sqrt(2), 0.0], atol=1e-7)
 
   @parameterized.parameters("float16", "bfloat16", "float32")
   def test_largest_finite_values_of_each_dtype(self, dtype):
