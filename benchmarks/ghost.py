@@ -7,11 +7,14 @@ attention, MLP, LayerNorms, blocks under ``nn.scan``), per size:
   activations (the temporary memory of a plain ``jax.grad``): the ghost
   method cannot go below the activations, so ``ghost / vmap`` is small only
   where ``B*P`` dominates them (``--size small`` has 110k parameters and is
-  activation-dominated; ``medium``, vocabulary 4096 and width 256, is not);
+  activation-dominated; ``medium``, vocabulary 4096 and width 256, is not;
+  ``wide``, sequences of 16 and width 512, the shape of DP fine-tuning,
+  even less);
 * the compiled temporary memory (XLA's memory analysis) of one clipped step
-  at batch ``--batch`` with ``clipped_grad(method="ghost")`` (``ghost_bk``:
-  book-keeping, one backward pass, the default), the same with
-  ``bookkeeping=False`` (``ghost_2pass``), ``method="vmap"``, optax's
+  at batch ``--batch`` with ``clipped_grad(method="ghost",
+  bookkeeping=True)`` (``ghost_bk``: book-keeping, one backward pass), the
+  same with ``bookkeeping=False`` (``ghost_2pass``, the default),
+  ``method="vmap"``, optax's
   ``per_example_global_norm_clip`` on
   ``vmap(grad)`` per-example gradients and the plain ``jax.grad``;
 * the largest batch (a power of two) whose step fits ``--budget-mib`` of

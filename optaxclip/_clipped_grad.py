@@ -157,7 +157,7 @@ def clipped_grad(
   has_aux: bool = False,
   normalize: bool = False,
   gamma: float = 0.01,
-  bookkeeping: bool = True,
+  bookkeeping: bool = False,
 ) -> Callable:
   """The sum of per-example gradients, each clipped, straight from the loss.
 
@@ -174,7 +174,8 @@ def clipped_grad(
   ``method="vmap"`` is the exact reference: per-example gradients under
   ``jax.vmap``, in microbatches of ``microbatch_size`` examples to bound
   memory. ``method="ghost"`` computes the norms without per-example
-  gradients, then the clipped sum (``bookkeeping``). Per layer:
+  gradients, then the clipped sum (a second, re-weighted backward pass, or
+  ``bookkeeping``). Per layer:
 
   * ghosted (norm from the layer's input and output gradient, no
     per-example gradient): Flax linen ``Dense``, ``DenseGeneral``
@@ -232,18 +233,28 @@ def clipped_grad(
     normalize: automatic clipping (Bu et al. 2022): every example is scaled
       by ``C / (|g_b| + gamma)`` instead of ``min(1, C / |g_b|)``.
     gamma: the stabiliser of ``normalize`` (> 0).
-    bookkeeping: the ghost method's second half. ``True``: Book-Keeping
-      (Bu et al. 2023), one backward pass that keeps each ghosted layer's
-      input and output gradient and forms the clipped sum from them and the
-      clip factors (the layer's own VJP with weighted output gradients); it
-      applies when every parameter is in a tapped linen layer and the batch
-      is not split over devices, otherwise two passes are taken. ``False``:
+    bookkeeping: the ghost method's second half. ``False`` (the default):
       a second backward pass of the same forward, the loss re-weighted by
-      the clip factors. Measured on the example's transformer (vocabulary
-      4096, width 256; ``benchmarks/RESULTS.md``): one pass 1.11x the time
-      of a plain ``jax.grad``, two passes 1.38x; temporary memory 1.51x and
-      1.14x a plain ``jax.grad``'s. The faster is the default; ``False``
-      fits larger batches.
+      the clip factors. ``True``: Book-Keeping (Bu et al. 2023), one
+      backward pass that keeps each ghosted layer's input and output
+      gradient (of a layer on the exact per-example path, its per-example
+      gradient where that is smaller) and forms the clipped sum from them
+      and the clip factors (the layer's own VJP with weighted output
+      gradients); it applies when every parameter is in a tapped linen
+      layer and the batch is not split over devices, otherwise two passes
+      are taken. The rule for the default, from interleaved measurements
+      (``benchmarks/RESULTS.md``, median of per-round ratios): memory
+      decides unless one pass is clearly faster. Two passes hold what a
+      plain ``jax.grad`` holds plus little (1.11x its temporary memory on
+      the example's medium transformer, 1.10x on the wide one), one pass
+      also every layer's kept values, which under ``nn.scan`` add to all
+      the layers' residuals (1.42x, 1.41x): two passes fit twice the batch
+      in a fixed budget. One pass skips the second backward pass, but its
+      time advantage is not consistent on the shared CPU (the time of a
+      plain ``jax.grad``, one pass against two: 0.99x and 1.13x on the wide
+      transformer, 1.28x and 1.21x on the medium one, 1.11x and 1.38x in
+      an earlier medium run). Take ``True`` where the backward pass is
+      costly (long sequences, deep attention) and memory is not the limit.
 
   Returns:
     A function with ``loss_fn``'s arguments (plus the keywords above)

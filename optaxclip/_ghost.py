@@ -414,14 +414,18 @@ def _layer_sq_norms(kind, module_fn, theta, x, y, g) -> dict:
     same = tokens[:, :, None] == tokens[:, None, :]
     gg = jnp.einsum("btd,bsd->bts", gm, gm, precision=_HIGHEST)
     return {"embedding": jnp.sum(jnp.where(same, gg, 0), axis=(1, 2))}
-  # direct: the layer's own per-example parameter gradients.
+  grads = _direct_grads(module_fn, theta, x, y.dtype, g)
+  return {k: _sum_sq(v) for k, v in grads.items()}
+
+
+def _direct_grads(module_fn, theta, x, y_dtype, g) -> dict:
+  """The layer's own per-example parameter gradients, ``(B, ...)`` each."""
 
   def one(x_b, g_b):
     _, vjp = jax.vjp(lambda th: module_fn(th, x_b[None]), theta)
-    return vjp(g_b[None].astype(y.dtype))[0]
+    return vjp(g_b[None].astype(y_dtype))[0]
 
-  grads = jax.vmap(one)(x, g)
-  return {k: _sum_sq(v) for k, v in grads.items()}
+  return jax.vmap(one)(x, g)
 
 
 def like(value: jax.Array, probe: jax.Array) -> jax.Array:
@@ -463,51 +467,67 @@ def _zero_cotangent(x):
 
 
 # Names of the book-keeping catchers, set next to a layer's parameters for
-# the time of one trace (see ``forward``).
+# the time of one trace (see ``forward``): the layer's input and output
+# gradient, or (``catch_per_example``) each parameter's per-example
+# gradient.
 CATCH_X = "__ghost_x__"
 CATCH_G = "__ghost_g__"
+CATCH_PE = "__ghost_pe_{}__"
 
 
-def _make_tap(kind, module_fn, groups: dict, n_groups: int, catch: bool):
+def _make_tap(kind, module_fn, groups: dict, n_groups: int, catch: str):
   """An identity on ``y`` whose backward writes per-example squared norms
   into the probe's cotangent (row ``groups[name]`` for each parameter).
 
-  With ``catch``, two more inputs (zeros shaped like ``x`` and ``y``) receive
-  the layer's input and output gradient as their cotangents: that is how
-  they leave the backward pass, and an ``nn.scan`` stacks them per layer as
-  it stacks the parameters' gradients.
+  The last input, ``catchers`` (a dict, empty unless ``catch``), receives
+  as its cotangent what book-keeping needs of this layer: with ``catch ==
+  "xg"``, the layer's input and output gradient (zeros shaped like ``x``
+  and ``y`` at ``CATCH_X``, ``CATCH_G``); with ``"pe"``, each parameter's
+  per-example gradient. That is how they leave the backward pass, and an
+  ``nn.scan`` stacks them per layer as it stacks the parameters' gradients.
   """
 
-  def sq_rows(x, theta, y_dtype, g, probe):
+  def rows_of(sq, probe):
     shape = probe.shape
-    sq = _layer_sq_norms(
-      kind, module_fn, theta, x, jax.ShapeDtypeStruct(g.shape, y_dtype), g
-    )
     rows = [jnp.zeros(shape[1:], jnp.float32) for _ in range(n_groups)]
     for name, value in sq.items():
       rows[groups[name]] = rows[groups[name]] + value.astype(jnp.float32)
     return like(jnp.stack(rows), probe)
 
   @jax.custom_vjp
-  def tap(y, x, theta, probe, x_catch, g_catch):
-    del x, theta, probe, x_catch, g_catch
+  def tap(y, x, theta, probe, catchers):
+    del x, theta, probe, catchers
     return y
 
-  def fwd(y, x, theta, probe, x_catch, g_catch):
-    del x_catch, g_catch
+  def fwd(y, x, theta, probe, catchers):
+    del catchers
     return y, (x, theta, jnp.zeros((), y.dtype), probe)
 
   def bwd(res, g):
     x, theta, y0, probe = res
-    out = (
+    caught: dict = {}
+    if catch == "pe":
+      grads = _direct_grads(module_fn, theta, x, y0.dtype, g)
+      sq = {k: _sum_sq(v) for k, v in grads.items()}
+      caught = {CATCH_PE.format(k): v for k, v in grads.items()}
+    else:
+      sq = _layer_sq_norms(
+        kind,
+        module_fn,
+        theta,
+        x,
+        jax.ShapeDtypeStruct(g.shape, y0.dtype),
+        g,
+      )
+      if catch == "xg":
+        caught = {CATCH_X: x.astype(_catch_dtype(x.dtype)), CATCH_G: g}
+    return (
       g,
       _zero_cotangent(x),
       jax.tree.map(jnp.zeros_like, theta),
-      sq_rows(x, theta, y0.dtype, g, probe),
+      rows_of(sq, probe),
+      caught,
     )
-    if not catch:
-      return out + (None, None)
-    return out + (x.astype(_catch_dtype(x.dtype)), g)
 
   tap.defvjp(fwd, bwd)
   return tap
@@ -529,10 +549,29 @@ class _ModuleFn:
     return self.unbound.apply({"params": theta}, x)
 
 
+def _is_catcher(name) -> bool:
+  return isinstance(name, str) and name.startswith("__ghost_")
+
+
 def _split_catch(params: dict):
   """A layer's parameters without the catchers, and the catchers."""
-  theta = {k: v for k, v in params.items() if k not in (CATCH_X, CATCH_G)}
-  return theta, params.get(CATCH_X), params.get(CATCH_G)
+  theta = {k: v for k, v in params.items() if not _is_catcher(k)}
+  catchers = {k: v for k, v in params.items() if _is_catcher(k)}
+  return theta, catchers
+
+
+def catch_mode(plan: Plan, path, params: Any) -> str:
+  """What book-keeping keeps of a layer: ``"pe"`` (each parameter's
+  per-example gradient) for a layer that takes the exact per-example path
+  anyway when that is smaller than its input and output (a LayerNorm's
+  scale and bias against its ``(T, d)`` input and output), else ``"xg"``.
+  """
+  if plan.kinds[path] != "direct":
+    return "xg"
+  x, y, per_call = plan.shapes[path]
+  per_example = sum(math.prod(s) for s in per_call.values())
+  io = (math.prod(x.shape) + math.prod(y.shape)) // max(x.shape[0], 1)
+  return "pe" if per_example <= io else "xg"
 
 
 def interceptor(plan: Plan, probe: jax.Array, n_groups: int, fns: dict):
@@ -552,15 +591,19 @@ def interceptor(plan: Plan, probe: jax.Array, n_groups: int, fns: dict):
     y = next_fun(*args, **kwargs)
     kind = plan.kinds[path]
     x = args[0]
-    theta, x_catch, g_catch = _split_catch(dict(module.variables["params"]))
+    theta, catchers = _split_catch(dict(module.variables["params"]))
     n_in = 1
     if kind == "dense_general":
       n_in = _dense_general_axes(module, x)
     fn = _ModuleFn(module, n_in or 1)
     fns[path] = fn
-    catch = x_catch is not None and g_catch is not None
+    catch = ""
+    if CATCH_G in catchers:
+      catch = "xg"
+    elif catchers:
+      catch = "pe"
     tap = _make_tap(kind, fn, plan.covered[path], n_groups, catch)
-    return tap(y, x, theta, probe, x_catch, g_catch)
+    return tap(y, x, theta, probe, catchers)
 
   return intercept
 
@@ -624,15 +667,24 @@ def _stack_axes(plan: Plan, params: Any, path) -> tuple:
 
 def with_catchers(plan: Plan, params: Any) -> Any:
   """``params`` with zero catchers next to each covered layer's
-  parameters (stacked like them under ``nn.scan``).
+  parameters (stacked like them under ``nn.scan``; see ``catch_mode``).
   """
   for path, keys in plan.containers.items():
-    x, y, _ = plan.shapes[path]
+    x, y, per_call = plan.shapes[path]
     lead = _stack_axes(plan, params, path)
-    extra = {
-      CATCH_X: jnp.zeros(lead + x.shape, _catch_dtype(x.dtype)),
-      CATCH_G: jnp.zeros(lead + y.shape, y.dtype),
-    }
+    if catch_mode(plan, path, params) == "pe":
+      node = _get(params, keys)
+      extra = {
+        CATCH_PE.format(k): jnp.zeros(
+          lead + (x.shape[0],) + tuple(per_call[k]), node[k].dtype
+        )
+        for k in plan.covered[path]
+      }
+    else:
+      extra = {
+        CATCH_X: jnp.zeros(lead + x.shape, _catch_dtype(x.dtype)),
+        CATCH_G: jnp.zeros(lead + y.shape, y.dtype),
+      }
     params = _with(params, keys, extra)
   return params
 
@@ -669,6 +721,19 @@ def weighted_grads(
   for path, keys in plan.containers.items():
     node = _get(params, keys)
     got = _get(caught, keys)
+    if catch_mode(plan, path, params) == "pe":
+      lead = _stack_axes(plan, params, path)
+      for k, group in plan.covered[path].items():
+        per_example = got[CATCH_PE.format(k)]  # lead + (B,) + shape
+        acc = jnp.promote_types(per_example.dtype, jnp.float32)
+        summed = jnp.tensordot(
+          weights[group].astype(acc),
+          jnp.moveaxis(per_example, len(lead), 0).astype(acc),
+          axes=1,
+          precision=_HIGHEST,
+        )
+        by_leaf[tuple(keys) + (k,)] = summed.astype(node[k].dtype)
+      continue
     x_all, g_all = got[CATCH_X], got[CATCH_G]
     x_dtype = plan.shapes[path][0].dtype
     theta = {k: node[k] for k in plan.covered[path]}
@@ -741,8 +806,8 @@ def forward(
       if not idx or any(i not in plan.nnx_groups for i in idx.values()):
         return y
       groups = {n: plan.nnx_groups[i] for n, i in idx.items()}
-      tap = _make_tap(kind, None, groups, n_groups, False)
-      return tap(y, args[0], theta, probe_, None, None)
+      tap = _make_tap(kind, None, groups, n_groups, "")
+      return tap(y, args[0], theta, probe_, {})
 
     with (
       nn.intercept_methods(interceptor(plan, probe_, n_groups, fns)),
