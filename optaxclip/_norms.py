@@ -453,7 +453,7 @@ def _scaled_sum_plain(x, p, axes, dtype):
       )
     )
     scale = pow2(-_scale_exponent(m), dtype)
-    a = magnitude(x * scale.astype(x.real.dtype), dtype)
+    a = magnitude(scale_parts(x, scale), dtype)
     return jnp.sum(_power(a, p), axis=axes, keepdims=True), m
   a = magnitude(x, dtype)
   # M only picks an exact power-of-two scale: it has no derivative.
@@ -1243,6 +1243,15 @@ def largest_magnitude(x: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.max(x), -jnp.min(x)).astype(dtype)
 
 
+def scale_parts(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """A complex ``x`` with its real and imaginary parts each times the real
+  ``scale``: no complex product (whose ``inf * 0`` would turn an inf part
+  into NaN) and no mixed-dtype promotion.
+  """
+  scale = scale.astype(x.real.dtype)
+  return jax.lax.complex(x.real * scale, x.imag * scale)
+
+
 def largest_part(x: jax.Array) -> jax.Array:
   """:func:`largest_magnitude` of a real leaf; of a complex one, the largest
   magnitude of its real and imaginary parts. Finite exactly when every
@@ -1266,8 +1275,7 @@ def modulus(x: jax.Array) -> Scaled:
     return as_scaled(magnitude(x, dtype))
   part = jnp.maximum(magnitude(x.real, dtype), magnitude(x.imag, dtype))
   e = _scale_exponent(part)
-  scaled = x * pow2(-e, dtype).astype(x.real.dtype)
-  return Scaled(magnitude(scaled, dtype), e)
+  return Scaled(magnitude(scale_parts(x, pow2(-e, dtype)), dtype), e)
 
 
 def count_above(x: jax.Array, limit: Any) -> jax.Array:
@@ -1574,7 +1582,9 @@ def scale_leaf(x: jax.Array, factor: Union[jax.Array, Scaled]) -> jax.Array:
   memory). A scalar factor's arithmetic is hoisted out of the loop anyway.
   """
   multipliers = _multipliers(factor, x.dtype)
-  if math.prod(jnp.shape(multipliers[0])) > 1:
+  # Not element-wise factors (clip_value's complex modulus): their
+  # arithmetic runs once per element anyway.
+  if 1 < math.prod(jnp.shape(multipliers[0])) < x.size:
     multipliers = _materialized_rows(multipliers)
   return _apply_multipliers(x, multipliers)
 
@@ -1600,7 +1610,9 @@ def scale_all(
       columns = _multipliers(factor, dtype)
       wide = columns[0].dtype
       rows[dtype] = _materialized(
-        jnp.stack([jnp.asarray(m).astype(wide).reshape(()) for m in columns])
+        jnp.stack(
+          [jnp.real(jnp.asarray(m)).astype(wide).reshape(()) for m in columns]
+        )  # real numbers (a complex leaf's last one is stored as complex)
       )
     row = rows[dtype]
     out.append(
@@ -1634,7 +1646,13 @@ def _materialized_rows(arrays: Sequence[jax.Array]) -> list[jax.Array]:
   """Arrays of one shape, computed once into memory (:func:`_materialized`
   on their stack) and handed back as they were.
   """
-  rows = _materialized(jnp.stack(jnp.broadcast_arrays(*arrays)))
+  # The multipliers are real numbers (a complex leaf's last one is stored
+  # as complex): one real dtype for the stack.
+  real = [a.real if jnp.iscomplexobj(a) else a for a in arrays]
+  dtype = functools.reduce(promote_types, [a.dtype for a in real])
+  rows = _materialized(
+    jnp.stack([a.astype(dtype) for a in jnp.broadcast_arrays(*real)])
+  )
   return [
     jax.lax.index_in_dim(rows, k, keepdims=False) for k in range(len(arrays))
   ]
