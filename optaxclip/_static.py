@@ -344,15 +344,8 @@ def clip_value(
         continue
       bound = jnp.asarray(max_delta_now, poison.dtype)
       out.append(_functional.clip_leaf_to_range(x, -bound, bound, poison))
-    limit = jnp.asarray(max_delta_now, jnp.float32)
-    new_state = ClipValueState(
-      norm=_stats.as_stat(largest),
-      clipped_norm=_stats.as_stat(
-        jnp.where(finite, jnp.minimum(largest, limit), jnp.nan)
-      ),
-      clip_fraction=_fraction(clipped, total),
-      threshold=_stats.as_stat(limit),
-      count=_schedules.next_count(_schedules.count_of(state)),
+    new_state = _value_state(
+      state, max_delta_now, largest, finite, clipped, total
     )
     return jax.tree.unflatten(treedef, out), new_state
 
@@ -385,8 +378,18 @@ def _clip_value_sampled(leaves, max_delta_now, state):
     # Element-wise: NaN for an inf element, 0 otherwise.
     poison = jnp.where(jnp.isinf(x), jnp.nan, 0).astype(limit.dtype)
     out.append(_functional.clip_leaf_to_range(x, -limit, limit, poison))
+  return out, _value_state(
+    state, max_delta_now, largest, finite, clipped, total
+  )
+
+
+def _value_state(state, max_delta_now, largest, finite, clipped, total):
+  """clip_value's next state: ``largest`` is ``max |g|`` (float32),
+  ``finite`` whether every leaf was, ``clipped`` of ``total`` elements
+  clipped.
+  """
   limit = jnp.asarray(max_delta_now, jnp.float32)
-  new_state = ClipValueState(
+  return ClipValueState(
     norm=_stats.as_stat(largest),
     clipped_norm=_stats.as_stat(
       jnp.where(finite, jnp.minimum(largest, limit), jnp.nan)
@@ -395,7 +398,6 @@ def _clip_value_sampled(leaves, max_delta_now, state):
     threshold=_stats.as_stat(limit),
     count=_schedules.next_count(_schedules.count_of(state)),
   )
-  return out, new_state
 
 
 def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redefined-builtin
