@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
+import importlib.util
 import math
 import numbers
 from typing import Any, NamedTuple, Optional, Union
@@ -212,10 +213,33 @@ def check_unsplit(who: str, splits, layers) -> None:
       )
 
 
+@functools.cache
+def _register_with_flax() -> None:
+  """Lets ``flax.serialization`` (``to_bytes``, a ``TrainState``'s
+  checkpoints) save and restore a :class:`LeafNorms`: its values, under
+  ``"values"``. Done on the first state that keeps leaf norms, and only where
+  flax is installed (it is not a dependency).
+  """
+  if importlib.util.find_spec("flax") is None:
+    return
+  from flax import serialization  # pylint: disable=import-outside-toplevel
+
+  serialization.register_serialization_state(
+    LeafNorms,
+    lambda norms: {"values": norms.values},
+    lambda target, state: LeafNorms(
+      serialization.from_state_dict(target.values, state["values"]),
+      target.treedef,
+      target.layers,
+    ),
+  )
+
+
 def init(params: Any, on: bool, layers: Sequence[Optional[int]]) -> LeafStats:
   """The telemetry fields of a fresh state for ``params``."""
   if not on:
     return LeafStats()
+  _register_with_flax()
   leaves, treedef = jax.tree.flatten(params)
   counts = tuple(
     None if layer is None else int(np.shape(x)[layer])

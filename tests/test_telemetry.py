@@ -341,6 +341,23 @@ def test_old_checkpoint_upgrades_into_a_leaf_stats_state():
   assert state.top_leaf.dtype == jnp.int32
 
 
+def test_flax_serialization_round_trips_a_leaf_stats_state():
+  from flax import serialization
+
+  g = {"a": jnp.ones((3,)), "b": jnp.full((2, 4), 2.0)}
+  tx = optax.chain(
+    optaxclip.clip_global(1.0, leaf_stats=True, layer_axis={"a": None, "b": 0}),
+    optax.adam(1e-3),
+  )
+  _, state = tx.update(g, tx.init(g), g)
+  restored = serialization.from_bytes(tx.init(g), serialization.to_bytes(state))
+  assert restored[0].leaf_norms.names() == ["a", "b/0", "b/1"]
+  np.testing.assert_allclose(
+    restored[0].leaf_norms.values, [np.sqrt(3), 4.0, 4.0], rtol=1e-6
+  )
+  chex.assert_trees_all_close(restored, state)
+
+
 SHARD_CLIPPERS = {
   "clip_global": lambda **kw: optaxclip.clip_global(1.0, **kw),
   "clip_norm": lambda **kw: optaxclip.clip_norm(1.0, **kw),
