@@ -149,20 +149,11 @@ def main(argv=None) -> int:
   results = harness.time_variants(
     variants, params, grads, args.rounds, budget_s=30.0
   )
-  print("\n".join(harness.machine_lines()))
-  print(
-    f"- Command: `python benchmarks/floors.py --rounds {args.rounds} "
-    f"--leaves {args.leaves} --size {args.size}`"
+  command = (
+    f"python benchmarks/floors.py --rounds {args.rounds} "
+    f"--leaves {args.leaves} --size {args.size}"
   )
-  print()
-  print("| variant | step / adam (median, IQR) | temp MiB |")
-  print("|---|---|---|")
-  for name in VARIANTS:
-    res = results[name]
-    print(
-      f"| {name} | {harness.fmt_ratio(res)} | "
-      f"{harness.fmt_mb(res.temp_bytes)} |"
-    )
+  print(harness.ratio_report(command, VARIANTS, results))
   return 0
 
 

@@ -456,6 +456,22 @@ def fmt_mb(nbytes: Optional[int]) -> str:
   return "–" if nbytes is None else f"{nbytes / 2**20:.2f}"
 
 
+def ratio_report(command: str, names, results) -> str:
+  """The report of a script's interleaved run: the machine lines, the
+  command, and a table of each variant's step over adam's and its temporary
+  memory, in the order of ``names``.
+  """
+  lines = [*machine_lines(), f"- Command: `{command}`", ""]
+  lines += [
+    "| variant | step / adam (median, IQR) | temp MiB |",
+    "|---|---|---|",
+  ]
+  for name in names:
+    res = results[name]
+    lines.append(f"| {name} | {fmt_ratio(res)} | {fmt_mb(res.temp_bytes)} |")
+  return "\n".join(lines)
+
+
 def machine_lines() -> list[str]:
   """Markdown bullets: the machine, the versions, the date and the load."""
   model = platform.processor() or platform.machine()

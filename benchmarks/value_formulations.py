@@ -111,20 +111,8 @@ def main(argv=None) -> int:
   results = harness.time_variants(
     variants, params, grads, args.rounds, budget_s=40.0
   )
-  print("\n".join(harness.machine_lines()))
-  print(
-    "- Command: `python benchmarks/value_formulations.py "
-    f"--rounds {args.rounds}`"
-  )
-  print()
-  print("| variant | step / adam (median, IQR) | temp MiB |")
-  print("|---|---|---|")
-  for name in VARIANTS:
-    res = results[name]
-    print(
-      f"| {name} | {harness.fmt_ratio(res)} | "
-      f"{harness.fmt_mb(res.temp_bytes)} |"
-    )
+  command = f"python benchmarks/value_formulations.py --rounds {args.rounds}"
+  print(harness.ratio_report(command, VARIANTS, results))
   return 0
 
 
