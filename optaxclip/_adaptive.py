@@ -250,6 +250,8 @@ class _Measured:
     _checks.check_float_leaves(updates, f"{who}: updates")
     self.leaves, self.treedef = jax.tree.flatten(updates)
     self.scope = scope
+    # Per-leaf scope: the packing of the leaves (see _norms.UnitLayout).
+    self.layout = None
     self.state_dtype = state_dtype
     self.telemetry = _telemetry.LeafStats()
     flags = (
@@ -303,6 +305,7 @@ class _Measured:
         axis_name=axis_name,
         splits=splits,
       )
+      self.layout = layout
       scaled = _norms.Scaled(
         layout.leaf_vector([n.value for n in per_part], acc)
         if per_part
@@ -331,6 +334,9 @@ class _Measured:
     factor = _norms.clip_scale(self.scaled, limit)
     if self.scope == "global":
       out = _norms.scale_all(self.leaves, factor)
+    elif self.layout is not None:
+      # Small leaves scaled in their packed parts (compile time).
+      out = self.layout.scale_leafwise(self.leaves, factor)
     else:
       # scale_each, not factor[i]: kernels shared by leaves of one shape.
       out = _norms.scale_each(self.leaves, factor)

@@ -101,6 +101,10 @@ SMALL_LEAF_SIZE = 1 << 16
 # The largest concatenated buffer (elements): a bound on the temporary memory
 # that concatenation costs, whatever the number of small leaves.
 CHUNK_SIZE = 1 << 20
+# Leaves of a stacked part with at most this many elements are scaled in
+# their part (see UnitLayout.scale); each takes its elements back by a
+# gather with a constant index array of its size (4 bytes an element).
+PACKED_SCALE_SIZE = 1 << 12
 
 
 def promote_types(a: Any, b: Any) -> np.dtype:
@@ -712,27 +716,24 @@ class UnitLayout:
 
     Stacked parts are in the members' widest accumulation dtype.
     """
-    out = []
-    for kind, what, _ in self.parts:
-      if kind == "leaf":
-        out.append(leaves[what])
-        continue
-      dtype = tree_accumulation_dtype([leaves[i] for i, _, _ in what])
-      if kind == "stack":
-        out.append(jnp.stack([leaves[i].astype(dtype) for i, _, _ in what]))
-        continue
-      # Units are trailing (or whole leaves): the rows are the leaves'
-      # raveled elements, concatenated as one vector and reshaped once (a
-      # reshape per leaf is an instruction per leaf for XLA to process).
-      unit = math.prod(
-        self.shapes[what[0][0]][d] for d in self.axes[what[0][0]]
-      )
-      flat = [
-        jax.lax.convert_element_type(jnp.ravel(leaves[i]), dtype)
-        for i, _, _ in what
-      ]
-      out.append(_flat_concat(flat).reshape(-1, unit))
-    return out
+    return [
+      leaves[what] if kind == "leaf" else self._pack_part(kind, what, leaves)
+      for kind, what, _ in self.parts
+    ]
+
+  def _pack_part(self, kind, what, leaves) -> jax.Array:
+    dtype = tree_accumulation_dtype([leaves[i] for i, _, _ in what])
+    if kind == "stack":
+      return jnp.stack([leaves[i].astype(dtype) for i, _, _ in what])
+    # Units are trailing (or whole leaves): the rows are the leaves'
+    # raveled elements, concatenated as one vector and reshaped once (a
+    # reshape per leaf is an instruction per leaf for XLA to process).
+    unit = math.prod(self.shapes[what[0][0]][d] for d in self.axes[what[0][0]])
+    flat = [
+      jax.lax.convert_element_type(jnp.ravel(leaves[i]), dtype)
+      for i, _, _ in what
+    ]
+    return _flat_concat(flat).reshape(-1, unit)
 
   def pack_units(self, values) -> list[jax.Array]:
     """Per-leaf unit values (keepdims shapes) as per-part values."""
@@ -811,14 +812,33 @@ class UnitLayout:
 
   def scale(self, leaves, factors) -> list[jax.Array]:
     """Each leaf times its units' factors (per part, :class:`Scaled` or
-    plain), as :func:`scale_leaf` computes it (see :func:`scale_each`).
+    plain), as :func:`scale_leaf` computes it.
+
+    Stacked parts of leaves of at most ``PACKED_SCALE_SIZE`` elements with
+    Scaled factors are scaled as arrays: the multipliers of all their
+    units are computed at once (one concatenation per dtype) and kept in
+    memory (:func:`_materialized_rows`), each part is multiplied by its
+    rows of them (one kernel) and kept in memory, and each leaf takes its
+    elements back with a gather whose constant indices XLA keeps as an
+    operand: one small kernel per leaf, shared by the leaves of one shape,
+    in place of a row of multipliers (:func:`scale_each`) fused three times
+    into each of its consumers, which made the scaling cost as much compile
+    time as Adam on a tree of hundreds of tiny leaves. (A static slice would
+    be a distinct kernel per leaf, compiled on its own.) Other parts:
+    :func:`scale_each`, or :func:`scale_leaf` for a part of one leaf.
     """
     out: list[Any] = [None] * len(self.shapes)
-    for (kind, what, _), f in zip(self.parts, factors):
+    packed = []
+    for j, ((kind, what, _), f) in enumerate(zip(self.parts, factors)):
       if kind == "leaf":
         out[what] = scale_leaf(leaves[what], f)
         continue
       members = [i for i, _, _ in what]
+      if isinstance(f, Scaled) and (
+        math.prod(self.shapes[members[0]]) <= PACKED_SCALE_SIZE
+      ):
+        packed.append(j)
+        continue
       grid = (len(what), what[0][2])
       per_leaf = (
         Scaled(f.value.reshape(grid), f.exponent.reshape(grid))
@@ -832,7 +852,102 @@ class UnitLayout:
       )
       for i, y in zip(members, scaled):
         out[i] = y
+    if packed:
+      self._scale_packed(packed, leaves, factors, out)
     return out
+
+  def scale_leafwise(self, leaves, factor) -> list[jax.Array]:
+    """Each leaf times its own entry of ``factor`` (Scaled: one entry per
+    leaf, in leaf order), for a layout of whole-leaf units: as
+    :func:`scale_each`, with stacked parts scaled as :meth:`scale` does.
+    """
+    out: list[Any] = [None] * len(self.shapes)
+    # In memory: each part takes its entries (its own kernel).
+    factor = Scaled(_materialized(factor.value), _materialized(factor.exponent))
+    own, packed, factors = [], [], []
+    for j, (kind, what, _) in enumerate(self.parts):
+      if kind == "leaf" or kind == "stack" or what[0][2] != 1:
+        own.extend([what] if kind == "leaf" else [i for i, _, _ in what])
+        factors.append(None)
+        continue
+      # One unit a leaf: the part's factors are its leaves' entries.
+      index = np.asarray([i for i, _, _ in what])
+      factors.append(
+        Scaled(
+          jnp.take(factor.value, index, axis=0).reshape(-1, 1),
+          jnp.take(factor.exponent, index, axis=0).reshape(-1, 1),
+        )
+      )
+      if math.prod(self.shapes[what[0][0]]) <= PACKED_SCALE_SIZE:
+        packed.append(j)
+      else:
+        own.extend(i for i, _, _ in what)
+    if own:
+      own = sorted(own)
+      index = np.asarray(own)
+      scaled = scale_each(
+        [leaves[i] for i in own],
+        Scaled(
+          jnp.take(factor.value, index, axis=0),
+          jnp.take(factor.exponent, index, axis=0),
+        ),
+      )
+      for i, y in zip(own, scaled):
+        out[i] = y
+    if packed:
+      self._scale_packed(packed, leaves, factors, out)
+    return out
+
+  def _scale_packed(self, indices, leaves, factors, out) -> None:
+    """Scales the leaves of the stacked parts ``indices`` in their parts
+    (see :meth:`scale`), into ``out``.
+    """
+    parts = {j: self._pack_part(*self.parts[j][:2], leaves) for j in indices}
+    axes = self.part_axes
+    shapes = {
+      j: tuple(1 if d in axes[j] else n for d, n in enumerate(x.shape))
+      for j, x in parts.items()
+    }
+    by_dtype = {}
+    for j in indices:
+      by_dtype.setdefault(np.dtype(parts[j].dtype), []).append(j)
+    dims = jax.lax.GatherDimensionNumbers(
+      offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,)
+    )
+    for dtype, members in by_dtype.items():
+      factor = Scaled(
+        _flat_concat(
+          [jnp.broadcast_to(factors[j].value, shapes[j]) for j in members]
+        ),
+        _flat_concat(
+          [jnp.broadcast_to(factors[j].exponent, shapes[j]) for j in members]
+        ),
+      )
+      rows = _materialized_rows(_multipliers(factor, dtype))
+      start = 0
+      for j in members:
+        size = math.prod(shapes[j])
+        multipliers = [
+          jax.lax.slice_in_dim(r, start, start + size).reshape(shapes[j])
+          for r in rows
+        ]
+        start += size
+        flat = _materialized(
+          _apply_multipliers(parts[j], multipliers).reshape(-1)
+        )
+        # The members of a part have one size: leaf k is the k-th run.
+        what = self.parts[j][1]
+        size = math.prod(self.shapes[what[0][0]])
+        for k, (i, _, _) in enumerate(what):
+          index = np.arange(k * size, (k + 1) * size, dtype=np.int32)
+          y = jax.lax.gather(
+            flat,
+            index.reshape(self.shapes[i] + (1,)),
+            dims,
+            (1,),
+            mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+          )
+          out[i] = jax.lax.convert_element_type(y, leaves[i].dtype)
 
 
 def scale_each(
@@ -1547,6 +1662,61 @@ def clip_scale(
   bad = ~jnp.isfinite(norm.value) | jnp.isnan(limit.value)
   value = jnp.where(bad, jnp.nan, value).astype(dtype)
   return Scaled(value, jnp.where(above, l_e - n_e, 0))
+
+
+def clip_scale_parts(norms: Sequence[Scaled], limits: Sequence[Any]):
+  """``[clip_scale(n, limit) for n, limit in zip(norms, limits)]``, computed
+  on one concatenation of the norms of each dtype (those that may span
+  devices on their own) and sliced back: the factor's arithmetic (exponent
+  bits, comparisons, a division: some fifty instructions) is compiled once,
+  not once per part of a :class:`UnitLayout` (a distinct kernel per shape).
+  ``limits``: per norm, anything that broadcasts to its shape, or Scaled.
+  """
+  out: list[Any] = [None] * len(norms)
+  groups = {}
+  for i, n in enumerate(norms):
+    if may_span_devices(n.value):
+      out[i] = clip_scale(n, limits[i])
+    else:
+      groups.setdefault(np.dtype(n.value.dtype), []).append(i)
+  for dtype, members in groups.items():
+    if len(members) == 1:
+      out[members[0]] = clip_scale(norms[members[0]], limits[members[0]])
+      continue
+    shapes = [norms[i].value.shape for i in members]
+    limit = [as_scaled(limits[i]) for i in members]
+    factor = clip_scale(
+      Scaled(
+        _flat_concat([norms[i].value for i in members]),
+        _flat_concat([norms[i].exponent for i in members]),
+      ),
+      Scaled(
+        _flat_concat(
+          [
+            jnp.broadcast_to(lim.value.astype(dtype), shape)
+            for lim, shape in zip(limit, shapes)
+          ]
+        ),
+        _flat_concat(
+          [
+            jnp.broadcast_to(lim.exponent, shape)
+            for lim, shape in zip(limit, shapes)
+          ]
+        ),
+      ),
+    )
+    # In memory: each part's slice would otherwise recompute the factors'
+    # arithmetic in its own consumers' kernels.
+    factor = Scaled(_materialized(factor.value), _materialized(factor.exponent))
+    start = 0
+    for i, shape in zip(members, shapes):
+      size = math.prod(shape)
+      out[i] = Scaled(
+        factor.value[start : start + size].reshape(shape),
+        factor.exponent[start : start + size].reshape(shape),
+      )
+      start += size
+  return out
 
 
 def is_scaled_down(factor: Scaled) -> jax.Array:
