@@ -902,7 +902,10 @@ class UnitLayout:
     """Scales the leaves of the stacked parts ``indices`` in their parts
     (see :meth:`scale`), into ``out``.
     """
-    parts = {j: self._pack_part(*self.parts[j][:2], leaves) for j in indices}
+    parts = {
+      j: self._pack_part(self.parts[j][0], self.parts[j][1], leaves)
+      for j in indices
+    }
     axes = self.part_axes
     shapes = {
       j: tuple(1 if d in axes[j] else n for d, n in enumerate(x.shape))
