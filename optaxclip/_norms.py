@@ -1246,10 +1246,18 @@ def largest_magnitude(x: jax.Array) -> jax.Array:
 def scale_parts(x: jax.Array, scale: jax.Array) -> jax.Array:
   """A complex ``x`` with its real and imaginary parts each times the real
   ``scale``: no complex product (whose ``inf * 0`` would turn an inf part
-  into NaN) and no mixed-dtype promotion.
+  into NaN) and no implicit mixed-dtype promotion.
+
+  The parts are widened to ``scale``'s dtype when it is the wider one, never
+  the scale narrowed: a power of two of float64's range (``2**1021``, the
+  scale of a zero or tiny complex64 leaf in a tree with a float64 leaf) is
+  inf in float32, and ``0 * inf`` made the whole tree's norm NaN.
   """
-  scale = scale.astype(x.real.dtype)
-  return jax.lax.complex(x.real * scale, x.imag * scale)
+  real = promote_types(x.real.dtype, scale.dtype)
+  scale = scale.astype(real)
+  return jax.lax.complex(
+    x.real.astype(real) * scale, x.imag.astype(real) * scale
+  )
 
 
 def largest_part(x: jax.Array) -> jax.Array:
