@@ -233,7 +233,7 @@ _MIXED_CONFIGS = (
 )
 
 
-@hypothesis.settings(max_examples=6)
+@fz.examples(6)
 @hypothesis.given(
   config=st.sampled_from(_MIXED_CONFIGS),
   narrow=st.sampled_from(_NARROW),
