@@ -252,20 +252,21 @@ def test_static_clippers_match_the_oracle(data):
   )
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=AssertionError,
-  reason=(
-    "the clip_unitwise and complex clip_block_rms examples below are fixed "
-    "(the latter was a modulus beyond float32's range, 3.4e38 - 8.2e37j, "
-    "taken as inf, under jit and fast compile alike); these draws now find "
-    "clipped.global_clipnorm at limit 0 not idempotent (clip(clip(g)) NaN "
-    "where clip(g) is 0) on a tree with subnormal complex64 values, not "
-    "reproduced outside this test yet; no fix yet"
-  ),
-)
-@_examples(8, xfailing=True)
+@_examples(8)
 @hypothesis.given(case=_static_case(magnitudes="extreme"))
+# Found by this suite, fixed: a tree of a complex64 and a float64 leaf (x64)
+# whose complex values were all 0 (or below 2**-128) had a NaN norm:
+# the exact recompute's power-of-two scale, taken in float64's range
+# (2**1021), was cast to float32 (inf) to scale the complex parts (0 * inf).
+# It showed as clip(clip(g)) NaN at limit 0, where clip(g) is 0.
+@hypothesis.example(
+  case=(
+    fz.Config("clipped.global_clipnorm", (("global_clipnorm", 1.0),)),
+    {"a": np.zeros(2, np.complex64), "b": np.zeros(2)},
+    None,
+    0.0,
+  )
+)
 # Found by this suite, fixed: a complex64 leaf holding 3.4e38 - 8.2e37j (a
 # modulus beyond float32's range, both parts finite) came out NaN from
 # clip_block_rms (its norm was taken as inf, a non-finite gradient).

@@ -43,7 +43,7 @@ def _vmap_runner():
   return fz.FastJit(run)
 
 
-@hypothesis.settings(max_examples=6)
+@fz.examples(6)
 @hypothesis.given(
   tree=fz.per_example_trees(nonfinite=True),
   l2=st.sampled_from((1e-30, 1.0, 1e30)),
@@ -117,7 +117,7 @@ def _clip_norm_f64(leaves, limit, ord_):
   return out
 
 
-@hypothesis.settings(max_examples=4)
+@fz.examples(4)
 @hypothesis.given(
   scale=st.sampled_from((1e-30, 1e-15, 1e-8, 1e8, 1e11)),
   ord_=st.sampled_from((1.5, 3.0)),
@@ -183,7 +183,7 @@ def _complex_runners(name):
   return {"jit": jax.jit(run), "fast": fz.FastJit(run)}
 
 
-@hypothesis.settings(max_examples=6)
+@fz.examples(6)
 @hypothesis.given(
   name=st.sampled_from(_COMPLEX_CLIPPERS),
   parts=st.lists(st.tuples(_PART, _PART), min_size=3, max_size=3),
@@ -217,3 +217,81 @@ def test_complex_leaves_beyond_the_range_are_clipped(name, parts, limit):
     assert np.all(np.isfinite(got)), (how, got)
     tol = 1e-5 * np.abs(wide) * factor + fz.flush_atol(F32)
     assert np.all(np.abs(got - wide * factor) <= tol), (how, got, factor)
+
+
+# --------------------------------------------------------------------------
+# Narrow leaves beside a float64 leaf (x64): the tree's norm accumulates in
+# float64, and every narrow leaf is scaled in float64's range
+# --------------------------------------------------------------------------
+
+_NARROW = ("complex64", "float32", "bfloat16", "float16")
+_TINY = st.sampled_from((0.0, 1e-45, 1e-39, 1.2e-38, 3e-30, 1.0, 3e37, 3e38))
+_MIXED_CONFIGS = (
+  fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))),
+  fz.Config("clipped.global_clipnorm", (("global_clipnorm", 1.0),)),
+  fz.Config("clip_norm", (("axis", None), ("max_norm", 1.0), ("ord", None))),
+)
+
+
+@fz.examples(6)
+@hypothesis.given(
+  config=st.sampled_from(_MIXED_CONFIGS),
+  narrow=st.sampled_from(_NARROW),
+  values=st.lists(st.tuples(_TINY, _TINY), min_size=3, max_size=3),
+  wide=st.sampled_from((0.0, 1e-300, 1.0, 1e300)),
+  limit=st.sampled_from((0.0, 1e-3, 1.0)),
+)
+# Found by test_fuzz.py (fixed): a zero complex64 leaf beside a float64 one
+# had a NaN global norm, so the whole update came out NaN at any limit: the
+# exact recompute scaled the complex parts by 2**1021 (the scale of a zero
+# in float64's range) cast to float32, inf, and 0 * inf is NaN.
+@hypothesis.example(
+  config=_MIXED_CONFIGS[0],
+  narrow="complex64",
+  values=[(0.0, 0.0)] * 3,
+  wide=0.0,
+  limit=1.0,
+)
+@hypothesis.example(
+  config=_MIXED_CONFIGS[1],
+  narrow="complex64",
+  values=[(0.0, 1e-45), (0.0, 0.0), (0.0, 0.0)],
+  wide=1e-300,
+  limit=0.0,
+)
+def test_narrow_leaves_beside_a_float64_leaf(
+  config, narrow, values, wide, limit
+):
+  """A tree of one narrow leaf (complex64, float32, bfloat16, float16:
+  zeros, subnormals, tiny and huge values) and one float64 leaf, under x64:
+  global_norm equals the float64 oracle, and the clippers return a finite
+  update that equals the oracle's (values below the narrow dtype's smallest
+  normal may be flushed to 0) and clipping it again changes nothing.
+  """
+  dtype = np.dtype(fz.DTYPES[narrow])
+  if dtype.kind == "c":
+    x = np.array([complex(a, b) for a, b in values], dtype)
+  else:
+    x = np.array([a for a, _ in values], np.float32).astype(dtype)
+  tree = {"a": x, "b": np.full(2, wide)}
+  leaves = fz.leaves(tree)
+  flushed = math.sqrt(x.size) * fz.flush_atol(dtype)
+  with fz.x64(tree):
+    g = fz.to_jax(tree)
+    norm = float(jax.jit(optaxclip.global_norm)(g))
+    want = fz.measure_tree(leaves)
+    assert abs(norm - want) <= 1e-6 * want + flushed, (norm, want)
+    run = fz.static_runner(config)
+    limit = F32(limit)
+    oracle = fz.oracle_static(config, leaves, limit)
+    out, _ = run(g, limit, None)
+    twice, _ = run(out, limit, None)
+    for got, again, w, leaf in zip(
+      fz.leaves(out), fz.leaves(twice), oracle.out, leaves
+    ):
+      got = np.asarray(got).astype(w.dtype)
+      again = np.asarray(again).astype(w.dtype)
+      tol = 2 * fz.round_tol(leaf.dtype) * np.abs(w) + flushed
+      assert np.all(np.isfinite(got)) and np.all(np.isfinite(again)), got
+      assert np.all(np.abs(got - w) <= tol), (got, w)
+      assert np.all(np.abs(again - got) <= tol), (again, got)

@@ -41,7 +41,7 @@ def _run(tree, c):
   )
 
 
-@hypothesis.settings(max_examples=8)
+@fz.examples(8)
 @hypothesis.given(
   tree=fz.trees(dtypes=("float32",), shapes=SHAPES, max_leaves=3),
   c=fz.limits(zero=False, inf=False, magnitudes="ordinary"),
@@ -81,7 +81,7 @@ def test_functions_match_the_transformation_and_the_oracle(tree, c):
     assert float(n) <= c * (1 + TOL)
 
 
-@hypothesis.settings(max_examples=6)
+@fz.examples(6)
 @hypothesis.given(
   tree=fz.trees(dtypes=("float32",), shapes=SHAPES, max_leaves=3),
   bounds=st.tuples(st.floats(-4, 0), st.floats(0, 4)),
