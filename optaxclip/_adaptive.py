@@ -332,6 +332,10 @@ class _Measured:
     # Exact, and NaN for a unit with a NaN or infinite norm: the non-finite
     # policy (see the module's docstring), from _norms.clip_scale.
     factor = _norms.clip_scale(self.scaled, limit)
+    if self.layout is not None:
+      # In memory: the scaling's parts and the statistics below would each
+      # compile the factor's arithmetic into their own kernels.
+      factor = _norms._materialized_scaled(factor)  # noqa: SLF001
     if self.scope == "global":
       out = _norms.scale_all(self.leaves, factor)
     elif self.layout is not None:

@@ -131,7 +131,7 @@ def scale_units(
   ``norms`` and ``limits`` are per part of ``layout``; the factors are
   computed on the few parts, and each leaf is scaled by its own entries.
   """
-  factors = _norms.clip_scale_parts(norms, limits)
+  factors = _norms.clip_scale_parts(norms, limits, layout.keys)
   return layout.scale(leaves, factors), factors
 
 

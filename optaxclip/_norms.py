@@ -373,6 +373,24 @@ def may_span_devices(x: jax.Array) -> bool:
   return False
 
 
+def _varying(*values) -> tuple[Any, ...]:
+  """How each array of ``values`` (Scaled or not) is typed across the
+  mapped axes inside ``shard_map`` (varying along which): arrays
+  concatenated with others must agree, or a replicated result would come out
+  varying.
+  """
+  typeof = getattr(jax, "typeof", None)
+  out = []
+  for v in jax.tree.leaves(values):
+    aval = typeof(v) if typeof is not None else None
+    # jax 0.10: manual_axis_type (varying, unreduced, reduced); older: vma.
+    kind = getattr(aval, "manual_axis_type", None)
+    if kind is None:
+      kind = getattr(aval, "vma", None)
+    out.append(None if kind is None else repr(kind))
+  return tuple(out)
+
+
 def _concatenable(x: jax.Array) -> bool:
   return x.size <= SMALL_LEAF_SIZE and not may_span_devices(x)
 
@@ -657,6 +675,9 @@ class UnitLayout:
     # Per part: ("rows" or "stack", [(leaf, row offset, rows)], key) or
     # ("leaf", i, key).
     self.parts = []
+    # Parts packed from the same leaves (the norms' pass and the scaling's)
+    # are traced once: (the leaves, kept alive, and the part) by their ids.
+    self._packed = {}
     groups = {}
     for i, (x, ax, key) in enumerate(zip(leaves, self.axes, keys)):
       if x.size == 0 or jnp.iscomplexobj(x) or not _concatenable(x):
@@ -722,6 +743,13 @@ class UnitLayout:
     ]
 
   def _pack_part(self, kind, what, leaves) -> jax.Array:
+    members = [leaves[i] for i, _, _ in what]
+    key = (kind, tuple(map(id, members)))
+    if key not in self._packed:
+      self._packed[key] = (members, self._pack_new(kind, what, leaves))
+    return self._packed[key][1]
+
+  def _pack_new(self, kind, what, leaves) -> jax.Array:
     dtype = tree_accumulation_dtype([leaves[i] for i, _, _ in what])
     if kind == "stack":
       return jnp.stack([leaves[i].astype(dtype) for i, _, _ in what])
@@ -860,10 +888,10 @@ class UnitLayout:
     """Each leaf times its own entry of ``factor`` (Scaled: one entry per
     leaf, in leaf order), for a layout of whole-leaf units: as
     :func:`scale_each`, with stacked parts scaled as :meth:`scale` does.
+    Each part takes its entries in its own kernel: a factor computed by
+    arithmetic is best passed in memory (:func:`_materialized_scaled`).
     """
     out: list[Any] = [None] * len(self.shapes)
-    # In memory: each part takes its entries (its own kernel).
-    factor = Scaled(_materialized(factor.value), _materialized(factor.exponent))
     own, packed, factors = [], [], []
     for j, (kind, what, _) in enumerate(self.parts):
       if kind == "leaf" or kind == "stack" or what[0][2] != 1:
@@ -911,13 +939,20 @@ class UnitLayout:
       j: tuple(1 if d in axes[j] else n for d, n in enumerate(x.shape))
       for j, x in parts.items()
     }
+    # Parts of one key only: inside shard_map, multipliers of units that
+    # vary across devices are not mixed with those of replicated ones.
     by_dtype = {}
     for j in indices:
-      by_dtype.setdefault(np.dtype(parts[j].dtype), []).append(j)
+      group = (
+        np.dtype(parts[j].dtype),
+        self.parts[j][2],
+        _varying(parts[j], factors[j]),
+      )
+      by_dtype.setdefault(group, []).append(j)
     dims = jax.lax.GatherDimensionNumbers(
       offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,)
     )
-    for dtype, members in by_dtype.items():
+    for (dtype, *_), members in by_dtype.items():
       factor = Scaled(
         _flat_concat(
           [jnp.broadcast_to(factors[j].value, shapes[j]) for j in members]
@@ -1675,22 +1710,31 @@ def clip_scale(
   return Scaled(value, jnp.where(above, l_e - n_e, 0))
 
 
-def clip_scale_parts(norms: Sequence[Scaled], limits: Sequence[Any]):
+def clip_scale_parts(
+  norms: Sequence[Scaled],
+  limits: Sequence[Any],
+  keys: Optional[Sequence[Any]] = None,
+):
   """``[clip_scale(n, limit) for n, limit in zip(norms, limits)]``, computed
   on one concatenation of the norms of each dtype (those that may span
   devices on their own) and sliced back: the factor's arithmetic (exponent
   bits, comparisons, a division: some fifty instructions) is compiled once,
   not once per part of a :class:`UnitLayout` (a distinct kernel per shape).
   ``limits``: per norm, anything that broadcasts to its shape, or Scaled.
+  ``keys``: per norm, a hashable that norms concatenated together share
+  (e.g. a UnitLayout's part keys: inside ``shard_map``, norms that vary
+  across devices are not mixed with replicated ones).
   """
   out: list[Any] = [None] * len(norms)
+  keys = [None] * len(norms) if keys is None else list(keys)
   groups = {}
   for i, n in enumerate(norms):
     if may_span_devices(n.value):
       out[i] = clip_scale(n, limits[i])
     else:
-      groups.setdefault(np.dtype(n.value.dtype), []).append(i)
-  for dtype, members in groups.items():
+      group = (np.dtype(n.value.dtype), keys[i], _varying(n, limits[i]))
+      groups.setdefault(group, []).append(i)
+  for (dtype, *_), members in groups.items():
     if len(members) == 1:
       out[members[0]] = clip_scale(norms[members[0]], limits[members[0]])
       continue
@@ -1718,7 +1762,7 @@ def clip_scale_parts(norms: Sequence[Scaled], limits: Sequence[Any]):
     )
     # In memory: each part's slice would otherwise recompute the factors'
     # arithmetic in its own consumers' kernels.
-    factor = Scaled(_materialized(factor.value), _materialized(factor.exponent))
+    factor = _materialized_scaled(factor)
     start = 0
     for i, shape in zip(members, shapes):
       size = math.prod(shape)
