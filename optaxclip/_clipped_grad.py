@@ -274,7 +274,8 @@ def clipped_grad(
       step time of ghost without remat and 1.54x that of a plain
       ``jax.grad`` without remat (batch 32, median of 7 interleaved rounds
       on a loaded CPU: noisy). Results are unchanged (the same
-      operations). Applies to every method.
+      operations). Applies to every method; book-keeping keeps what it
+      keeps of every layer all the same (785 MiB there with remat).
 
   Returns:
     A function with ``loss_fn``'s arguments (plus the keywords above)
