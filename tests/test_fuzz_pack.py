@@ -103,7 +103,7 @@ def _assert_same(got, want, err, exact=True):
     np.testing.assert_allclose(got[ok], want[ok], rtol=1e-5, err_msg=err)
 
 
-@hypothesis.settings(max_examples=4, deadline=None)
+@fuzz_strategies.examples(4, deadline=None)
 @hypothesis.given(leaves_and_factors())
 def test_packed_scaling_equals_each_leaf_scaled_alone(case):
   leaves, factor = case
@@ -115,7 +115,7 @@ def test_packed_scaling_equals_each_leaf_scaled_alone(case):
       _assert_same(g, w, f"{fn.__name__}: leaf {i}")
 
 
-@hypothesis.settings(max_examples=2, deadline=None)
+@fuzz_strategies.examples(2, deadline=None)
 @hypothesis.given(leaves_and_factors())
 def test_packed_scaling_has_the_derivatives_of_each_leaf_alone(case):
   leaves, factor = case
