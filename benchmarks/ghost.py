@@ -16,7 +16,12 @@ attention, MLP, LayerNorms, blocks under ``nn.scan``), per size:
   same with ``bookkeeping=False`` (``ghost_2pass``, the default),
   ``method="vmap"``, optax's
   ``per_example_global_norm_clip`` on
-  ``vmap(grad)`` per-example gradients and the plain ``jax.grad``;
+  ``vmap(grad)`` per-example gradients and the plain ``jax.grad``; and
+  with the example's ``Block`` rematerialised (``remat=Block``, the
+  ``*_remat`` rows): the two-pass ghost step, the vmap path and the plain
+  ``jax.grad`` (its loss rerouted as ``remat=Block`` does: the blocks under
+  ``flax.linen.remat``), so that each method is compared with and without
+  remat;
 * the largest batch (a power of two) whose step fits ``--budget-mib`` of
   temporary memory, for both methods (predicted from the two compiled
   batches, temporary memory being affine in the batch, then compiled at the
@@ -40,6 +45,7 @@ import numpy as np
 import optax
 
 import optaxclip
+from optaxclip import _remat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -61,8 +67,10 @@ def load_example():
   return module
 
 
-def steps(loss_fn, clip):
-  """The steps compared: (params, tokens) -> gradients."""
+def steps(loss_fn, clip, block):
+  """The steps compared: (params, tokens) -> gradients; ``block``: the
+  module class the ``*_remat`` steps rematerialise.
+  """
   one_pass = optaxclip.clipped_grad(
     loss_fn, clip, method="ghost", bookkeeping=True
   )
@@ -70,9 +78,17 @@ def steps(loss_fn, clip):
     loss_fn, clip, method="ghost", bookkeeping=False
   )
   vmap = optaxclip.clipped_grad(loss_fn, clip, method="vmap")
+  two_pass_remat = optaxclip.clipped_grad(
+    loss_fn, clip, method="ghost", bookkeeping=False, remat=block
+  )
+  vmap_remat = optaxclip.clipped_grad(loss_fn, clip, method="vmap", remat=block)
+  remat_loss = _remat.rematerialised(loss_fn, (block,))
 
   def plain(params, tokens):
     return jax.grad(lambda p: loss_fn(p, tokens).mean())(params)
+
+  def plain_remat(params, tokens):
+    return jax.grad(lambda p: remat_loss(p, tokens).mean())(params)
 
   def optax_clip(params, tokens):
     per_example = jax.vmap(
@@ -88,6 +104,9 @@ def steps(loss_fn, clip):
     "vmap": lambda p, t: vmap(p, t)[0],
     "plain": plain,
     "optax": optax_clip,
+    "ghost_2pass_remat": lambda p, t: two_pass_remat(p, t)[0],
+    "vmap_remat": lambda p, t: vmap_remat(p, t)[0],
+    "plain_remat": plain_remat,
   }
 
 
@@ -151,7 +170,7 @@ def main():
     jax.random.PRNGKey(0), jnp.zeros((1, size["length"]), jnp.int32)
   )
   loss_fn = example.per_example_loss(model)
-  fns = steps(loss_fn, 1.0)
+  fns = steps(loss_fn, 1.0, example.Block)
 
   def tokens_of(batch):
     return example.synthetic_tokens(
@@ -178,8 +197,8 @@ def main():
   print(
     ", ".join(
       f"{g} / {ref} = {memory[g] / memory[ref]:.3f}"
-      for g in ("ghost_bk", "ghost_2pass")
-      for ref in ("vmap", "optax", "plain")
+      for g in ("ghost_bk", "ghost_2pass", "ghost_2pass_remat")
+      for ref in ("vmap", "vmap_remat", "optax", "plain", "plain_remat")
     )
   )
 
@@ -187,7 +206,7 @@ def main():
   compiled, small = {}, {}
   for name in fns:
     small[name], compiled[name] = temp_mib(fns[name], params, time_tokens)
-  for name in ("ghost_bk", "ghost_2pass", "vmap"):
+  for name in ("ghost_bk", "ghost_2pass", "ghost_2pass_remat", "vmap"):
     batch, mib = largest_batch(
       fns[name],
       params,
@@ -203,6 +222,7 @@ def main():
   for f in compiled.values():
     jax.block_until_ready(f(params, time_tokens))
   ratios = {k: [] for k in fns if k != "plain"}
+  over_ghost = []  # ghost_2pass_remat / ghost_2pass
   times = {}
   for r in range(args.rounds):
     for name in np.random.default_rng(r).permutation(list(fns)):
@@ -211,12 +231,19 @@ def main():
       times[name] = time.perf_counter() - start
     for k in ratios:
       ratios[k].append(times[k] / times["plain"])
+    over_ghost.append(times["ghost_2pass_remat"] / times["ghost_2pass"])
   print(
     f"batch {args.time_batch}: step time over a plain jax.grad of the mean "
     f"loss ({times['plain'] * 1e3:.1f} ms last round), median of "
     f"{args.rounds} interleaved rounds: "
-    + ", ".join(f"{k} {np.median(v):.2f}x" for k, v in ratios.items())
+    + ", ".join(f"{k} {_median_iqr(v)}" for k, v in ratios.items())
   )
+  print(f"ghost_2pass_remat / ghost_2pass: {_median_iqr(over_ghost)}")
+
+
+def _median_iqr(values):
+  q1, med, q3 = np.percentile(values, [25, 50, 75])
+  return f"{med:.2f}x (IQR {q1:.2f}-{q3:.2f})"
 
 
 if __name__ == "__main__":

@@ -1662,10 +1662,13 @@ def scale_leaf(x: jax.Array, factor: Union[jax.Array, Scaled]) -> jax.Array:
   Adam's step on a transformer's kernels, against 1.9x with them in
   memory). A scalar factor's arithmetic is hoisted out of the loop anyway.
   """
-  multipliers = _multipliers(factor, x.dtype)
   # Not element-wise factors (clip_value's complex modulus): their
   # arithmetic runs once per element anyway.
-  if 1 < math.prod(jnp.shape(multipliers[0])) < x.size:
+  per_unit = 1 < math.prod(jnp.shape(_value(factor))) < x.size
+  if per_unit and isinstance(factor, Scaled):
+    factor = _materialized_scaled(factor)
+  multipliers = _multipliers(factor, x.dtype)
+  if per_unit:
     multipliers = _materialized_rows(multipliers)
   return _apply_multipliers(x, multipliers)
 
@@ -1713,14 +1716,14 @@ def _materialized(v: jax.Array) -> jax.Array:
 
   XLA:CPU fuses cheap element-wise producers into each of their consumers
   (and drops ``optimization_barrier``), but never a reduction: ``v`` is
-  returned as a masked sum of ``[v; v]`` with a constant mask that keeps the
-  first row. Selection, not multiplication: NaN and inf stay as they are.
+  returned as the sum of ``[v; 0]``, the zero row padding (which, unlike a
+  stack ``[v; v]`` masked, does not compute ``v`` a second time). NaN and
+  inf stay as they are.
   """
-  mask = np.zeros((2,) + v.shape, bool)
-  mask[0] = True
-  return jnp.sum(
-    jnp.where(mask, jnp.stack([v, v]), jnp.zeros((), v.dtype)), axis=0
+  padded = jax.lax.pad(
+    v[None], jnp.zeros((), v.dtype), [(0, 1, 0)] + [(0, 0, 0)] * v.ndim
   )
+  return jnp.sum(padded, axis=0)
 
 
 def _materialized_rows(arrays: Sequence[jax.Array]) -> list[jax.Array]:
@@ -1737,6 +1740,27 @@ def _materialized_rows(arrays: Sequence[jax.Array]) -> list[jax.Array]:
   return [
     jax.lax.index_in_dim(rows, k, keepdims=False) for k in range(len(arrays))
   ]
+
+
+def _value(factor: Union[jax.Array, Scaled]) -> jax.Array:
+  return factor.value if isinstance(factor, Scaled) else factor
+
+
+def _materialized_scaled(factor: Scaled) -> Scaled:
+  """A per-unit factor computed once into memory, value and exponent in one
+  kernel (:func:`_materialized` on their stack; the exponent, a small
+  integer, is exact as a float). Without it each multiplier row that
+  :func:`scale_leaf` keeps in memory computes the factor again from the
+  norms and limits (about a hundred instructions per unit and row); from
+  memory, a row is a few bit operations.
+  """
+  if factor.value.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+    return factor  # exponents are exact as floats of these
+  value, e = jnp.broadcast_arrays(factor.value, factor.exponent)
+  stacked = _materialized(
+    jnp.stack([value, jax.lax.stop_gradient(e).astype(value.dtype)])
+  )
+  return Scaled(stacked[0], stacked[1].astype(factor.exponent.dtype))
 
 
 def _multipliers(factor: Union[jax.Array, Scaled], dtype) -> list[jax.Array]:

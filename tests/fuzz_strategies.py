@@ -84,6 +84,15 @@ Float64 oracles (NumPy, no JAX)
   ``oracle_per_example(leaves, l2_clip, scope)`` -> ``(sum, contributions,
   nonfinite)`` of ``clip_per_example(..., reduce="sum")`` without noise.
 
+Example counts
+  ``examples(n, parent=None, **settings)``: ``hypothesis.settings`` with
+  ``n`` examples under the ``ci`` profile (the default; the suite's budget
+  of about a minute) and the profile's own count under any other
+  (``release``: 1000), so that a longer profile really runs more.
+  ``ci_or(ci, other)``: the strategy ``ci`` under the ``ci`` profile, else
+  ``other`` (the heavy, rarely failing variety of a draw, e.g. tree layouts
+  that each compile a new program, runs under ``release`` only).
+
 Running under JAX
   ``to_jax(tree)``: the host tree as JAX arrays (call inside :func:`x64`).
   ``static_runner(config)``: a cached ``jax.jit`` of ``(g, limit, params) ->
@@ -107,8 +116,10 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 from typing import Any
 
+import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -119,6 +130,32 @@ import optax
 import fast_compile
 import np_refs
 import optaxclip
+
+# --------------------------------------------------------------------------
+# Example counts: the ci profile's budget, the release profile's own
+# --------------------------------------------------------------------------
+
+
+def ci_profile() -> bool:
+  """Whether the ``ci`` hypothesis profile (conftest.py's default) is on."""
+  return os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci"
+
+
+def examples(n: int, parent=None, **kwargs) -> hypothesis.settings:
+  """Settings with ``n`` examples under the ``ci`` profile; any other
+  profile (``release``) keeps its own ``max_examples``. ``parent`` and
+  the other keyword arguments are passed to ``hypothesis.settings`` under
+  every profile.
+  """
+  if ci_profile():
+    kwargs["max_examples"] = n
+  return hypothesis.settings(parent, **kwargs)
+
+
+def ci_or(ci, other):
+  """The strategy ``ci`` under the ``ci`` profile, else ``other``."""
+  return ci if ci_profile() else other
+
 
 # --------------------------------------------------------------------------
 # Dtypes and x64

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import fuzz_strategies as fz
 import optaxclip
 
 PATIENCE, WARMUP, HISTORY = 4, 3, 6
@@ -110,7 +111,7 @@ histories = st.lists(
 levels = st.floats(1e-15, 1e15)
 
 
-@hypothesis.settings(max_examples=25)
+@fz.examples(25)
 @hypothesis.given(
   name=st.sampled_from([*CLIPPERS, "guard"]), history=histories, level=levels
 )
@@ -141,7 +142,7 @@ def test_a_new_level_is_held_back_a_bounded_number_of_steps(
   assert restarts is None or int(restarts) >= 0
 
 
-@hypothesis.settings(max_examples=10)
+@fz.examples(10)
 @hypothesis.given(
   name=st.sampled_from([*CLIPPERS, "guard_plain"]),
   exponent=st.integers(-300, 300),
@@ -183,7 +184,7 @@ STAT_FIELDS = {
 }
 
 
-@hypothesis.settings(max_examples=20)
+@fz.examples(20)
 @hypothesis.given(
   name=st.sampled_from(list(CLIPPERS)),
   history=st.lists(st.floats(0.1, 10.0), min_size=0, max_size=5),
@@ -264,7 +265,7 @@ def _sharded_runner(name, steps):
   return single, sharded
 
 
-@hypothesis.settings(max_examples=6)
+@fz.examples(6)
 @hypothesis.given(
   name=st.sampled_from(["zscore", "percentile", "relative", "guard"]),
   norms=st.lists(

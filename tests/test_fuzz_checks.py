@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 
+import fuzz_strategies as fz
 import optaxclip
 from optaxclip import _stats
 
@@ -238,7 +239,7 @@ def test_seeds_map_to_distinct_keys_or_are_rejected(seed):
 
 # A plain clipper compiles once per value (its limit is a constant of the
 # program): a few values keep this cheap.
-@hypothesis.settings(max_examples=3)
+@fz.examples(3)
 @hypothesis.given(
   st.sampled_from([0.05, 2.0, 7.5]), st.sampled_from(["clip_global"])
 )

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import fuzz_strategies as fz
 import optaxclip
 from optaxclip import _norms
 
@@ -37,7 +38,7 @@ def many_leaves(draw):
   return _tree(shapes, values)
 
 
-@hypothesis.settings(max_examples=10, deadline=None)
+@fz.examples(10, deadline=None)
 @hypothesis.given(
   st.lists(
     st.sampled_from([0.0, 1.0, -2.5, 1e38, np.inf, -np.inf, np.nan]),
@@ -63,7 +64,7 @@ def _oracle_norm(x):
   return np.sqrt(np.sum(x * x))
 
 
-@hypothesis.settings(max_examples=5, deadline=None)
+@fz.examples(5, deadline=None)
 @hypothesis.given(many_leaves())
 def test_clip_norm_many_leaves_matches_per_leaf(tree):
   tx = optaxclip.clip_norm(1.0)
@@ -87,7 +88,7 @@ def test_clip_norm_many_leaves_matches_per_leaf(tree):
   )
 
 
-@hypothesis.settings(max_examples=4, deadline=None)
+@fz.examples(4, deadline=None)
 @hypothesis.given(many_leaves())
 def test_unit_norms_packed_match_unpacked(tree):
   leaves = list(tree.values())

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fast_compile import compile_fast
+import fuzz_strategies as fz
 import optaxclip
 
 BATCH = 4
@@ -79,7 +80,7 @@ def _step(clip):
   return _STEPS[clip]
 
 
-@hypothesis.settings(max_examples=25)
+@fz.examples(25)
 @hypothesis.given(tree=_batches(), clip=st.sampled_from([1e-3, 1.0, 1e4]))
 def test_each_example_moves_the_sum_by_at_most_the_clip(tree, clip):
   tx = optaxclip.clip_per_example(clip, reduce="sum")
@@ -152,7 +153,7 @@ def _ghost_batches(draw):
   return tokens, x, pad
 
 
-@hypothesis.settings(max_examples=10)
+@fz.examples(10)
 @hypothesis.given(
   data=_ghost_batches(),
   clip=st.sampled_from([1e-2, 0.3, 1e3]),

@@ -44,7 +44,7 @@ def _vmap_runner():
   return fz.FastJit(run)
 
 
-@hypothesis.settings(max_examples=6)
+@fz.examples(6)
 @hypothesis.given(
   tree=fz.per_example_trees(nonfinite=True),
   l2=st.sampled_from((1e-30, 1.0, 1e30)),
@@ -118,7 +118,7 @@ def _clip_norm_f64(leaves, limit, ord_):
   return out
 
 
-@hypothesis.settings(max_examples=4)
+@fz.examples(4)
 @hypothesis.given(
   scale=st.sampled_from((1e-30, 1e-15, 1e-8, 1e8, 1e11)),
   ord_=st.sampled_from((1.5, 3.0)),
@@ -184,7 +184,7 @@ def _complex_runners(name):
   return {"jit": jax.jit(run), "fast": fz.FastJit(run)}
 
 
-@hypothesis.settings(max_examples=6)
+@fz.examples(6)
 @hypothesis.given(
   name=st.sampled_from(_COMPLEX_CLIPPERS),
   parts=st.lists(st.tuples(_PART, _PART), min_size=3, max_size=3),
@@ -234,7 +234,7 @@ _MIXED_CONFIGS = (
 )
 
 
-@hypothesis.settings(max_examples=6)
+@fz.examples(6)
 @hypothesis.given(
   config=st.sampled_from(_MIXED_CONFIGS),
   narrow=st.sampled_from(_NARROW),

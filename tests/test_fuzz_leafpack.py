@@ -65,7 +65,7 @@ def _assert_norms_equal(got, want, err):
     np.testing.assert_allclose(got, want, rtol=2e-6, err_msg=err)
 
 
-@hypothesis.settings(max_examples=4, deadline=None)
+@fuzz_strategies.examples(4, deadline=None)
 @hypothesis.given(many_small_leaves())
 def test_packed_unit_norms_equal_one_leaf_at_a_time(leaves):
   packed = _packed(leaves)
@@ -79,7 +79,7 @@ def test_packed_unit_norms_equal_one_leaf_at_a_time(leaves):
     _assert_norms_equal(p.reshape(()), want, f"leaf {i} vs float64")
 
 
-@hypothesis.settings(max_examples=3, deadline=None)
+@fuzz_strategies.examples(3, deadline=None)
 @hypothesis.given(many_small_leaves())
 def test_leaf_stats_norms_and_clip_equal_the_unpacked_path(leaves):
   tree = {f"l{i:02d}": x for i, x in enumerate(leaves)}

@@ -19,6 +19,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+import fuzz_strategies as fz
 import optaxclip
 from sharded_runs import assert_updates_close
 from sharded_runs import one_device_and_mapped
@@ -83,7 +84,7 @@ def _clippers(specs, axis_name):
   }
 
 
-@hypothesis.settings(max_examples=6)
+@fz.examples(6)
 @hypothesis.given(sharded_trees())
 def test_sharded_clippers_equal_one_device(case):
   mesh_name, grads, specs = case

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import fuzz_strategies as fz
 import optaxclip
 from optaxclip import _norms
 
@@ -57,7 +58,7 @@ def units_and_factors(draw):
   return jnp.asarray(x), factor
 
 
-@hypothesis.settings(max_examples=25, deadline=None)
+@fz.examples(25, deadline=None)
 @hypothesis.given(units_and_factors())
 def test_per_unit_factors_scale_as_scalar_factors_one_unit_at_a_time(case):
   x, factor = case
@@ -79,7 +80,7 @@ def _fusions_of_shape(hlo: str, shape: tuple[int, ...]) -> list[str]:
   return [b for b in bodies if re.search(rf"ROOT [^\n]*= f32\[{dims}\]", b)]
 
 
-@hypothesis.settings(max_examples=3, deadline=None)
+@fz.examples(3, deadline=None)
 @hypothesis.given(st.sampled_from([0.01, 0.1]), st.sampled_from(["up", "down"]))
 def test_no_factor_arithmetic_in_a_leaf_kernel(clipping, which):
   shape = BIG if which == "up" else BIG[::-1]
