@@ -28,8 +28,9 @@ hypothesis.settings.register_profile(
   derandomize=True,
   suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
-# Release checks: many more examples, a fresh random seed each run (the fuzz
-# suite's invariants over far more of the input space; minutes, not seconds).
+# Release checks: many more examples, a fresh random seed each run, and the
+# draws the ci profile narrows to fixed layouts drawn freely
+# (tests/fuzz_strategies.py: examples, ci_or); hours, not a minute.
 # HYPOTHESIS_PROFILE=release python -m pytest tests/test_fuzz*.py
 hypothesis.settings.register_profile(
   "release",

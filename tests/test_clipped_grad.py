@@ -110,15 +110,26 @@ CASES = {
 }
 
 
-def _oracle(loss, params, batch, clip, normalize=False, gamma=0.01):
-  """Per-example gradients by vmap(grad) in the test, clipped in NumPy."""
+def _per_example_grads(loss, params, batch):
+  """Per-example gradients by vmap(grad) in the test (float64 leaves)."""
 
   def one(*example):
     ex = [e[None] for e in example]
     return jax.grad(lambda p: loss(p, *ex)[0])(params)
 
   per_example = run_fast(jax.vmap(one), *batch)
-  leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(per_example)]
+  return [np.asarray(x, np.float64) for x in jax.tree.leaves(per_example)]
+
+
+def _oracle(
+  loss, params, batch, clip, normalize=False, gamma=0.01, leaves=None
+):
+  """Per-example gradients (``leaves``, else computed), clipped in NumPy.
+  Pass ``leaves`` to clip one batch's gradients at several norms without
+  compiling the vmap(grad) program again.
+  """
+  if leaves is None:
+    leaves = _per_example_grads(loss, params, batch)
   b = leaves[0].shape[0]
   norms = np.sqrt(sum(np.sum(x.reshape(b, -1) ** 2, axis=1) for x in leaves))
   if normalize:
@@ -145,9 +156,9 @@ def _close(got, want, rtol=1e-5):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ghost_equals_vmap_and_the_oracle(case):
   loss, params, batch = CASES[case]()
-  _, norms0, _ = _oracle(loss, params, batch, 1.0)
+  _, norms0, leaves = _oracle(loss, params, batch, 1.0)
   clip = float(np.median(norms0))  # about half the examples clipped
-  want, want_norms, _ = _oracle(loss, params, batch, clip)
+  want, want_norms, _ = _oracle(loss, params, batch, clip, leaves=leaves)
   # The oracle is itself a vmap reference: the transformer (the slowest to
   # compile) checks the ghost method (two passes, and book-keeping's one)
   # against it only.
@@ -206,7 +217,7 @@ def test_padding_nonfinite_per_layer_and_normalize(method):
     loss, 0.5, batch_argnums=(1, 2), method=method, microbatch_size=4
   )
   grads, norms = jax.jit(fn)(params, x, y, is_padding_example=pad)
-  want, want_norms, _ = _oracle(loss, params, kept, 0.5)
+  want, want_norms, leaves = _oracle(loss, params, kept, 0.5)
   _close(grads, want)
   assert np.isnan(norms[2]) and norms[5] == 0
   np.testing.assert_allclose(norms[keep], want_norms, rtol=1e-5)
@@ -216,14 +227,15 @@ def test_padding_nonfinite_per_layer_and_normalize(method):
     loss, 0.5, batch_argnums=(1, 2), method=method, normalize=True, gamma=0.1
   )
   grads, _ = jax.jit(fn)(params, x, y, is_padding_example=pad)
-  want, _, _ = _oracle(loss, params, kept, 0.5, normalize=True, gamma=0.1)
+  want, _, _ = _oracle(
+    loss, params, kept, 0.5, normalize=True, gamma=0.1, leaves=leaves
+  )
   _close(grads, want)
 
   # Per-layer clip norms: a pytree prefix of the parameters.
   clips = {"params": {"Dense_0": 0.1, "Dense_1": 0.2, "Dense_2": 0.3}}
   fn = optaxclip.clipped_grad(loss, clips, batch_argnums=(1, 2), method=method)
   grads, _ = jax.jit(fn)(params, *kept)
-  _, _, leaves = _oracle(loss, params, kept, 1.0)
   names = [
     jax.tree_util.keystr(p)
     for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]

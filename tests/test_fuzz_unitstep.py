@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import fuzz_strategies as fz
 import optaxclip
 from optaxclip import _norms
 
@@ -40,7 +41,7 @@ def scaled_factors(draw):
   return np.asarray(values, dtype), np.asarray(exponents, np.int32)
 
 
-@hypothesis.settings(max_examples=20, deadline=None)
+@fz.examples(20, deadline=None)
 @hypothesis.given(scaled_factors())
 def test_a_materialized_factor_is_the_factor(case):
   values, exponents = case
@@ -66,7 +67,7 @@ def test_a_materialized_factor_is_the_factor(case):
     )
 
 
-@hypothesis.settings(max_examples=20, deadline=None)
+@fz.examples(20, deadline=None)
 @hypothesis.given(
   st.lists(
     st.one_of(
@@ -84,7 +85,7 @@ def test_materialized_keeps_every_number(values):
   np.testing.assert_array_equal(got, v + np.float32(0))
 
 
-@hypothesis.settings(max_examples=2, deadline=None)
+@fz.examples(2, deadline=None)
 @hypothesis.given(st.sampled_from([(260, 256), (256, 260)]))
 def test_the_multiplier_rows_do_not_recompute_the_factor(shape):
   params = {"k": jnp.ones(shape)}
