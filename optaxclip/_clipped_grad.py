@@ -205,11 +205,16 @@ def clipped_grad(
   is reported as 0) and ``l2_clip`` (this call's clip norm, e.g. an adapted
   one from :func:`dp_noise`'s state). An example whose gradient is not finite
   is left out (its ``norms`` entry is Inf or NaN): none of its coordinates
-  reaches ``grads``. With ``method="vmap"`` a finite example whose norm
-  exceeds the dtype's range is clipped like any other (its ``norms`` entry
-  is the dtype's largest value); the ghost method sums squared norms in
-  float32, so an example of norm above about 1.8e19 reads Inf there and is
-  left out.
+  reaches ``grads``. A finite example whose norm exceeds the dtype's range
+  (or whose squared norm does: above about 1.8e19 in float32) is clipped
+  like any other, by both methods (its ``norms`` entry is the dtype's
+  largest value when the norm is beyond it): the norms are exact at every
+  size. The ghost method applies the clip factor as a weight of the
+  backward pass, so an example whose factor ``C / |g_b|`` is below the
+  dtype's smallest normal number (a norm above ``C * 2**126``, 8.5e37 for
+  ``C = 1`` in float32) contributes nothing rather than its clipped
+  gradient (the vmap method scales exactly there too); either way no
+  example contributes more than ``C``.
 
   Its ``sensitivity`` attribute is a :class:`Sensitivity`: the L2
   sensitivity of ``grads`` for add/remove and replace-one adjacency.
@@ -373,11 +378,18 @@ def clipped_grad(
         loss_fn, args, batch_argnums, group_of_leaf, len(clips), split, batch
       )
       all_finite = jnp.all(
-        jnp.isfinite(jax.vmap(_norms.combine_norms)(group_norms))
+        jnp.isfinite(_per_example.stack_and_combine(group_norms).value)
       )
-      group_norms = [jnp.where(real, n, 0) for n in group_norms]
-      norms = jax.vmap(_norms.combine_norms)(group_norms)
-      keep = real & jnp.isfinite(norms)
+      group_norms = [
+        _norms.Scaled(
+          jnp.where(real, n.value, 0), jnp.where(real, n.exponent, 0)
+        )
+        for n in group_norms
+      ]
+      total = _per_example.stack_and_combine(group_norms)
+      norms = _per_example.reported_norm(total)
+      # As with vmap, only an example holding an Inf or NaN is left out.
+      keep = real & jnp.isfinite(total.value)
       factors = [
         jnp.where(keep, f.as_float(), 0)
         for f in _factors(group_norms, clips, normalize, gamma)
@@ -486,11 +498,22 @@ def clipped_grad(
     )
     one_pass = bookkeeping and not spans and _ghost.can_bookkeep(plan, params)
     losses, aux, vjp, fns = _ghost.forward(
-      apply_loss, params, plan, batch, n_groups, catch=one_pass
+      apply_loss,
+      params,
+      plan,
+      batch,
+      n_groups,
+      catch=one_pass,
+      batch_arg=jnp.asarray(jax.tree.leaves(args[argnums[0]])[0]),
     )
-    caught, sq = vjp(jnp.ones_like(losses))
+    caught, rows = vjp(jnp.ones_like(losses))
+    buckets = _norms.N_BUCKETS
+    group_norms = [
+      _norms.bucket_norms(rows[g * buckets : (g + 1) * buckets])
+      for g in range(n_groups)
+    ]
     if any(fallback):
-      sq = sq + _fallback_sq(
+      exact = _fallback_norms(
         loss_fn_,
         args,
         argnums,
@@ -500,9 +523,10 @@ def clipped_grad(
         batch,
         split_,
       )
-    group_norms = [
-      jnp.sqrt(jnp.where(jnp.isnan(s), jnp.nan, jnp.maximum(s, 0))) for s in sq
-    ]
+      group_norms = [
+        _per_example.stack_and_combine([a, b])
+        for a, b in zip(group_norms, exact)
+      ]
     treedef = jax.tree.structure(params)
 
     def by_group(grads_of_group):
@@ -607,11 +631,12 @@ def clipped_grad(
 
     return group_norms, grads_fn
 
-  def _fallback_sq(
+  def _fallback_norms(
     loss_fn_, args, argnums, fallback, group_of_leaf, n_groups, batch, split_
   ):
-    """Per group, the squared per-example norms of the fallback leaves, from
-    their exact per-example gradients (the other leaves held constant).
+    """Per group, the ``(B,)`` norms (Scaled, exact beyond the dtype's
+    range) of the fallback leaves, from their exact per-example gradients
+    (the other leaves held constant).
     """
     params = args[0]
     leaves, treedef = jax.tree.flatten(params)
@@ -643,16 +668,28 @@ def clipped_grad(
       grads = jax.vmap(per_example, in_axes=in_axes)(
         fb_leaves, _take(c_args, argnums, lambda x: x[i])
       )
-      rows = [jnp.zeros(size, jnp.float32) for _ in range(n_groups)]
-      for j, g in zip(fb_idx, grads):
-        g32 = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-        rows[group_of_leaf[j]] = rows[group_of_leaf[j]] + jnp.sum(
-          jnp.abs(g32) ** 2, axis=tuple(range(1, g.ndim))
+      leaf_norms, _ = _per_example.example_norms_scaled(grads)
+      norms = []
+      for g in range(n_groups):
+        members = [
+          n for n, j in zip(leaf_norms, fb_idx) if group_of_leaf[j] == g
+        ]
+        norms.append(
+          _per_example.stack_and_combine(members)
+          if members
+          else _norms.as_scaled(jnp.zeros(size, jnp.float32))
         )
-      return jnp.stack(rows)
+      return (
+        jnp.stack([n.value for n in norms]),
+        jnp.stack([n.exponent for n in norms]),
+      )
 
-    out = jax.lax.map(chunk, jnp.arange(chunks))  # (chunks, groups, size)
-    return jnp.moveaxis(out, 1, 0).reshape(n_groups, batch)
+    # (chunks, groups, size) each: chunk c holds examples c*size onwards.
+    values, exponents = (
+      jnp.moveaxis(v, 1, 0).reshape(n_groups, batch)
+      for v in jax.lax.map(chunk, jnp.arange(chunks))
+    )
+    return [_norms.Scaled(values[g], exponents[g]) for g in range(n_groups)]
 
   def plan(params, *args):
     """The ghost plan for these arguments: which parameter paths are

@@ -6,11 +6,19 @@ supported layer call is intercepted with ``flax.linen.intercept_methods`` and
 its output ``y`` is passed through an identity "tap" with a custom VJP. The
 tap's backward sees the layer's input ``a`` and the output gradient ``g`` of
 every example, and writes the squared norm of that example's gradient of the
-layer's parameters into the cotangent of a ``(groups, B)`` "probe" array the
-whole loss closes over. The gradient of the summed loss with respect to the
-probe is then the per-example squared norm, summed over layers (and over the
-layers of an ``nn.scan``, whose body closes over the same probe). The
-layer's real computation is untouched: the tap only reads.
+layer's parameters into the cotangent of a ``(groups * N_BUCKETS, B)``
+"probe" array the whole loss closes over. The gradient of the summed loss
+with respect to the probe is then the per-example squared norm, summed over
+layers (and over the layers of an ``nn.scan``, whose body closes over the
+same probe). The layer's real computation is untouched: the tap only reads.
+
+Finite examples of any size: a squared norm is written as the rows of
+``_norms.to_buckets`` (one row per range of exponents), so that sums beyond
+float32's range stay exact, and ``_norms.bucket_norms`` reads the norms
+back. Each layer squares its factors as they are; only where a square is
+not finite (a norm above about 1.8e19) does one ``lax.cond`` recompute that
+layer's squares from factors scaled per example by powers of two (chunk
+by chunk: no scaled copy of a whole output gradient).
 
 Per layer kind:
 
@@ -58,12 +66,15 @@ from __future__ import annotations
 from collections.abc import Callable
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from optaxclip import _norms
 
 try:  # Flax is optional: without it every parameter takes the exact path.
   import flax.linen as nn
@@ -390,10 +401,137 @@ def _sum_sq(x: jax.Array) -> jax.Array:
   return jnp.sum(x * x, axis=tuple(range(1, x.ndim)))
 
 
+def _exact_if_needed(fast: dict, exact: Callable, operands) -> dict:
+  """``fast`` (per name, ``(B,)`` squared norms computed as they are) as
+  :class:`~optaxclip._norms.Scaled` numbers, or, where one is not finite
+  (an example's norm above about 1.8e19 squares to inf in float32, or a
+  product of huge and zero factors gave NaN), ``exact(operands)``: the same
+  squares from factors scaled per example by powers of two. One
+  ``lax.cond``: ordinary steps pay for a finiteness check of ``(B,)``
+  numbers.
+  """
+  ok = functools.reduce(
+    jnp.logical_and, [jnp.all(jnp.isfinite(v)) for v in fast.values()]
+  )
+  return jax.lax.cond(
+    ok,
+    lambda _: {k: _norms.as_scaled(v) for k, v in fast.items()},
+    exact,
+    operands,
+  )
+
+
+# The exact recompute scales its factors chunk by chunk along their last
+# (feature) axis, in at most this many chunks: a scaled copy of a whole
+# output gradient would be one more buffer of the logits' size.
+_MOST_CHUNKS = 16
+
+
+def _chunk_sum(fn: Callable, x: jax.Array) -> jax.Array:
+  """``sum_c fn(x_c)`` over the chunks ``x_c`` of ``x``'s last axis (``k``
+  chunks, the largest divisor of its size up to ``_MOST_CHUNKS``), one at a
+  time (slices along an axis no mesh splits).
+  """
+  d = x.shape[-1]
+  k = max(i for i in range(1, _MOST_CHUNKS + 1) if d % i == 0)
+  chunks = x.reshape(x.shape[:-1] + (k, d // k))
+  axis = chunks.ndim - 2
+
+  def chunk(i):
+    return jax.lax.dynamic_index_in_dim(chunks, i, axis, keepdims=False)
+
+  return jax.lax.fori_loop(
+    1, k, lambda i, acc: acc + fn(chunk(i)), fn(chunk(0))
+  )
+
+
+def _scaled(x: jax.Array, scale: jax.Array) -> jax.Array:
+  return x.astype(scale.dtype) * scale
+
+
+def _gram(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """``(B, T, T)`` inner products of the positions of ``x * scale``."""
+  return _chunk_sum(
+    lambda c: jnp.einsum(
+      "btd,bsd->bts", _scaled(c, scale), _scaled(c, scale), precision=_HIGHEST
+    ),
+    x,
+  )
+
+
+def _dense_sq(a, gm, bias: bool) -> dict:
+  out = {"kernel": _gram_or_direct_sq(a, gm)}
+  if bias:
+    out["bias"] = _sum_sq(jnp.sum(gm.astype(jnp.float32), axis=1))
+  return out
+
+
+def _dense_sq_exact(a, gm, bias: bool) -> dict:
+  """:func:`_dense_sq` of factors scaled per example (exact, Scaled)."""
+  sa, ea = _norms.row_scales(a)
+  sg, eg = _norms.row_scales(gm)
+  _, t, d_in = a.shape
+  d_out = gm.shape[-1]
+  if t * (d_in + d_out) < d_in * d_out:
+    kernel = jnp.sum(_gram(a, sa) * _gram(gm, sg), axis=(1, 2))
+  else:
+
+    def block(a_c, g_c):
+      pe = jnp.einsum(
+        "btd,bte->bde",
+        _scaled(a_c, sa),
+        _scaled(g_c, sg),
+        precision=_HIGHEST,
+      )
+      return jnp.sum(pe * pe, axis=(1, 2))
+
+    kernel = _chunk_sum(
+      lambda g_c: _chunk_sum(lambda a_c: block(a_c, g_c), a), gm
+    )
+  out = {"kernel": _norms.Scaled(kernel, 2 * (ea + eg))}
+  if bias:
+    bias_sq = _chunk_sum(
+      lambda g_c: _sum_sq(jnp.sum(_scaled(g_c, sg), axis=1)), gm
+    )
+    out["bias"] = _norms.Scaled(bias_sq, 2 * eg)
+  return out
+
+
+def _embed_sq(tokens, gm, scale=None) -> jax.Array:
+  same = tokens[:, :, None] == tokens[:, None, :]
+  if scale is None:
+    gm = gm.astype(jnp.float32)
+    gg = jnp.einsum("btd,bsd->bts", gm, gm, precision=_HIGHEST)
+  else:
+    gg = _gram(gm, scale)
+  return jnp.sum(jnp.where(same, gg, 0), axis=(1, 2))
+
+
+def _direct_sq(grads: dict) -> dict:
+  """Squared norms of per-example gradients (``(B, ...)`` each)."""
+
+  def exact(grads_):
+    out = {}
+    for k, v in grads_.items():
+      v = v.reshape(v.shape[0], -1)
+      scale, e = _norms.row_scales(v)
+      out[k] = _norms.Scaled(
+        _chunk_sum(lambda c, s=scale: _sum_sq(_scaled(c, s)), v), 2 * e
+      )
+    return out
+
+  return _exact_if_needed(
+    {k: _sum_sq(v) for k, v in grads.items()}, exact, grads
+  )
+
+
 def _layer_sq_norms(kind, module_fn, theta, x, y, g) -> dict:
   """Per parameter name, the ``(B,)`` squared norms of its per-example
   gradient, from the layer input ``x``, parameters ``theta`` (a dict) and
-  output gradient ``g``.
+  output gradient ``g``, as :class:`~optaxclip._norms.Scaled` numbers: exact
+  for every finite example, its norm beyond float32's range included (the
+  factors are then scaled per example by the powers of two of their largest
+  magnitudes, ``_norms.row_scales``, and the squares carry the exponents).
   """
   batch = x.shape[0]
   if kind == "dense" or kind == "dense_general":
@@ -401,21 +539,26 @@ def _layer_sq_norms(kind, module_fn, theta, x, y, g) -> dict:
     d_in = math.prod(x.shape[x.ndim - n_in :])
     a = x.reshape(batch, -1, d_in)
     features = theta["kernel"].shape[n_in:]
-    d_out = math.prod(features)
-    gm = g.reshape(batch, -1, d_out)
-    out = {"kernel": _gram_or_direct_sq(a, gm)}
-    if "bias" in theta:
-      out["bias"] = _sum_sq(jnp.sum(gm.astype(jnp.float32), axis=1))
-    return out
+    gm = g.reshape(batch, -1, math.prod(features))
+    bias = "bias" in theta
+    return _exact_if_needed(
+      _dense_sq(a, gm, bias),
+      lambda ops: _dense_sq_exact(ops[0], ops[1], bias),
+      (a, gm),
+    )
   if kind == "embed":
     tokens = x.reshape(batch, -1)
     d = theta["embedding"].shape[-1]
-    gm = g.reshape(batch, -1, d).astype(jnp.float32)
-    same = tokens[:, :, None] == tokens[:, None, :]
-    gg = jnp.einsum("btd,bsd->bts", gm, gm, precision=_HIGHEST)
-    return {"embedding": jnp.sum(jnp.where(same, gg, 0), axis=(1, 2))}
-  grads = _direct_grads(module_fn, theta, x, y.dtype, g)
-  return {k: _sum_sq(v) for k, v in grads.items()}
+    gm = g.reshape(batch, -1, d)
+
+    def exact_embed(g_):
+      scale, e = _norms.row_scales(g_)
+      return {"embedding": _norms.Scaled(_embed_sq(tokens, g_, scale), 2 * e)}
+
+    return _exact_if_needed(
+      {"embedding": _embed_sq(tokens, gm)}, exact_embed, gm
+    )
+  return _direct_sq(_direct_grads(module_fn, theta, x, y.dtype, g))
 
 
 def _direct_grads(module_fn, theta, x, y_dtype, g) -> dict:
@@ -448,8 +591,9 @@ def like(value: jax.Array, probe: jax.Array) -> jax.Array:
 
 
 def batch_like(mask: jax.Array, x: jax.Array) -> jax.Array:
-  """A ``(B,)`` array split like ``x``'s leading (batch) axis, where an
-  Explicit mesh types ``x``.
+  """A ``(..., B)`` array (a ``(B,)`` one, or the probe's rows) with its
+  last axis split like ``x``'s leading (batch) axis, where an Explicit mesh
+  types ``x``.
   """
   typeof = getattr(jax, "typeof", None)
   sharding = getattr(typeof(x), "sharding", None) if typeof else None
@@ -457,7 +601,8 @@ def batch_like(mask: jax.Array, x: jax.Array) -> jax.Array:
   spec = tuple(getattr(sharding, "spec", None) or ())
   if mesh is None or mesh.empty or not spec or spec[0] is None:
     return mask
-  return jax.sharding.reshard(mask, jax.sharding.PartitionSpec(spec[0]))
+  lead = (None,) * (mask.ndim - 1)
+  return jax.sharding.reshard(mask, jax.sharding.PartitionSpec(*lead, spec[0]))
 
 
 def _zero_cotangent(x):
@@ -477,7 +622,8 @@ CATCH_PE = "__ghost_pe_{}__"
 
 def _make_tap(kind, module_fn, groups: dict, n_groups: int, catch: str):
   """An identity on ``y`` whose backward writes per-example squared norms
-  into the probe's cotangent (row ``groups[name]`` for each parameter).
+  into the probe's cotangent (rows ``groups[name] * N_BUCKETS`` onwards for
+  each parameter).
 
   The last input, ``catchers`` (a dict, empty unless ``catch``), receives
   as its cotangent what book-keeping needs of this layer: with ``catch ==
@@ -488,11 +634,15 @@ def _make_tap(kind, module_fn, groups: dict, n_groups: int, catch: str):
   """
 
   def rows_of(sq, probe):
-    shape = probe.shape
-    rows = [jnp.zeros(shape[1:], jnp.float32) for _ in range(n_groups)]
+    # Per group, the rows of _norms.to_buckets (squares beyond float32's
+    # range added up exactly), groups one after the other.
+    shape = (_norms.N_BUCKETS,) + probe.shape[1:]
+    rows = [jnp.zeros(shape, jnp.float32) for _ in range(n_groups)]
     for name, value in sq.items():
-      rows[groups[name]] = rows[groups[name]] + value.astype(jnp.float32)
-    return like(jnp.stack(rows), probe)
+      rows[groups[name]] = rows[groups[name]] + _norms.to_buckets(value).astype(
+        jnp.float32
+      )
+    return like(jnp.concatenate(rows), probe)
 
   @jax.custom_vjp
   def tap(y, x, theta, probe, catchers):
@@ -508,7 +658,7 @@ def _make_tap(kind, module_fn, groups: dict, n_groups: int, catch: str):
     caught: dict = {}
     if catch == "pe":
       grads = _direct_grads(module_fn, theta, x, y0.dtype, g)
-      sq = {k: _sum_sq(v) for k, v in grads.items()}
+      sq = _direct_sq(grads)
       caught = {CATCH_PE.format(k): v for k, v in grads.items()}
     else:
       sq = _layer_sq_norms(
@@ -773,21 +923,30 @@ def forward(
   batch_size: int,
   n_groups: int,
   catch: bool = False,
+  batch_arg: Optional[jax.Array] = None,
 ):
   """One forward pass with the taps in place.
+
+  ``batch_arg``: a leaf of the batch; the probe is split like its leading
+  axis (under an Explicit mesh each layer's rows then stay on the devices
+  that computed them: no all-gather).
 
   Returns:
     ``(losses, aux, vjp, fns)``: ``vjp(cotangent)`` with a ``(B,)``
     cotangent returns ``(param_grads, probe_cotangent)``. With a cotangent
-    of ones, the probe's is the ``(n_groups, B)`` per-example squared norms
-    of the covered parameters; with per-example weights, the parameters' is
-    the weighted sum of the per-example gradients. Both backward passes
+    of ones, the probe's is the per-example squared norms of the covered
+    parameters, group after group, each as ``_norms.N_BUCKETS`` rows of
+    ``_norms.to_buckets`` (``_norms.bucket_norms`` reads them); with
+    per-example weights, the parameters' is the weighted sum of the
+    per-example gradients. Both backward passes
     share the forward's activations (under ``jit``, each drops what it does
     not use). With ``catch`` (see ``with_catchers``), the parameters'
     cotangent also holds each layer's input and output gradient at the
     catchers, for :func:`weighted_grads`; ``fns`` the layers' functions.
   """
-  probe = jnp.zeros((n_groups, batch_size), jnp.float32)
+  probe = jnp.zeros((n_groups * _norms.N_BUCKETS, batch_size), jnp.float32)
+  if batch_arg is not None:
+    probe = batch_like(probe, batch_arg)
   fns: dict = {}
   if catch:
     params = with_catchers(plan, params)

@@ -1656,6 +1656,79 @@ def reduce_norms(
   return Scaled(safe_root(total, ord) + bad, top)
 
 
+# --------------------------------------------------------------------------
+# Sums of squares carried by addition alone
+# --------------------------------------------------------------------------
+#
+# Ghost norms (optaxclip/_ghost.py) leave the backward pass as the cotangent
+# of a probe array, which automatic differentiation sums over the layers
+# and the steps of an ``nn.scan``: addition is all they go through. A
+# squared norm beyond float32's range (an example's gradient norm above
+# about 1.8e19) cannot be one float32 number there, so each one is written,
+# as ``m * 2**(E - BUCKET_BITS * j)`` with ``E`` its exponent, into row
+# ``j = E // BUCKET_BITS`` of a stack of rows: rows add up as the numbers
+# they stand for, and :func:`bucket_norms` turns the sums back into exact
+# :class:`Scaled` norms.
+
+BUCKET_BITS = 64
+# Rows j = FIRST_BUCKET, ..., FIRST_BUCKET + N_BUCKETS - 1: exponents -704 to
+# 703, beyond every squared norm of finite float32 values (2**256 per
+# element at most, times the element count).
+FIRST_BUCKET = -11
+N_BUCKETS = 22
+
+
+def row_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per row ``b`` of ``x`` (leading axis ``B``), the power of two
+  ``2**-E_b`` that brings its largest magnitude near 1 (see
+  ``_scale_exponent``), in the accumulation dtype and shaped to broadcast
+  against ``x`` (or any slice of its trailing axes), and the int32 ``(B,)``
+  exponents ``E``.
+
+  Products and squares of rows scaled by it (``x * scale``: exact) neither
+  overflow nor underflow, whatever the rows' magnitudes; one reduction over
+  ``x``, no scaled copy of it.
+  """
+  dtype = accumulation_dtype(x.dtype)
+  axes = tuple(range(1, x.ndim))
+  m = jax.lax.stop_gradient(jnp.max(magnitude(x, dtype), axis=axes, initial=0))
+  e = _scale_exponent(m)
+  return pow2(-e, dtype).reshape((-1,) + (1,) * len(axes)), e
+
+
+def to_buckets(squares: Scaled) -> jax.Array:
+  """Non-negative numbers (a :class:`Scaled` of any shape ``S``, in any
+  range) as ``(N_BUCKETS,) + S`` rows: each number in the row of its
+  exponent, scaled into ``[0.5, 2**BUCKET_BITS)`` there, 0 elsewhere.
+
+  Sums of such rows go back with :func:`bucket_norms`. Inf and NaN stay as
+  they are (in row 0 unless their exponent says otherwise); numbers below
+  the first row's range are lost (below 2**-704).
+  """
+  m, e = _normalized(squares)
+  last = FIRST_BUCKET + N_BUCKETS - 1
+  j = jnp.clip(jnp.floor_divide(e, BUCKET_BITS), FIRST_BUCKET, last)
+  value = ldexp(m, e - BUCKET_BITS * j)
+  rows = np.arange(FIRST_BUCKET, last + 1, dtype=np.int32)
+  rows = rows.reshape((-1,) + (1,) * m.ndim)
+  return jnp.where(j[None] == rows, value[None], jnp.zeros((), m.dtype))
+
+
+def bucket_norms(rows: jax.Array) -> Scaled:
+  """The square roots, exact, of the numbers that ``rows`` (sums of
+  :func:`to_buckets` rows, shape ``(N_BUCKETS,) + S``) stand for: the L2
+  norms whose squares were written, as a :class:`Scaled` of shape ``S``.
+  """
+  if BUCKET_BITS % 2:  # pragma: no cover
+    raise AssertionError("BUCKET_BITS must be even")
+  half = np.arange(FIRST_BUCKET, FIRST_BUCKET + N_BUCKETS) * (BUCKET_BITS // 2)
+  exponents = jnp.broadcast_to(
+    jnp.asarray(half, jnp.int32).reshape((-1,) + (1,) * (rows.ndim - 1)),
+    rows.shape,
+  )
+  return reduce_norms(Scaled(safe_root(rows, 2.0), exponents), 2.0, (0,))
+
+
 def ratio(a: Scaled, b: Scaled) -> jax.Array:
   """``a / b`` as a plain array, for finite ``0 <= a <= b`` (0 when ``b``
   is 0): exact powers of two, so that numbers beyond the dtype's range

@@ -7,6 +7,7 @@ budget (small trees, few examples, programs compiled once per shape).
 import functools
 import math
 
+import flax.linen as nn
 import hypothesis
 from hypothesis import strategies as st
 import jax
@@ -295,3 +296,92 @@ def test_narrow_leaves_beside_a_float64_leaf(
       assert np.all(np.isfinite(got)) and np.all(np.isfinite(again)), got
       assert np.all(np.abs(got - w) <= tol), (got, w)
       assert np.all(np.abs(again - got) <= tol), (again, got)
+
+
+# --------------------------------------------------------------------------
+# clipped_grad(method="ghost"): examples whose squared norm overflows
+# float32 are clipped, as by the vmap method
+# --------------------------------------------------------------------------
+
+
+class _GhostNet(nn.Module):
+  """Every path of the ghost norms: a Conv (the layer's own per-example
+  gradient), a Dense by the Gram form (2 positions, 8 -> 8), a Dense by the
+  direct form (8 -> 1) and a bare parameter (the exact fallback).
+  """
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(8, kernel_size=(1,))(x)
+    x = nn.Dense(8)(x)
+    y = nn.Dense(1)(x)[..., 0].sum(axis=-1)
+    return y * self.param("s", nn.initializers.ones, ())
+
+
+_GHOST_SHAPE = (4, 2, 8)
+
+
+@functools.cache
+def _ghost_runners():
+  """``(params, xs, padding) -> (grads, norms)`` per method, compiled once."""
+  net = _GhostNet()
+  params = net.init(jax.random.PRNGKey(0), jnp.zeros(_GHOST_SHAPE))
+
+  def loss(p, xs):
+    return net.apply(p, xs)
+
+  def runner(method):
+    fn = optaxclip.clipped_grad(loss, 1.0, method=method)
+
+    def run(p, xs, padding, clip):
+      return fn(p, xs, is_padding_example=padding, l2_clip=clip)
+
+    return fz.FastJit(run)
+
+  return params, {m: runner(m) for m in ("ghost", "vmap")}
+
+
+def _tree_norm(tree) -> float:
+  return float(fz.measure_tree([np.asarray(g) for g in jax.tree.leaves(tree)]))
+
+
+@hypothesis.settings(max_examples=5)
+@hypothesis.given(
+  scales=st.lists(
+    st.sampled_from((1e-3, 1.0, 1e10, 1e19, 1e25, 1e30)),
+    min_size=4,
+    max_size=4,
+  ),
+  l2=st.sampled_from((1e-2, 1.0, 1e3)),
+  seed=st.integers(0, 2**16),
+)
+# An example of norm ~1e21 (its squared norm above float32's range): ghost
+# left it out (norm inf, zero contribution) where vmap clipped it.
+@hypothesis.example(scales=[1.0, 1e20, 1e-3, 1e30], l2=1.0, seed=0)
+def test_clipped_grad_ghost_clips_examples_beyond_the_range(scales, l2, seed):
+  """clipped_grad(method="ghost") equals method="vmap" on examples of any
+  finite size (norms up to ~1e31, squared far beyond float32's range): the
+  same per-example norms and clipped sum, and each example alone (the
+  others masked as padding) contributes at most ``l2_clip``.
+  """
+  params, runners = _ghost_runners()
+  rng = np.random.default_rng(seed)
+  xs = rng.normal(size=_GHOST_SHAPE).astype(F32)
+  xs *= np.asarray(scales, F32)[:, None, None]
+  clip = F32(l2)
+  none = np.zeros(len(scales), bool)
+  got = {m: run(params, xs, none, clip) for m, run in runners.items()}
+  (g_ghost, n_ghost), (g_vmap, n_vmap) = got["ghost"], got["vmap"]
+  n_ghost, n_vmap = np.asarray(n_ghost), np.asarray(n_vmap)
+  assert np.all(np.isfinite(n_ghost)), n_ghost
+  np.testing.assert_allclose(n_ghost, n_vmap, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_ghost), jax.tree.leaves(g_vmap)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    atol = 1e-5 * len(scales) * l2 + fz.flush_atol(F32)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
+  for b in range(len(scales)):
+    alone = np.arange(len(scales)) != b
+    grads, _ = runners["ghost"](params, xs, alone, clip)
+    # Clipped, not dropped: an example of norm above l2 contributes l2.
+    want = min(l2, float(n_vmap[b]))
+    assert abs(_tree_norm(grads) - want) <= 1e-4 * want + 1e-30, (b, want)
