@@ -252,11 +252,11 @@ def clipped_grad(
       are taken. The rule for the default, from interleaved measurements
       (``benchmarks/RESULTS.md``, median of per-round ratios): memory
       decides unless one pass is clearly faster. Two passes hold what a
-      plain ``jax.grad`` holds plus little (1.11x its temporary memory on
-      the example's medium transformer, 1.10x on the wide one), one pass
+      plain ``jax.grad`` holds and the per-layer norm computation (1.31x
+      its temporary memory on the example's medium transformer), one pass
       also every layer's kept values, which under ``nn.scan`` add to all
-      the layers' residuals (1.42x, 1.41x): two passes fit twice the batch
-      in a fixed budget. One pass skips the second backward pass, but its
+      the layers' residuals (1.45x): two passes fit twice the batch in a
+      fixed budget. One pass skips the second backward pass, but its
       time advantage is not consistent on the shared CPU (the time of a
       plain ``jax.grad``, one pass against two: 0.99x and 1.13x on the wide
       transformer, 1.28x and 1.21x on the medium one, 1.11x and 1.38x in
@@ -271,8 +271,8 @@ def clipped_grad(
       layer: the residuals stacked over the layers shrink to the layers'
       inputs. The ghost method then holds less than a plain ``jax.grad``
       without remat (the example's medium transformer at batch 256, from
-      ``benchmarks/RESULTS.md``: 468 MiB of temporary memory against 890
-      for the plain gradient and 986 for ghost without remat, 0.065 of the
+      ``benchmarks/RESULTS.md``: 589 MiB of temporary memory against 890
+      for the plain gradient and 1163 for ghost without remat, 0.082 of the
       vmap path's 7202 MiB, which remat leaves unchanged: per-example
       gradients dominate it). The price is one more forward pass of those
       modules per backward pass (two with two passes): there 1.08x the
