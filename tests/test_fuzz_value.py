@@ -6,8 +6,6 @@ NaN and inf sprinkled); in leaves small enough to be their own sample its
 statistics equal the exact formulation's oracle.
 """
 
-import os
-
 import hypothesis
 from hypothesis import strategies as st
 import jax
@@ -17,13 +15,6 @@ import numpy as np
 
 import fuzz_strategies as fz
 import optaxclip
-
-# Ten examples under the ci profile; other profiles (release) keep their own.
-_CI_EXAMPLES = (
-  {"max_examples": 10}
-  if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci"
-  else {}
-)
 
 
 def _oracle(x: np.ndarray, limit: float) -> np.ndarray:
@@ -57,7 +48,7 @@ def _seen(x: np.ndarray) -> np.ndarray:
   return np.where(mag < np.finfo(acc).tiny, 0.0, mag)
 
 
-@hypothesis.settings(**_CI_EXAMPLES)
+@fz.examples(10)
 @hypothesis.given(
   tree=fz.trees(dtypes=fz.ALL, nonfinite=True, min_leaves=1),
   limit=fz.limits(),
