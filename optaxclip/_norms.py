@@ -888,28 +888,35 @@ class UnitLayout:
     """Each leaf times its own entry of ``factor`` (Scaled: one entry per
     leaf, in leaf order), for a layout of whole-leaf units: as
     :func:`scale_each`, with stacked parts scaled as :meth:`scale` does.
-    Each part takes its entries in its own kernel: a factor computed by
+    The packed parts take their entries by one gather: a factor computed by
     arithmetic is best passed in memory (:func:`_materialized_scaled`).
     """
     out: list[Any] = [None] * len(self.shapes)
-    own, packed, factors = [], [], []
+    own, packed = [], []
+    factors: list[Any] = [None] * len(self.parts)
     for j, (kind, what, _) in enumerate(self.parts):
       if kind == "leaf" or kind == "stack" or what[0][2] != 1:
         own.extend([what] if kind == "leaf" else [i for i, _, _ in what])
-        factors.append(None)
         continue
       # One unit a leaf: the part's factors are its leaves' entries.
-      index = np.asarray([i for i, _, _ in what])
-      factors.append(
-        Scaled(
-          jnp.take(factor.value, index, axis=0).reshape(-1, 1),
-          jnp.take(factor.exponent, index, axis=0).reshape(-1, 1),
-        )
-      )
       if math.prod(self.shapes[what[0][0]]) <= PACKED_SCALE_SIZE:
         packed.append(j)
       else:
         own.extend(i for i, _, _ in what)
+    if packed:
+      # The entries of all packed parts by one gather, sliced per part:
+      # _scale_packed concatenates them again, which XLA then folds (a
+      # concatenation of gathers would be a long kernel to compile).
+      index = [np.asarray([i for i, _, _ in self.parts[j][1]]) for j in packed]
+      picked = split_parts(
+        Scaled(
+          jnp.take(factor.value, np.concatenate(index), axis=0),
+          jnp.take(factor.exponent, np.concatenate(index), axis=0),
+        ),
+        [np.zeros((len(i), 1)) for i in index],
+      )
+      for j, f in zip(packed, picked):
+        factors[j] = f
     if own:
       own = sorted(own)
       index = np.asarray(own)
@@ -1202,6 +1209,17 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   zero = [v == 0 for v in flat]  # all zeros, or all squares underflowed
 
   def grouped(values):
+    # In memory, as the sums (a concatenation fused into its consumer is
+    # unrolled there).
+    out = [
+      _materialized(_flat_concat([values[i] for i in m]))
+      if len(m) > 1
+      else values[m[0]].reshape(-1)
+      for m in members
+    ]
+    return out + [values[i] for i in own]
+
+  def plain(values):
     out = [_flat_concat([values[i] for i in m]) for m in members]
     return out + [values[i] for i in own]
 
@@ -1214,10 +1232,13 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
     for x, ax, f in zip(parts_, axes, flags):
       q, e = _scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
       out.append(_scaled_norm(*_across_devices(q, e, p, f, axis_name), p))
+    # Value and exponent of a group in one kernel (_materialized_scaled).
     return [
-      Scaled(v, e)
-      for v, e in zip(
-        grouped([n.value for n in out]), grouped([n.exponent for n in out])
+      _materialized_scaled(Scaled(v, e)) if len(m) > 1 else Scaled(v, e)
+      for v, e, m in zip(
+        plain([n.value for n in out]),
+        plain([n.exponent for n in out]),
+        members + [[i] for i in own],
       )
     ]
 

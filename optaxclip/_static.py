@@ -990,7 +990,13 @@ def clip_unitwise(
         _telemetry.layer_axes(who, updates, layer_axis),
         2.0,
       )
-    limits = [_unitwise_limit(w, ratio, eps) for w in w_norms]
+    # Per group of parts, as the norms were computed (_norms.part_groups).
+    limits: list[Any] = [None] * len(w_norms)
+    for group in _norms.part_groups(w_norms, layout.keys):
+      like = [w_norms[i] for i in group]
+      limit = _unitwise_limit(_norms.concat_parts(like), ratio, eps)
+      for i, piece in zip(group, _norms.split_parts(limit, like)):
+        limits[i] = piece
     out, stats = _per_unit_clip(leaves, layout, g_norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(
       *stats,
