@@ -135,3 +135,41 @@ def test_kernels_do_not_grow_with_leaves_of_one_shape():
   # sums).
   few, many, more = (_kernels(step, tree(n)) for n in (12, 36, 72))
   assert more <= many <= few + 1
+
+
+@st.composite
+def leaves_of_several_layouts(draw):
+  """Small leaves of several shapes and dtypes (several packed parts and
+  groups), with magnitudes whose squares overflow or underflow float32.
+  """
+  n = draw(st.integers(3, 8))
+  element = st.sampled_from([0.0, -2.0, 1.5, 1e-30, 1e30, 3e38, np.inf, np.nan])
+  out = []
+  for _ in range(n):
+    shape = draw(st.sampled_from(SHAPES))
+    dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
+    size = int(np.prod(shape))
+    values = draw(st.lists(element, min_size=size, max_size=size))
+    out.append(jnp.asarray(values, jnp.float32).astype(dtype).reshape(shape))
+  return out
+
+
+def _exactly(n: _norms.Scaled) -> np.ndarray:
+  return np.ldexp(np.asarray(n.value, np.float64), np.asarray(n.exponent))
+
+
+@fz.examples(4, deadline=None)
+@hypothesis.given(leaves_of_several_layouts(), st.sampled_from([1.0, 2.0, 3.0]))
+def test_packed_unit_norms_equal_each_leaf_alone(leaves, p):
+  # The parts' sums are checked, rooted and recomputed exactly on one
+  # concatenation per group and sliced back: each leaf's norm is the one it
+  # has alone (the exact path beyond float32's range included), bit for bit.
+  def both(xs):  # one compile an example
+    layout, parts = _norms.unit_norms_packed(xs, p)
+    return layout.unpack(parts), [
+      _norms.unit_norms_scaled([x], p)[0] for x in xs
+    ]
+
+  packed, alone = jax.jit(both)(leaves)
+  for got, want in zip(packed, alone):
+    np.testing.assert_array_equal(_exactly(got), _exactly(want))
