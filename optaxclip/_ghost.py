@@ -418,7 +418,10 @@ def _needs_exact(fast: dict, factors: tuple) -> jax.Array:
   )
   for f in factors:
     if jnp.issubdtype(f.dtype, jnp.inexact):
-      bad = bad & jnp.all(jnp.isfinite(f), axis=tuple(range(1, f.ndim)))
+      # The largest magnitude (NaN if any is): a reduction of the factor
+      # as it is, no (B, ...) mask of it.
+      axes = tuple(range(1, f.ndim))
+      bad = bad & jnp.isfinite(jnp.max(jnp.abs(f), axis=axes))
   return bad.astype(jnp.float32)
 
 
