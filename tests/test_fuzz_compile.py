@@ -25,10 +25,19 @@ def _tree(draw_shapes, values):
   }
 
 
+# The ci profile draws the values into these layouts only (each new layout
+# compiles a new program): every shape of SHAPES, repeated and alone, two to
+# nine leaves. Other profiles (release) draw layouts freely too.
+LAYOUTS = (
+  ((5,), (2, 3)),
+  ((1,), (3, 1, 2), (5,), (1,), (2, 3), (3, 1, 2), (5,), (1,), (2, 3)),
+)
+
+
 @st.composite
 def many_leaves(draw):
-  n = draw(st.integers(2, 9))
-  shapes = [draw(st.sampled_from(SHAPES)) for _ in range(n)]
+  free = st.lists(st.sampled_from(SHAPES), min_size=2, max_size=9)
+  shapes = draw(fz.ci_or(st.sampled_from(LAYOUTS), free))
   special = st.sampled_from([0.0, 1e-30, 1e30, np.inf, -np.inf, np.nan])
   element = st.one_of(st.floats(-5, 5, width=32), special)
   values = [
@@ -38,22 +47,32 @@ def many_leaves(draw):
   return _tree(shapes, values)
 
 
+# Jitted as the clippers use it (one program a shape).
+_TAKE_EACH = jax.jit(_norms.take_each)
+
+
+def _lists(length):
+  return st.lists(
+    st.sampled_from([0.0, 1.0, -2.5, 1e38, np.inf, -np.inf, np.nan]),
+    min_size=length,
+    max_size=length,
+  )
+
+
+# The ci profile draws the values into these lengths only (each new length
+# runs new programs); other profiles (release) draw the length freely too.
 @fz.examples(10, deadline=None)
 @hypothesis.given(
-  st.lists(
-    st.sampled_from([0.0, 1.0, -2.5, 1e38, np.inf, -np.inf, np.nan]),
-    min_size=0,
-    max_size=11,
-  )
+  fz.ci_or(st.sampled_from((0, 1, 4, 11)), st.integers(0, 11)).flatmap(_lists)
 )
 def test_take_each_is_exact_indexing(values):
   v = np.asarray(values, np.float32)
-  got = _norms.take_each(jnp.asarray(v))
+  got = _TAKE_EACH(jnp.asarray(v))
   assert len(got) == len(v)
   for g, w in zip(got, v):
     np.testing.assert_array_equal(np.asarray(g), w)  # NaN == NaN here
   if len(v):
-    rows = _norms.take_each(jnp.stack([jnp.asarray(v), -jnp.asarray(v)], 1))
+    rows = _TAKE_EACH(jnp.stack([jnp.asarray(v), -jnp.asarray(v)], 1))
     np.testing.assert_array_equal(
       np.stack([np.asarray(r) for r in rows]), np.stack([v, -v], 1)
     )
@@ -64,11 +83,16 @@ def _oracle_norm(x):
   return np.sqrt(np.sum(x * x))
 
 
+# Jitted once (one program a layout, compiled with the fast options).
+_CLIP_NORM_TX = optaxclip.clip_norm(1.0)
+_CLIP_NORM = fz.FastJit(_CLIP_NORM_TX.update)
+_UNIT_NORMS = fz.FastJit(_norms.unit_norms)
+
+
 @fz.examples(5, deadline=None)
 @hypothesis.given(many_leaves())
 def test_clip_norm_many_leaves_matches_per_leaf(tree):
-  tx = optaxclip.clip_norm(1.0)
-  out, state = jax.jit(tx.update)(tree, tx.init(tree))
+  out, state = _CLIP_NORM(tree, _CLIP_NORM_TX.init(tree))
   clipped = 0
   for k, x in tree.items():
     x64 = np.asarray(x, np.float64)
@@ -92,7 +116,7 @@ def test_clip_norm_many_leaves_matches_per_leaf(tree):
 @hypothesis.given(many_leaves())
 def test_unit_norms_packed_match_unpacked(tree):
   leaves = list(tree.values())
-  got = _norms.unit_norms(leaves)
+  got = _UNIT_NORMS(leaves)
   assert [g.shape for g in got] == [(1,) * x.ndim for x in leaves]
   for g, x in zip(got, leaves):
     want = _oracle_norm(x)

@@ -35,6 +35,11 @@ class _Readout(nn.Module):
     return nn.Dense(self.vocab)(nn.gelu(nn.Dense(16)(x)))
 
 
+# Inputs drawn on the host (jax.random compiles a program per shape).
+def _normal(shape, seed):
+  return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
 def _temp_bytes(fn, *args):
   # Compiled with the fast options: buffer assignment is an HLO pass, the
   # temporary sizes are those of the default compilation (checked equal on
@@ -51,8 +56,8 @@ def _temp_bytes(fn, *args):
 )
 def test_two_pass_ghost_holds_no_extra_logits_buffer(batch, length, vocab):
   net = _Readout(vocab)
-  x = jax.random.normal(jax.random.PRNGKey(0), (batch, length, 8))
-  y = jax.random.randint(jax.random.PRNGKey(1), (batch, length), 0, vocab)
+  x = _normal((batch, length, 8), 0)
+  y = np.random.default_rng(1).integers(0, vocab, (batch, length), np.int32)
   params = jax.jit(net.init)(jax.random.PRNGKey(2), x[:1])  # one compile
 
   def loss_fn(p, x, y):
@@ -100,8 +105,7 @@ class _Normed(nn.Module):
 
 
 def _normed_case(norm, batch, length, width):
-  x = jax.random.normal(jax.random.PRNGKey(0), (batch, length, width))
-  y = jax.random.normal(jax.random.PRNGKey(1), (batch, length, 4))
+  x, y = _normal((batch, length, width), 0), _normal((batch, length, 4), 1)
   net = _Normed(norm)
   params = jax.jit(net.init)(jax.random.PRNGKey(2), x[:1])  # one compile
 
@@ -187,10 +191,9 @@ class _Deep(nn.Module):
 
 
 def _deep_case(batch, length, width):
-  x = jax.random.normal(jax.random.PRNGKey(0), (batch, length, width))
-  y = jax.random.normal(jax.random.PRNGKey(1), (batch, length, 4))
+  x, y = _normal((batch, length, width), 0), _normal((batch, length, 4), 1)
   net = _Deep()
-  params = net.init(jax.random.PRNGKey(2), x[:1])
+  params = jax.jit(net.init)(jax.random.PRNGKey(2), x[:1])  # one compile
 
   def loss_fn(p, x, y):
     return ((net.apply(p, x) - y) ** 2).mean(axis=(1, 2))

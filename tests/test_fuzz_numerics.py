@@ -45,7 +45,7 @@ def _runner(dtype: str):
       out.append(tx.update(g, tx.init(w), w))
     return out
 
-  return jax.jit(run)
+  return fz.FastJit(run)
 
 
 @st.composite
@@ -197,7 +197,7 @@ def _derivative_runner():
     )
     return value, grad, hvp
 
-  return jax.jit(run)
+  return fz.FastJit(run)
 
 
 def _case32(a, b, limits):

@@ -120,11 +120,16 @@ def test_packed_scaling_equals_each_leaf_scaled_alone(case):
 def test_packed_scaling_has_the_derivatives_of_each_leaf_alone(case):
   leaves, factor = case
   # Finite leaves of moderate size: derivatives, not the non-finite policy.
+  # (On the host: eager operations would compile a program per leaf.)
+  leaves = [np.asarray(x) for x in leaves]
   leaves = [
-    jnp.where(jnp.isfinite(x) & (jnp.abs(x) < 1e4), x, 1).astype(x.dtype)
+    jnp.asarray(
+      np.where(np.isfinite(x) & (np.abs(x) < 1e4), x, 1).astype(x.dtype)
+    )
     for x in leaves
   ]
-  values = jnp.where(jnp.isnan(factor.value), 0.75, factor.value)
+  value = np.asarray(factor.value)
+  values = jnp.asarray(np.where(np.isnan(value), 0.75, value))
   want = _GRAD[_alone](leaves, values, factor.exponent)
   for fn in (_packed, _leafwise):
     got = _GRAD[fn](leaves, values, factor.exponent)

@@ -11,6 +11,7 @@ programs, so the examples are few (tests/fast_compile.py compiles them
 cheaply).
 """
 
+import functools
 import math
 
 import hypothesis
@@ -19,10 +20,11 @@ import jax
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from fast_compile import compile_fast
 import fuzz_strategies as fz
 import optaxclip
 from sharded_runs import assert_updates_close
-from sharded_runs import one_device_and_mapped
+from sharded_runs import put
 
 MESHES = {
   "1 device": ((1,), ("d",)),
@@ -31,6 +33,46 @@ MESHES = {
   "2x4 devices": ((2, 4), ("data", "fsdp")),
 }
 TOL = 2e-5
+
+
+# The ci profile draws the values into these layouts only (each new layout
+# compiles two programs; the one-device program is shared by every layout
+# here, whose leaves have one set of shapes): per mesh, leaves split along
+# their first, last or both dimensions, over one axis or two (one dimension
+# over both axes of the 2-D mesh, in either order), and replicated leaves.
+# Other profiles (release) draw layouts freely too.
+LAYOUT_SHAPES = {"w0": (8, 4), "w1": (16,), "w2": (4, 8)}
+LAYOUTS = (
+  ("1 device", {"w0": P("d", None), "w1": P("d"), "w2": P(None, "d")}),
+  ("2 devices", {"w0": P(None, "d"), "w1": P(), "w2": P("d", None)}),
+  ("8 devices", {"w0": P("d"), "w1": P("d"), "w2": P(None, "d")}),
+  (
+    "2x4 devices",
+    {
+      "w0": P("data", "fsdp"),
+      "w1": P(("data", "fsdp")),
+      "w2": P("fsdp", ("data",)),
+    },
+  ),
+  (
+    "2x4 devices",
+    {"w0": P(None, "fsdp"), "w1": P(), "w2": P(None, ("fsdp", "data"))},
+  ),
+)
+
+
+@st.composite
+def palette_trees(draw):
+  """(mesh name, {leaf: array}, {leaf: PartitionSpec}) of :data:`LAYOUTS`,
+  the values drawn.
+  """
+  mesh_name, specs = draw(st.sampled_from(LAYOUTS))
+  rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+  tree = {}
+  for k, shape in LAYOUT_SHAPES.items():
+    scale = draw(st.sampled_from([0.1, 1.0, 10.0]))
+    tree[k] = (scale * rng.normal(size=shape)).astype(np.float32)
+  return mesh_name, tree, dict(specs)
 
 
 @st.composite
@@ -84,8 +126,17 @@ def _clippers(specs, axis_name):
   }
 
 
+_COMPILED = {}
+
+
+def _compiled(key, fn, *args):
+  if key not in _COMPILED:
+    _COMPILED[key] = compile_fast(jax.jit(fn).lower(*args))
+  return _COMPILED[key]
+
+
 @fz.examples(6)
-@hypothesis.given(sharded_trees())
+@hypothesis.given(fz.ci_or(palette_trees(), sharded_trees()))
 def test_sharded_clippers_equal_one_device(case):
   mesh_name, grads, specs = case
   sizes, names = MESHES[mesh_name]
@@ -104,7 +155,25 @@ def test_sharded_clippers_equal_one_device(case):
     return out
 
   out_specs = {name: (specs, P()) for name in clippers}
-  got, want = one_device_and_mapped(run, mesh, specs, out_specs, grads, params)
+  # Each program compiled once (fast options) and reused by the examples
+  # that repeat its layout: the one-device one by its shapes, the mapped one
+  # by its mesh, specs and shapes.
+  shapes = tuple((k, x.shape) for k, x in sorted(grads.items()))
+  want = _compiled(
+    ("one device", shapes),
+    functools.partial(run, mapped=False),
+    grads,
+    params,
+  )(grads, params)
+  mapped = jax.shard_map(
+    functools.partial(run, mapped=True),
+    mesh=mesh,
+    in_specs=(specs, specs),
+    out_specs=out_specs,
+  )
+  placed = put(grads, mesh, specs), put(params, mesh, specs)
+  key = (mesh_name, tuple(sorted(specs.items())), shapes)
+  got = _compiled(key, mapped, *placed)(*placed)
   assert_updates_close(got, want, grads, TOL)
   for name in clippers:
     for key, value in want[name][1].items():
