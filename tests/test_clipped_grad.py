@@ -77,7 +77,7 @@ def _misc_case():
   rng = np.random.default_rng(1)
   tokens = rng.integers(0, 12, size=(6, 4))
   image = rng.normal(size=(6, 5, 5, 2)).astype(np.float32)
-  params = model.init(jax.random.PRNGKey(0), tokens, image)
+  params = run_fast(model.init, jax.random.PRNGKey(0), tokens, image)
 
   def loss(p, tokens, image):
     return model.apply(p, tokens, image) ** 2
