@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import fuzz_strategies as fz
 import optaxclip
 
 PATIENCE, WARMUP = 3, 3
@@ -41,7 +42,11 @@ TXS = {
   )
   for window, scope in CONFIGS
 }
-UPDATES = {key: jax.jit(tx.update) for key, tx in TXS.items()}
+# Compiled once per configuration with the fast options (compiles dominate).
+UPDATES = {
+  key: fz.FastJit(lambda g, s, p, v, tx=tx: tx.update(g, s, p, value=v))
+  for key, tx in TXS.items()
+}
 
 scales = st.one_of(
   st.just(0.0),
@@ -75,7 +80,7 @@ def run(config, stream, state=None):
   state = TXS[config].init(PARAMS) if state is None else state
   for scale_a, scale_b, loss in stream:
     g = gradient(scale_a, scale_b)
-    out, new = update(g, state, PARAMS, value=jnp.float32(loss))
+    out, new = update(g, state, PARAMS, jnp.float32(loss))
     yield state, out, new
     state = new
 

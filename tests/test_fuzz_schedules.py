@@ -43,10 +43,12 @@ BATCH = 3
 # Built and jitted once: one compilation per clipper for the whole file
 # (eager updates dispatched every operation on its own, each example).
 _SCHEDULED = {name: make(schedule) for name, make in CLIPPERS.items()}
-_UPDATE = {name: jax.jit(tx.update) for name, tx in _SCHEDULED.items()}
+_UPDATE = {name: fs.FastJit(tx.update) for name, tx in _SCHEDULED.items()}
 # The oracle: the same clipper with the number, traced (compiled once).
 _ORACLE = {
-  name: jax.jit(lambda limit, g, state, make=make: make(limit).update(g, state))
+  name: fs.FastJit(
+    lambda limit, g, state, make=make: make(limit).update(g, state)
+  )
   for name, make in CLIPPERS.items()
 }
 
