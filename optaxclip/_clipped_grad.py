@@ -507,11 +507,26 @@ def clipped_grad(
       batch_arg=jnp.asarray(jax.tree.leaves(args[argnums[0]])[0]),
     )
     caught, rows = vjp(jnp.ones_like(losses))
-    buckets = _norms.N_BUCKETS
-    group_norms = [
-      _norms.bucket_norms(rows[g * buckets : (g + 1) * buckets])
-      for g in range(n_groups)
-    ]
+    fast, needs = _ghost.read_rows(rows, n_groups)
+    # The rare step where some finite example's fast squares overflowed:
+    # the exact squares, recomputed in a branch after the backward pass.
+    group_norms = jax.lax.cond(
+      jnp.any(needs),
+      lambda _: _exact_norms(
+        loss_fn_,
+        args,
+        argnums,
+        plan,
+        n_groups,
+        split_,
+        batch,
+        spans,
+        fast,
+        needs,
+      ),
+      lambda _: fast,
+      None,
+    )
     if any(fallback):
       exact = _fallback_norms(
         loss_fn_,
@@ -630,6 +645,66 @@ def clipped_grad(
       return grads, aux
 
     return group_norms, grads_fn
+
+  def _exact_norms(
+    loss_fn_, args, argnums, plan, n_groups, split_, batch, spans, fast, needs
+  ):
+    """Per group, the ``(B,)`` norms of the ghosted parameters from the
+    exact squares (:func:`_ghost.forward` with ``exact=True``): a forward
+    and backward pass per chunk of the batch (as in the non-finite
+    recompute of ``grads_fn``), only for the chunks holding an example
+    that ``needs`` them; the others keep their ``fast`` norms.
+    """
+    params = args[0]
+
+    def exact_of(chunk_args, size):
+      def chunk_loss(p):
+        losses, aux = split_(loss_fn_(p, *chunk_args[1:]))
+        return losses.reshape(size), aux
+
+      losses, _, vjp, _ = _ghost.forward(
+        chunk_loss,
+        params,
+        plan,
+        size,
+        n_groups,
+        batch_arg=jnp.asarray(jax.tree.leaves(chunk_args[argnums[0]])[0]),
+        exact=True,
+      )
+      return _ghost.read_rows(vjp(jnp.ones_like(losses))[1], n_groups)[0]
+
+    # A batch split over devices is recomputed whole, as in grads_fn.
+    if spans:
+      chunks = 1
+    elif microbatch_size is not None:
+      chunks = batch // microbatch_size
+    else:
+      chunks = _chunks(batch)
+    if chunks == 1:
+      return exact_of(args, batch)
+    size = batch // chunks
+    # Chunk c holds the examples b with b % chunks == c.
+    split_chunks = lambda x: x.reshape(size, chunks, *x.shape[1:])
+    c_args = _take(args, argnums, split_chunks)
+    c_needs = split_chunks(needs)
+    c_fast = jax.tree.map(split_chunks, fast)
+
+    def body(_, i):
+      def pick(x):
+        return jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False)
+
+      chunk_args = _take(c_args, argnums, pick)
+      out = jax.lax.cond(
+        jnp.any(pick(c_needs)),
+        lambda _: exact_of(chunk_args, size),
+        lambda _: jax.tree.map(pick, c_fast),
+        None,
+      )
+      return None, out
+
+    stacked = jax.lax.scan(body, None, jnp.arange(chunks))[1]
+    # (chunks, size) each: back to the batch's order.
+    return jax.tree.map(lambda v: v.T.reshape(batch), stacked)
 
   def _fallback_norms(
     loss_fn_, args, argnums, fallback, group_of_leaf, n_groups, batch, split_

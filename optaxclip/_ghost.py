@@ -15,10 +15,15 @@ same probe). The layer's real computation is untouched: the tap only reads.
 Finite examples of any size: a squared norm is written as the rows of
 ``_norms.to_buckets`` (one row per range of exponents), so that sums beyond
 float32's range stay exact, and ``_norms.bucket_norms`` reads the norms
-back. Each layer squares its factors as they are; only where a square is
-not finite (a norm above about 1.8e19) does one ``lax.cond`` recompute that
-layer's squares from factors scaled per example by powers of two (chunk
-by chunk: no scaled copy of a whole output gradient).
+back. Each layer squares its factors as they are, and flags, in the
+probe's last row, the examples whose squares are not finite although their
+factors are (a norm above about 1.8e19). Only on a step with such an
+example does one ``lax.cond``, after the backward pass, recompute the
+squares of the examples' chunks of the batch exactly, from factors scaled
+per example by powers of two (``forward(..., exact=True)``; see
+``clipped_grad``). A choice per layer would keep every layer's input and
+output gradient alive until its branch ran (1163 against 981 MiB of
+temporary memory on the example's medium transformer).
 
 Per layer kind:
 
@@ -401,24 +406,23 @@ def _sum_sq(x: jax.Array) -> jax.Array:
   return jnp.sum(x * x, axis=tuple(range(1, x.ndim)))
 
 
-def _exact_if_needed(fast: dict, exact: Callable, operands) -> dict:
-  """``fast`` (per name, ``(B,)`` squared norms computed as they are) as
-  :class:`~optaxclip._norms.Scaled` numbers, or, where one is not finite
-  (an example's norm above about 1.8e19 squares to inf in float32, or a
-  product of huge and zero factors gave NaN), ``exact(operands)``: the same
-  squares from factors scaled per example by powers of two. One
-  ``lax.cond``: ordinary steps pay for a finiteness check of ``(B,)``
-  numbers.
+def _needs_exact(fast: dict, factors: tuple) -> jax.Array:
+  """Per example, 1.0 where a fast square in ``fast`` (per name, ``(B,)``)
+  is not finite although the factors it was computed from are (a norm
+  above about 1.8e19 squares to inf in float32; a huge Gram entry times a
+  zero gives NaN): only the exact form (:func:`exact_sq_norms`) is right
+  there. An example with a non-finite factor stays non-finite either way.
   """
-  ok = functools.reduce(
-    jnp.logical_and, [jnp.all(jnp.isfinite(v)) for v in fast.values()]
+  bad = functools.reduce(
+    jnp.logical_or, [~jnp.isfinite(v) for v in fast.values()]
   )
-  return jax.lax.cond(
-    ok,
-    lambda _: {k: _norms.as_scaled(v) for k, v in fast.items()},
-    exact,
-    operands,
-  )
+  for f in factors:
+    if jnp.issubdtype(f.dtype, jnp.inexact):
+      # The largest magnitude (NaN if any is): a reduction of the factor
+      # as it is, no (B, ...) mask of it.
+      axes = tuple(range(1, f.ndim))
+      bad = bad & jnp.isfinite(jnp.max(jnp.abs(f), axis=axes))
+  return bad.astype(jnp.float32)
 
 
 # The exact recompute scales its factors chunk by chunk along their last
@@ -507,31 +511,44 @@ def _embed_sq(tokens, gm, scale=None) -> jax.Array:
   return jnp.sum(jnp.where(same, gg, 0), axis=(1, 2))
 
 
-def _direct_sq(grads: dict) -> dict:
-  """Squared norms of per-example gradients (``(B, ...)`` each)."""
+def _direct_sq(grads: dict, exact: bool) -> tuple[dict, jax.Array]:
+  """Squared norms of per-example gradients (``(B, ...)`` each), as
+  :func:`_layer_sq_norms` returns them.
+  """
+  if not exact:
+    fast = {k: _sum_sq(v) for k, v in grads.items()}
+    return fast, _needs_exact(fast, tuple(grads.values()))
+  out = {}
+  for k, v in grads.items():
+    v = v.reshape(v.shape[0], -1)
+    scale, e = _norms.row_scales(v)
+    out[k] = _norms.Scaled(
+      _chunk_sum(lambda c, s=scale: _sum_sq(_scaled(c, s)), v), 2 * e
+    )
+  return out, _no_need(grads)
 
-  def exact(grads_):
-    out = {}
-    for k, v in grads_.items():
-      v = v.reshape(v.shape[0], -1)
-      scale, e = _norms.row_scales(v)
-      out[k] = _norms.Scaled(
-        _chunk_sum(lambda c, s=scale: _sum_sq(_scaled(c, s)), v), 2 * e
-      )
-    return out
 
-  return _exact_if_needed(
-    {k: _sum_sq(v) for k, v in grads.items()}, exact, grads
-  )
+def _no_need(tree) -> jax.Array:
+  return jnp.zeros(jax.tree.leaves(tree)[0].shape[:1], jnp.float32)
 
 
-def _layer_sq_norms(kind, module_fn, theta, x, y, g) -> dict:
+def _layer_sq_norms(
+  kind, module_fn, theta, x, y, g, exact: bool = False
+) -> tuple[dict, jax.Array]:
   """Per parameter name, the ``(B,)`` squared norms of its per-example
   gradient, from the layer input ``x``, parameters ``theta`` (a dict) and
-  output gradient ``g``, as :class:`~optaxclip._norms.Scaled` numbers: exact
-  for every finite example, its norm beyond float32's range included (the
-  factors are then scaled per example by the powers of two of their largest
-  magnitudes, ``_norms.row_scales``, and the squares carry the exponents).
+  output gradient ``g``; and per example whether they need the exact form.
+
+  Fast (``exact=False``): the squares of the factors as they are (plain
+  arrays), with :func:`_needs_exact`'s ``(B,)`` flags. Exact: the factors
+  are scaled per example by the powers of two of their largest magnitudes
+  (``_norms.row_scales``), the squares carry the exponents
+  (:class:`~optaxclip._norms.Scaled`), right for every finite example, its
+  norm beyond float32's range included; the flags are 0. The exact form
+  costs scaled copies of the factors (chunk by chunk), which is why it is
+  only taken on the rare step that needs it (``exact_norms``), not beside
+  the fast one in every layer: a per-layer choice kept every layer's
+  factors alive until its own choice was made.
   """
   batch = x.shape[0]
   if kind == "dense" or kind == "dense_general":
@@ -541,24 +558,21 @@ def _layer_sq_norms(kind, module_fn, theta, x, y, g) -> dict:
     features = theta["kernel"].shape[n_in:]
     gm = g.reshape(batch, -1, math.prod(features))
     bias = "bias" in theta
-    return _exact_if_needed(
-      _dense_sq(a, gm, bias),
-      lambda ops: _dense_sq_exact(ops[0], ops[1], bias),
-      (a, gm),
-    )
+    if exact:
+      return _dense_sq_exact(a, gm, bias), _no_need(a)
+    fast = _dense_sq(a, gm, bias)
+    return fast, _needs_exact(fast, (a, gm))
   if kind == "embed":
     tokens = x.reshape(batch, -1)
     d = theta["embedding"].shape[-1]
     gm = g.reshape(batch, -1, d)
-
-    def exact_embed(g_):
-      scale, e = _norms.row_scales(g_)
-      return {"embedding": _norms.Scaled(_embed_sq(tokens, g_, scale), 2 * e)}
-
-    return _exact_if_needed(
-      {"embedding": _embed_sq(tokens, gm)}, exact_embed, gm
-    )
-  return _direct_sq(_direct_grads(module_fn, theta, x, y.dtype, g))
+    if exact:
+      scale, e = _norms.row_scales(gm)
+      sq = _norms.Scaled(_embed_sq(tokens, gm, scale), 2 * e)
+      return {"embedding": sq}, _no_need(gm)
+    fast = {"embedding": _embed_sq(tokens, gm)}
+    return fast, _needs_exact(fast, (gm,))
+  return _direct_sq(_direct_grads(module_fn, theta, x, y.dtype, g), exact)
 
 
 def _direct_grads(module_fn, theta, x, y_dtype, g) -> dict:
@@ -620,10 +634,14 @@ CATCH_G = "__ghost_g__"
 CATCH_PE = "__ghost_pe_{}__"
 
 
-def _make_tap(kind, module_fn, groups: dict, n_groups: int, catch: str):
+def _make_tap(
+  kind, module_fn, groups: dict, n_groups: int, catch: str, exact: bool
+):
   """An identity on ``y`` whose backward writes per-example squared norms
   into the probe's cotangent (rows ``groups[name] * N_BUCKETS`` onwards for
-  each parameter).
+  each parameter), fast or ``exact`` (see :func:`_layer_sq_norms`), and
+  into the probe's last row, per example, how many of its squares need the
+  exact form.
 
   The last input, ``catchers`` (a dict, empty unless ``catch``), receives
   as its cotangent what book-keeping needs of this layer: with ``catch ==
@@ -633,16 +651,18 @@ def _make_tap(kind, module_fn, groups: dict, n_groups: int, catch: str):
   ``nn.scan`` stacks them per layer as it stacks the parameters' gradients.
   """
 
-  def rows_of(sq, probe):
+  def rows_of(sq, needs, probe):
     # Per group, the rows of _norms.to_buckets (squares beyond float32's
-    # range added up exactly), groups one after the other.
+    # range added up exactly), groups one after the other, then the flags.
     shape = (_norms.N_BUCKETS,) + probe.shape[1:]
     rows = [jnp.zeros(shape, jnp.float32) for _ in range(n_groups)]
     for name, value in sq.items():
-      rows[groups[name]] = rows[groups[name]] + _norms.to_buckets(value).astype(
-        jnp.float32
-      )
-    return like(jnp.concatenate(rows), probe)
+      buckets = _norms.to_buckets(_norms.as_scaled(value))
+      rows[groups[name]] = rows[groups[name]] + buckets.astype(jnp.float32)
+    rows.append(needs[None].astype(jnp.float32))
+    # Each piece typed like the probe (under an Explicit mesh a row of
+    # zeros is not split like the batch).
+    return jnp.concatenate([like(r, probe[: r.shape[0]]) for r in rows])
 
   @jax.custom_vjp
   def tap(y, x, theta, probe, catchers):
@@ -658,16 +678,17 @@ def _make_tap(kind, module_fn, groups: dict, n_groups: int, catch: str):
     caught: dict = {}
     if catch == "pe":
       grads = _direct_grads(module_fn, theta, x, y0.dtype, g)
-      sq = _direct_sq(grads)
+      sq, needs = _direct_sq(grads, exact)
       caught = {CATCH_PE.format(k): v for k, v in grads.items()}
     else:
-      sq = _layer_sq_norms(
+      sq, needs = _layer_sq_norms(
         kind,
         module_fn,
         theta,
         x,
         jax.ShapeDtypeStruct(g.shape, y0.dtype),
         g,
+        exact,
       )
       if catch == "xg":
         caught = {CATCH_X: x.astype(_catch_dtype(x.dtype)), CATCH_G: g}
@@ -675,7 +696,7 @@ def _make_tap(kind, module_fn, groups: dict, n_groups: int, catch: str):
       g,
       _zero_cotangent(x),
       jax.tree.map(jnp.zeros_like, theta),
-      rows_of(sq, probe),
+      rows_of(sq, needs, probe),
       caught,
     )
 
@@ -724,7 +745,9 @@ def catch_mode(plan: Plan, path, params: Any) -> str:
   return "pe" if per_example <= io else "xg"
 
 
-def interceptor(plan: Plan, probe: jax.Array, n_groups: int, fns: dict):
+def interceptor(
+  plan: Plan, probe: jax.Array, n_groups: int, fns: dict, exact: bool = False
+):
   """The method interceptor that taps every covered layer call (and keeps,
   in ``fns``, each tapped layer's pure function).
   """
@@ -752,7 +775,7 @@ def interceptor(plan: Plan, probe: jax.Array, n_groups: int, fns: dict):
       catch = "xg"
     elif catchers:
       catch = "pe"
-    tap = _make_tap(kind, fn, plan.covered[path], n_groups, catch)
+    tap = _make_tap(kind, fn, plan.covered[path], n_groups, catch, exact)
     return tap(y, x, theta, probe, catchers)
 
   return intercept
@@ -916,6 +939,24 @@ def weighted_grads(
   return jax.tree.unflatten(jax.tree.structure(params), leaves)
 
 
+def probe_rows(n_groups: int) -> int:
+  """The probe's rows: ``_norms.N_BUCKETS`` per group, one of flags."""
+  return n_groups * _norms.N_BUCKETS + 1
+
+
+def read_rows(rows: jax.Array, n_groups: int) -> tuple[list, jax.Array]:
+  """The probe's cotangent read back: per group the ``(B,)`` norms (a
+  :class:`~optaxclip._norms.Scaled`), and per example whether some layer's
+  fast squares need the exact form (a ``(B,)`` bool).
+  """
+  buckets = _norms.N_BUCKETS
+  norms = [
+    _norms.bucket_norms(rows[g * buckets : (g + 1) * buckets])
+    for g in range(n_groups)
+  ]
+  return norms, rows[n_groups * buckets] > 0
+
+
 def forward(
   apply_loss: Callable,
   params: Any,
@@ -924,6 +965,7 @@ def forward(
   n_groups: int,
   catch: bool = False,
   batch_arg: Optional[jax.Array] = None,
+  exact: bool = False,
 ):
   """One forward pass with the taps in place.
 
@@ -936,15 +978,17 @@ def forward(
     cotangent returns ``(param_grads, probe_cotangent)``. With a cotangent
     of ones, the probe's is the per-example squared norms of the covered
     parameters, group after group, each as ``_norms.N_BUCKETS`` rows of
-    ``_norms.to_buckets`` (``_norms.bucket_norms`` reads them); with
-    per-example weights, the parameters' is the weighted sum of the
-    per-example gradients. Both backward passes
+    ``_norms.to_buckets``, then one row of flags (:func:`read_rows` reads
+    them); with per-example weights, the parameters' is the weighted sum
+    of the per-example gradients. ``exact``: the taps compute the exact
+    squares (:func:`_layer_sq_norms`), for the rare recompute. Both
+    backward passes
     share the forward's activations (under ``jit``, each drops what it does
     not use). With ``catch`` (see ``with_catchers``), the parameters'
     cotangent also holds each layer's input and output gradient at the
     catchers, for :func:`weighted_grads`; ``fns`` the layers' functions.
   """
-  probe = jnp.zeros((n_groups * _norms.N_BUCKETS, batch_size), jnp.float32)
+  probe = jnp.zeros((probe_rows(n_groups), batch_size), jnp.float32)
   if batch_arg is not None:
     probe = batch_like(probe, batch_arg)
   fns: dict = {}
@@ -965,11 +1009,11 @@ def forward(
       if not idx or any(i not in plan.nnx_groups for i in idx.values()):
         return y
       groups = {n: plan.nnx_groups[i] for n, i in idx.items()}
-      tap = _make_tap(kind, None, groups, n_groups, "")
+      tap = _make_tap(kind, None, groups, n_groups, "", exact)
       return tap(y, args[0], theta, probe_, {})
 
     with (
-      nn.intercept_methods(interceptor(plan, probe_, n_groups, fns)),
+      nn.intercept_methods(interceptor(plan, probe_, n_groups, fns, exact)),
       _nnx_patched(nnx_tap),
     ):
       return apply_loss(params_)

@@ -9,14 +9,18 @@ the branch, so the logits' cotangent could not overwrite the softmax as in a
 plain ``jax.grad``.)
 """
 
+import functools
+
 import flax.linen as nn
 import hypothesis
 import hypothesis.strategies as st
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+from example_runner import load_script
 from fast_compile import compile_fast
 from fast_compile import run_fast
 import fuzz_strategies as fz
@@ -268,3 +272,189 @@ def test_remat_must_be_linen_module_classes():
   for bad in ("Block", nn.Dense(3), (), (_NormedBlock, int)):
     with pytest.raises(ValueError, match="clipped_grad: remat must be"):
       optaxclip.clipped_grad(loss_fn, 1.0, remat=bad)
+
+
+# ---------------------------------------------------------------------------
+# Exact norms beyond float32's range, without a per-layer choice: every layer
+# writes its fast squares, and one top-level branch recomputes the exact ones
+# (chunk by chunk of the batch) on the rare step some finite example's fast
+# squares overflow. The per-layer choice it replaces kept every layer's input
+# and output gradient alive until that layer's choice was made (1163 against
+# 981 MiB on the example's medium transformer).
+# ---------------------------------------------------------------------------
+
+
+class _HugeBlock(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return nn.LayerNorm()(nn.Dense(h.shape[-1])(h)), None
+
+
+class _Huge(nn.Module):
+  """Every ghost path: an Embed, scanned Dense (Gram form: 3 positions,
+  8 -> 8) and LayerNorm (its own per-example gradient) layers, a Dense by
+  the direct form (8 -> 2). Without ``embed``, a Dense takes float inputs
+  (flax's Embed does not take token ids split over an Explicit mesh).
+  """
+
+  embed: bool = True
+
+  @nn.compact
+  def __call__(self, tokens):
+    h = nn.Embed(16, 8)(tokens) if self.embed else nn.Dense(8)(tokens)
+    blocks = nn.scan(
+      _HugeBlock,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=2,
+    )
+    h, _ = blocks()(h, None)
+    return nn.Dense(2)(h)
+
+
+_HUGE_BATCH = 4
+
+
+@functools.cache
+def _huge_case():
+  """``params`` and, per variant, ``(params, tokens, scales, padding, clip)
+  -> (grads, norms)`` compiled once. Example ``b``'s loss is multiplied by
+  ``scales[b]``: its gradient in every layer (the Embed's included) is
+  scaled so, the forward stays finite.
+  """
+  net = _Huge()
+  tokens = np.zeros((_HUGE_BATCH, 3), np.int32)
+  params = jax.jit(net.init)(jax.random.PRNGKey(0), tokens[:1])
+
+  def loss(p, tokens, scales):
+    out = net.apply(p, tokens)
+    return scales * jnp.mean((out - 1.0) ** 2, axis=(1, 2))
+
+  variants = {
+    "two_pass": dict(),
+    "bookkeeping": dict(bookkeeping=True),
+    "microbatch_remat": dict(microbatch_size=2, remat=_HugeBlock),
+    "vmap": dict(method="vmap"),
+  }
+  runners = {}
+  for name, kwargs in variants.items():
+    fn = optaxclip.clipped_grad(loss, 1.0, batch_argnums=(1, 2), **kwargs)
+
+    def run(p, tokens, scales, padding, clip, fn=fn):
+      return fn(p, tokens, scales, is_padding_example=padding, l2_clip=clip)
+
+    runners[name] = fz.FastJit(run)
+  return params, runners
+
+
+def _tree_norm(tree) -> float:
+  return float(fz.measure_tree([np.asarray(g) for g in jax.tree.leaves(tree)]))
+
+
+@fz.examples(4, deadline=None)
+@hypothesis.given(
+  scales=st.lists(
+    st.sampled_from((1e-3, 1.0, 1e20, 1e30, float("nan"))),
+    min_size=_HUGE_BATCH,
+    max_size=_HUGE_BATCH,
+  ),
+  variant=st.sampled_from(["two_pass", "bookkeeping", "microbatch_remat"]),
+  l2=st.sampled_from((1e-2, 1.0, 1e3)),
+  seed=st.integers(0, 2**16),
+)
+# One example needing the exact squares in the second chunk of two: the
+# recomputed norms go back to the examples they belong to.
+@hypothesis.example(
+  scales=[1.0, 1e30, 1.0, float("nan")],
+  variant="microbatch_remat",
+  l2=1.0,
+  seed=0,
+)
+def test_one_exact_branch_keeps_every_finite_example_exact(
+  scales, variant, l2, seed
+):
+  """Ghost equals vmap on examples of any finite size (squared norms far
+  beyond float32's range) beside non-finite ones, with two passes,
+  book-keeping, microbatches and remat: the same per-example norms (Inf or
+  NaN where vmap has them) and clipped sum; each finite example alone (the
+  others masked as padding) contributes ``min(l2, norm)``, a non-finite one
+  nothing.
+  """
+  params, runners = _huge_case()
+  tokens = np.random.default_rng(seed).integers(0, 16, (_HUGE_BATCH, 3))
+  tokens = tokens.astype(np.int32)
+  scales = np.asarray(scales, np.float32)
+  clip = np.float32(l2)
+  none = np.zeros(_HUGE_BATCH, bool)
+  g_got, n_got = runners[variant](params, tokens, scales, none, clip)
+  g_want, n_want = runners["vmap"](params, tokens, scales, none, clip)
+  n_got, n_want = np.asarray(n_got), np.asarray(n_want)
+  finite = np.isfinite(n_want)
+  np.testing.assert_array_equal(np.isfinite(n_got), finite)
+  np.testing.assert_allclose(n_got[finite], n_want[finite], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    atol = 1e-5 * _HUGE_BATCH * l2 + fz.flush_atol(np.float32)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
+  for b in range(_HUGE_BATCH):
+    alone = np.arange(_HUGE_BATCH) != b
+    grads, _ = runners[variant](params, tokens, scales, alone, clip)
+    want = min(l2, float(n_want[b])) if finite[b] else 0.0
+    assert abs(_tree_norm(grads) - want) <= 1e-4 * want + 1e-30, (b, want)
+
+
+def test_exact_branch_under_a_batch_split_over_devices():
+  # The batch split over 8 devices (Auto, then Explicit), one example's
+  # squared norm beyond float32's range: the exact branch recomputes the
+  # whole (split) batch and gives one device's numbers.
+  net = _Huge(embed=False)
+  tokens = np.random.default_rng(0).normal(size=(8, 3, 4)).astype(np.float32)
+  params = jax.jit(net.init)(jax.random.PRNGKey(0), tokens[:1])
+  scales = np.ones(8, np.float32)
+  scales[5] = 1e30
+
+  def loss(p, tokens, scales):
+    out = net.apply(p, tokens)
+    return scales * jnp.mean((out - 1.0) ** 2, axis=(1, 2))
+
+  kwargs = dict(batch_argnums=(1, 2))
+  want = run_fast(
+    optaxclip.clipped_grad(loss, 1.0, method="vmap", **kwargs),
+    params,
+    tokens,
+    scales,
+  )
+  fn = optaxclip.clipped_grad(loss, 1.0, **kwargs)
+  types = jax.sharding.AxisType
+  for kind in (types.Auto, types.Explicit):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    ts, ss = jax.device_put(tokens, data), jax.device_put(scales, data)
+    with jax.set_mesh(mesh):
+      got = run_fast(fn, params, ts, ss)
+    assert np.all(np.isfinite(np.asarray(got[1]))), got[1]
+    _assert_same(got, want)
+
+
+def test_exact_norms_cost_no_layer_activations():
+  # The example's transformer at a small size (batch 16, vocab 512): the
+  # two-pass ghost step holds under 0.6 logits-sized buffers more than a
+  # plain jax.grad (0.83 with a per-layer choice between fast and exact
+  # squares, 0.42 with one branch after the backward pass).
+  transformer = load_script("examples/dp_transformer.py")
+  size = dict(vocab=512, length=8, width=32, heads=2, layers=2)
+  model = transformer.Transformer(**size)
+  tokens = transformer.synthetic_tokens(
+    jax.random.PRNGKey(1), 16, size["vocab"], size["length"]
+  )
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens[:1])
+  loss_fn = transformer.per_example_loss(model)
+  logits = 16 * size["length"] * size["vocab"] * 4
+
+  def plain(p, t):
+    return jax.grad(lambda p: loss_fn(p, t).mean())(p)
+
+  fn = optaxclip.clipped_grad(loss_fn, 1.0)
+  extra = _temp_bytes(lambda p, t: fn(p, t)[0], params, tokens)
+  extra -= _temp_bytes(plain, params, tokens)
+  assert extra < 0.6 * logits, extra / logits
