@@ -888,28 +888,35 @@ class UnitLayout:
     """Each leaf times its own entry of ``factor`` (Scaled: one entry per
     leaf, in leaf order), for a layout of whole-leaf units: as
     :func:`scale_each`, with stacked parts scaled as :meth:`scale` does.
-    Each part takes its entries in its own kernel: a factor computed by
+    The packed parts take their entries by one gather: a factor computed by
     arithmetic is best passed in memory (:func:`_materialized_scaled`).
     """
     out: list[Any] = [None] * len(self.shapes)
-    own, packed, factors = [], [], []
+    own, packed = [], []
+    factors: list[Any] = [None] * len(self.parts)
     for j, (kind, what, _) in enumerate(self.parts):
       if kind == "leaf" or kind == "stack" or what[0][2] != 1:
         own.extend([what] if kind == "leaf" else [i for i, _, _ in what])
-        factors.append(None)
         continue
       # One unit a leaf: the part's factors are its leaves' entries.
-      index = np.asarray([i for i, _, _ in what])
-      factors.append(
-        Scaled(
-          jnp.take(factor.value, index, axis=0).reshape(-1, 1),
-          jnp.take(factor.exponent, index, axis=0).reshape(-1, 1),
-        )
-      )
       if math.prod(self.shapes[what[0][0]]) <= PACKED_SCALE_SIZE:
         packed.append(j)
       else:
         own.extend(i for i, _, _ in what)
+    if packed:
+      # The entries of all packed parts by one gather, sliced per part:
+      # _scale_packed concatenates them again, which XLA then folds (a
+      # concatenation of gathers would be a long kernel to compile).
+      index = [np.asarray([i for i, _, _ in self.parts[j][1]]) for j in packed]
+      picked = split_parts(
+        Scaled(
+          jnp.take(factor.value, np.concatenate(index), axis=0),
+          jnp.take(factor.exponent, np.concatenate(index), axis=0),
+        ),
+        [np.zeros((len(i), 1)) for i in index],
+      )
+      for j, f in zip(packed, picked):
+        factors[j] = f
     if own:
       own = sorted(own)
       index = np.asarray(own)
@@ -1170,25 +1177,70 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
     )
     for x, ax, f in zip(parts, axes, flags)
   ]
-  # The checks run on all sums at once (one concatenation: the compiled
-  # program does not grow with three checks per part). The bound of the
-  # narrowest accumulation dtype serves all: a stricter bound only sends
-  # more sums to the exact recompute.
+  # The sums of parts that do not span devices are concatenated, per dtype
+  # and shard_map typing, into one vector (a group): the checks, the roots
+  # and the exact recompute's results are computed on it and sliced back
+  # per part, so that the compiled program grows with neither the number of
+  # parts nor of leaves. Consumers that concatenate the parts' norms again
+  # (clip_scale_parts, UnitLayout.scale) get the vector back: XLA folds a
+  # concatenation of consecutive slices. (Fused into kernels of the parts'
+  # shapes, the concatenations were half the statistics' compile time.)
+  groups, own = {}, []
+  for i, s in enumerate(sums):
+    if may_span_devices(s):
+      own.append(i)
+    else:
+      group = (np.dtype(s.dtype), flags[i], _varying(s))
+      groups.setdefault(group, []).append(i)
+  members = list(groups.values())
+  # In memory: fused into each of its consumers, the concatenation would be
+  # compiled again in each (XLA unrolls it, a long kernel per consumer).
+  flat = [
+    _materialized(_flat_concat([sums[i] for i in m]))
+    if len(m) > 1
+    else sums[m[0]].reshape(-1)
+    for m in members
+  ]
+  flat += [sums[i] for i in own]
+  # The bound of the narrowest accumulation dtype serves all: a stricter
+  # bound only sends more sums to the exact recompute.
   safe_min = max(_safe_min(s.dtype) for s in sums)
-  flat = _flat_parts(sums)
   good = [jnp.isfinite(v) & (v >= safe_min) for v in flat]
   zero = [v == 0 for v in flat]  # all zeros, or all squares underflowed
 
+  def grouped(values):
+    # In memory, as the sums (a concatenation fused into its consumer is
+    # unrolled there).
+    out = [
+      _materialized(_flat_concat([values[i] for i in m]))
+      if len(m) > 1
+      else values[m[0]].reshape(-1)
+      for m in members
+    ]
+    return out + [values[i] for i in own]
+
+  def plain(values):
+    out = [_flat_concat([values[i] for i in m]) for m in members]
+    return out + [values[i] for i in own]
+
   def direct(parts_):
     del parts_
-    return [as_scaled(safe_root(s, p)) for s in sums]
+    return [as_scaled(safe_root(s, p)) for s in flat]
 
   def exact(parts_):
     out = []
     for x, ax, f in zip(parts_, axes, flags):
       q, e = _scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
       out.append(_scaled_norm(*_across_devices(q, e, p, f, axis_name), p))
-    return out
+    # Value and exponent of a group in one kernel (_materialized_scaled).
+    return [
+      _materialized_scaled(Scaled(v, e)) if len(m) > 1 else Scaled(v, e)
+      for v, e, m in zip(
+        plain([n.value for n in out]),
+        plain([n.exponent for n in out]),
+        members + [[i] for i in own],
+      )
+    ]
 
   def fallback(parts_):
     # Zero sums are zero norms when their units' largest magnitude is 0 and
@@ -1196,12 +1248,25 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
     settled = _all(
       [
         g | (z & (m == 0))
-        for g, z, m in zip(good, zero, _flat_parts(maxima(parts_)))
+        for g, z, m in zip(good, zero, grouped(maxima(parts_)))
       ]
     )
     return jax.lax.cond(settled, direct, exact, parts_)
 
-  return jax.lax.cond(_all(good), direct, fallback, parts)
+  norms = jax.lax.cond(_all(good), direct, fallback, parts)
+  out: list[Any] = [None] * len(parts)
+  for m, n in zip(members, norms):
+    start = 0
+    for i in m:
+      size, shape = sums[i].size, sums[i].shape
+      out[i] = Scaled(
+        jax.lax.slice_in_dim(n.value, start, start + size).reshape(shape),
+        jax.lax.slice_in_dim(n.exponent, start, start + size).reshape(shape),
+      )
+      start += size
+  for i, n in zip(own, norms[len(members) :]):
+    out[i] = n
+  return out
 
 
 # --------------------------------------------------------------------------
@@ -1844,6 +1909,58 @@ def clip_scale_parts(
         factor.exponent[start : start + size].reshape(shape),
       )
       start += size
+  return out
+
+
+def part_groups(
+  values: Sequence[Union[jax.Array, Scaled]],
+  keys: Optional[Sequence[Any]] = None,
+) -> list[list[int]]:
+  """Indices of per-part values computed on one concatenation: those of one
+  dtype, key and shard_map typing (as :func:`clip_scale_parts` groups
+  them); a value that may span devices is a group of its own.
+
+  Element-wise work on per-part norms or factors is best done on such a
+  concatenation (:func:`concat_parts`) and sliced back
+  (:func:`split_parts`): the parts' norms are slices of one vector
+  (_part_norms), so XLA folds the concatenation away and compiles one
+  kernel, where per part it would compile one per part's shape and again
+  a concatenation of their results, unrolled, in each consumer.
+  """
+  keys = [None] * len(values) if keys is None else list(keys)
+  groups, out = {}, []
+  for i, v in enumerate(values):
+    value = v.value if isinstance(v, Scaled) else v
+    if may_span_devices(value):
+      out.append([i])
+    else:
+      key = (np.dtype(value.dtype), keys[i], _varying(v))
+      groups.setdefault(key, []).append(i)
+  return list(groups.values()) + out
+
+
+def concat_parts(values: Sequence[Any]) -> Any:
+  """Per-part arrays (or :class:`Scaled`) raveled into one."""
+  if isinstance(values[0], Scaled):
+    return Scaled(
+      _flat_concat([v.value for v in values]),
+      _flat_concat([v.exponent for v in values]),
+    )
+  return _flat_concat(values)
+
+
+def split_parts(flat: Any, like: Sequence[Any]) -> list[Any]:
+  """:func:`concat_parts` undone: ``flat`` cut into the shapes of ``like``."""
+  if isinstance(flat, Scaled):
+    values = split_parts(flat.value, [_value(v) for v in like])
+    exponents = split_parts(flat.exponent, [_value(v) for v in like])
+    return [Scaled(v, e) for v, e in zip(values, exponents)]
+  out, start = [], 0
+  for v in like:
+    size = math.prod(jnp.shape(v))
+    piece = jax.lax.slice_in_dim(flat, start, start + size)
+    out.append(piece.reshape(jnp.shape(v)))
+    start += size
   return out
 
 

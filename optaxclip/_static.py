@@ -414,16 +414,19 @@ def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redef
   """
   across = [key[1] for key in layout.keys]
   out, factors = _functional.scale_units(leaves, layout, norms, limits)
-  clipped_norms = [n * f for n, f in zip(norms, factors)]
-  scaled = sum(
-    (
-      _norms._psum_sharded(  # noqa: SLF001
-        _norms.count(_norms.is_scaled_down(f)), names, names
-      )
-      for f, names in zip(factors, across)
-    ),
-    jnp.zeros((), jnp.float32),
-  )
+  # Per group of parts (one concatenation each: see _norms.part_groups).
+  clipped_norms: list[Any] = [None] * len(norms)
+  scaled = jnp.zeros((), jnp.float32)
+  for group in _norms.part_groups(norms, layout.keys):
+    n = _norms.concat_parts([norms[i] for i in group])
+    f = _norms.concat_parts([factors[i] for i in group])
+    pieces = _norms.split_parts(n * f, [norms[i] for i in group])
+    for i, piece in zip(group, pieces):
+      clipped_norms[i] = piece
+    names = across[group[0]]
+    scaled = scaled + _norms._psum_sharded(  # noqa: SLF001
+      _norms.count(_norms.is_scaled_down(f)), names, names
+    )
   units = sum(
     n.value.size * _sharding.size(names) for n, names in zip(norms, across)
   )
@@ -987,7 +990,13 @@ def clip_unitwise(
         _telemetry.layer_axes(who, updates, layer_axis),
         2.0,
       )
-    limits = [_unitwise_limit(w, ratio, eps) for w in w_norms]
+    # Per group of parts, as the norms were computed (_norms.part_groups).
+    limits: list[Any] = [None] * len(w_norms)
+    for group in _norms.part_groups(w_norms, layout.keys):
+      like = [w_norms[i] for i in group]
+      limit = _unitwise_limit(_norms.concat_parts(like), ratio, eps)
+      for i, piece in zip(group, _norms.split_parts(limit, like)):
+        limits[i] = piece
     out, stats = _per_unit_clip(leaves, layout, g_norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(
       *stats,
