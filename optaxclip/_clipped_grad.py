@@ -209,7 +209,11 @@ def clipped_grad(
   (or whose squared norm does: above about 1.8e19 in float32) is clipped
   like any other, by both methods (its ``norms`` entry is the dtype's
   largest value when the norm is beyond it): the norms are exact at every
-  size. The ghost method applies the clip factor as a weight of the
+  size. (The ghost method squares each layer's factors as they are; on the
+  rare step where that overflows for a finite example, it recomputes the
+  norms of the chunks of the batch holding such examples exactly, one
+  more forward and backward pass of each, so ordinary steps pay nothing
+  for it in memory.) The ghost method applies the clip factor as a weight of the
   backward pass, so an example whose factor ``C / |g_b|`` is below the
   dtype's smallest normal number (a norm above ``C * 2**126``, 8.5e37 for
   ``C = 1`` in float32) contributes nothing rather than its clipped
@@ -252,16 +256,16 @@ def clipped_grad(
       are taken. The rule for the default, from interleaved measurements
       (``benchmarks/RESULTS.md``, median of per-round ratios): memory
       decides unless one pass is clearly faster. Two passes hold what a
-      plain ``jax.grad`` holds and the per-layer norm computation (1.31x
+      plain ``jax.grad`` holds and the per-layer norm computation (1.10x
       its temporary memory on the example's medium transformer), one pass
       also every layer's kept values, which under ``nn.scan`` add to all
-      the layers' residuals (1.45x): two passes fit twice the batch in a
-      fixed budget. One pass skips the second backward pass, but its
-      time advantage is not consistent on the shared CPU (the time of a
-      plain ``jax.grad``, one pass against two: 0.99x and 1.13x on the wide
-      transformer, 1.28x and 1.21x on the medium one, 1.11x and 1.38x in
-      an earlier medium run). Take ``True`` where the backward pass is
-      costly (long sequences, deep attention) and memory is not the limit.
+      the layers' residuals (1.39x). One pass skips the second backward
+      pass, but its time advantage is not consistent on the shared CPU
+      (the time of a plain ``jax.grad``, one pass against two: 0.99x and
+      1.13x on the wide transformer, 1.28x and 1.21x on the medium one,
+      1.11x and 1.38x in an earlier medium run). Take ``True`` where the
+      backward pass is costly (long sequences, deep attention) and memory
+      is not the limit.
     remat: ``None`` (nothing rematerialised), or a Flax linen module class
       (or a tuple of them), typically the model's transformer block: every
       call of such a module inside ``loss_fn`` is rematerialised
@@ -271,8 +275,8 @@ def clipped_grad(
       layer: the residuals stacked over the layers shrink to the layers'
       inputs. The ghost method then holds less than a plain ``jax.grad``
       without remat (the example's medium transformer at batch 256, from
-      ``benchmarks/RESULTS.md``: 589 MiB of temporary memory against 890
-      for the plain gradient and 1163 for ghost without remat, 0.082 of the
+      ``benchmarks/RESULTS.md``: 437 MiB of temporary memory against 890
+      for the plain gradient and 980 for ghost without remat, 0.061 of the
       vmap path's 7202 MiB, which remat leaves unchanged: per-example
       gradients dominate it). The price is one more forward pass of those
       modules per backward pass (two with two passes): there 1.08x the

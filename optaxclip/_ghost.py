@@ -22,7 +22,7 @@ example does one ``lax.cond``, after the backward pass, recompute the
 squares of the examples' chunks of the batch exactly, from factors scaled
 per example by powers of two (``forward(..., exact=True)``; see
 ``clipped_grad``). A choice per layer would keep every layer's input and
-output gradient alive until its branch ran (1163 against 981 MiB of
+output gradient alive until its branch ran (1163 against 980 MiB of
 temporary memory on the example's medium transformer).
 
 Per layer kind:

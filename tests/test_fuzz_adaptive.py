@@ -256,7 +256,7 @@ def _sharded_runner(name, steps):
     params = jax.tree.map(lambda x: x[0], stacked)
     return jax.lax.scan(step, tx.init(params), stacked)[1]
 
-  single = jax.jit(functools.partial(run, mapped=False))
+  single = fz.FastJit(functools.partial(run, mapped=False))
   sharded = jax.pmap(
     functools.partial(run, mapped=True),
     axis_name="i",

@@ -280,7 +280,7 @@ def test_remat_must_be_linen_module_classes():
 # (chunk by chunk of the batch) on the rare step some finite example's fast
 # squares overflow. The per-layer choice it replaces kept every layer's input
 # and output gradient alive until that layer's choice was made (1163 against
-# 981 MiB on the example's medium transformer).
+# 980 MiB on the example's medium transformer).
 # ---------------------------------------------------------------------------
 
 
