@@ -82,7 +82,7 @@ ADAPTIVE_TARGET = 1.12
 # minutes in the last quiet run; leaves adds about 14 at today's per-leaf
 # compile times (17 s a clipper on 300 leaves, 105 s on 1000). Quick: 45-55 s
 # of CPU time measured.
-FULL_MINUTES = 25
+FULL_MINUTES = 8
 QUICK_SECONDS = 60
 
 
@@ -570,8 +570,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     description=(__doc__ or "").split("\n\n")[0],
     epilog=(
       f"A full run takes about {FULL_MINUTES} minutes on 2 idle CPU "
-      "cores (more than half of it compiling the per-tensor clippers "
-      "of section leaves), and two to three times that on a loaded "
+      "cores (the transformer sections b and c about two minutes each), "
+      "and two to three times that on a loaded "
       f"machine; --quick about {QUICK_SECONDS} s (most of it "
       "compiling)."
     ),
