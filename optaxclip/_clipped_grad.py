@@ -111,6 +111,20 @@ def _chunks(batch: int, most: int = 64) -> int:
   return max(k for k in range(1, most + 1) if batch % k == 0)
 
 
+def _recompute_chunks(
+  batch: int, spans: bool, microbatch_size: Optional[int]
+) -> int:
+  """How many chunks a rare recompute (non-finite or exact norms) takes: one
+  for a batch split over devices (chunking would reshape the split axis),
+  else ``microbatch_size``'s or :func:`_chunks`'.
+  """
+  if spans:
+    return 1
+  if microbatch_size is not None:
+    return batch // microbatch_size
+  return _chunks(batch)
+
+
 def _factors(norms, clips, normalize, gamma):
   """Per group, the ``(B,)`` factors: ``min(1, C / n)`` or ``C / (n + g)``,
   as :class:`~optaxclip._norms.Scaled` numbers (exact for norms, plain or
@@ -603,14 +617,7 @@ def clipped_grad(
         safe = _take(args, argnums, replace)
         # Chunk c holds the examples b with b % chunks == c: the split axis
         # stays whole, and a chunk is indexed along an unsplit one.
-        # A batch split over devices is recomputed whole (chunking it would
-        # reshape the split axis).
-        if spans:
-          chunks = 1
-        elif microbatch_size is not None:
-          chunks = batch // microbatch_size
-        else:
-          chunks = _chunks(batch)
+        chunks = _recompute_chunks(batch, spans, microbatch_size)
         size = batch // chunks
         c_args = _take(
           safe, argnums, lambda x: x.reshape(size, chunks, *x.shape[1:])
@@ -677,13 +684,7 @@ def clipped_grad(
       )
       return _ghost.read_rows(vjp(jnp.ones_like(losses))[1], n_groups)[0]
 
-    # A batch split over devices is recomputed whole, as in grads_fn.
-    if spans:
-      chunks = 1
-    elif microbatch_size is not None:
-      chunks = batch // microbatch_size
-    else:
-      chunks = _chunks(batch)
+    chunks = _recompute_chunks(batch, spans, microbatch_size)
     if chunks == 1:
       return exact_of(args, batch)
     size = batch // chunks
