@@ -307,11 +307,14 @@ def test_exact_power_sum_keeps_nan_over_inf(x, p):
       assert np.isfinite(q), (x, q)
 
 
-@jax.jit
-def _unitwise_runner(g, params, clipping):
-  """clip_unitwise's update, its clipping traced: one program a tree."""
+def _unitwise_update(g, params, clipping):
   tx = optaxclip.clip_unitwise(clipping)
   return tx.update(g, tx.init(params), params)
+
+
+# clip_unitwise's update, its clipping traced: one program a tree, compiled
+# with the fast options.
+_unitwise_runner = fz.FastJit(_unitwise_update)
 
 
 @fz.examples(6, NO_SHRINK)
