@@ -43,3 +43,19 @@ hypothesis.settings.register_profile(
   ],
 )
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(items):
+  """Long tests first: those marked ``slow`` (a big compile or a
+  subprocess), then the fuzz suite's properties, then the rest (many short
+  tests and the doctests). pyproject's ``--dist load`` hands the tests out
+  to the xdist workers in this order, so the last ones each worker runs are
+  short and no worker waits long for the other at the end.
+  """
+
+  def rank(item):
+    if item.get_closest_marker("slow"):
+      return 0
+    return 1 if item.path.name.startswith("test_fuzz") else 2
+
+  items.sort(key=rank)  # stable: each group keeps pytest's order

@@ -593,6 +593,34 @@ def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
   return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
 
 
+# XLA:CPU unrolls the copy of each operand of a concatenation with at most
+# this many elements into the kernel: sixty operands of 63 elements took 7x
+# the compile time of sixty of 65 (0.15 s against 0.02 s; sixty of 8, 0.025 s).
+UNROLLED_COPY_SIZE = 64
+
+
+def _blocked_concat(xs: Sequence[jax.Array]) -> jax.Array:
+  """``_flat_concat(xs)`` for arrays of one size, cheap to compile.
+
+  Operands of more than half ``UNROLLED_COPY_SIZE`` elements and at most
+  that many (where the unrolled copies cost the most) are first stacked in
+  blocks of just more than that many elements (one kernel shared by all
+  blocks of a size; stacks, not concatenations, which XLA would merge into
+  the outer one): the outer concatenation then copies each block in a
+  loop. The elements and their order are those of the plain concatenation.
+  """
+  flat = [jnp.ravel(x) for x in xs]
+  size = flat[0].size if flat else 0
+  k = UNROLLED_COPY_SIZE // max(size, 1) + 1
+  unrolled = UNROLLED_COPY_SIZE // 2 < size <= UNROLLED_COPY_SIZE
+  if not unrolled or len(flat) <= k:
+    return _flat_concat(flat)
+  blocks = [
+    jnp.stack(flat[i : i + k]).reshape(-1) for i in range(0, len(flat), k)
+  ]
+  return _flat_concat(blocks)
+
+
 # --------------------------------------------------------------------------
 # Unit norms
 # --------------------------------------------------------------------------
@@ -752,7 +780,9 @@ class UnitLayout:
   def _pack_new(self, kind, what, leaves) -> jax.Array:
     dtype = tree_accumulation_dtype([leaves[i] for i, _, _ in what])
     if kind == "stack":
-      return jnp.stack([leaves[i].astype(dtype) for i, _, _ in what])
+      return _blocked_concat(
+        [leaves[i].astype(dtype) for i, _, _ in what]
+      ).reshape((len(what),) + self.shapes[what[0][0]])
     # Units are trailing (or whole leaves): the rows are the leaves'
     # raveled elements, concatenated as one vector and reshaped once (a
     # reshape per leaf is an instruction per leaf for XLA to process).
@@ -761,7 +791,7 @@ class UnitLayout:
       jax.lax.convert_element_type(jnp.ravel(leaves[i]), dtype)
       for i, _, _ in what
     ]
-    return _flat_concat(flat).reshape(-1, unit)
+    return _blocked_concat(flat).reshape(-1, unit)
 
   def pack_units(self, values) -> list[jax.Array]:
     """Per-leaf unit values (keepdims shapes) as per-part values."""

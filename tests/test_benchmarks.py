@@ -70,6 +70,7 @@ def _tables(text):
   return tables
 
 
+@pytest.mark.slow
 def test_quick_run_writes_a_sane_report(tmp_path):
   out = tmp_path / "RESULTS.md"
   stdout = run_script(
@@ -167,6 +168,7 @@ def test_help_says_how_long_a_run_takes(capsys):
   assert f"about {run.QUICK_SECONDS} s" in text
 
 
+@pytest.mark.slow
 def test_floors_runs_at_a_tiny_size():
   stdout = run_script(
     "benchmarks/floors.py",

@@ -157,6 +157,7 @@ def _close(got, want, rtol=1e-5):
     assert err <= rtol * scale, (err, scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ghost_equals_vmap_and_the_oracle(case):
   loss, params, batch = CASES[case]()

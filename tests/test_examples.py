@@ -8,6 +8,8 @@ import math
 import pathlib
 import re
 
+import pytest
+
 from example_runner import load_script
 from example_runner import run_script
 import optaxclip
@@ -21,6 +23,7 @@ GUIDES = {
 }
 
 
+@pytest.mark.slow
 def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
   out = tmp_path / "plots" / "lstm.png"
   stdout = run_script(
@@ -59,6 +62,7 @@ def test_lstm_exploding_prints_the_table_and_writes_the_png(tmp_path):
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_which_layer_names_the_bad_layer_and_writes_the_heatmap(tmp_path):
   out = tmp_path / "which_layer.png"
   stdout = run_script(
@@ -87,6 +91,7 @@ def test_which_layer_names_the_bad_layer_and_writes_the_heatmap(tmp_path):
   assert events and all(e.stat().st_size > 0 for e in events), events
 
 
+@pytest.mark.slow
 def test_nnx_quickstart_prints_the_pre_clip_norm(tmp_path):
   stdout = run_script(
     "examples/nnx_quickstart.py",
@@ -114,6 +119,7 @@ def _run_blocks(markdown, name):
   return len(blocks)
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run(capsys):
   assert _run_blocks(README, "README.md") >= 3
   printed = capsys.readouterr().out
@@ -121,6 +127,7 @@ def test_readme_python_blocks_run(capsys):
   assert len(re.findall(r"pre-clip norm \d", printed)) >= 6, printed
 
 
+@pytest.mark.slow
 def test_docs_python_blocks_run():
   ran = {
     name: _run_blocks(text, f"docs/{name}") for name, text in GUIDES.items()

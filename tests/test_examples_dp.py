@@ -5,11 +5,14 @@
 import pathlib
 import re
 
+import pytest
+
 from example_runner import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_dp_sgd_example_runs_and_adapts_the_clip_norm():
   stdout = run_script(
     "examples/dp_sgd.py",
@@ -36,6 +39,7 @@ def test_dp_sgd_example_runs_and_adapts_the_clip_norm():
   assert "No privacy accounting" in stdout
 
 
+@pytest.mark.slow
 def test_dp_transformer_example_runs_tiny():
   out = run_script(
     "examples/dp_transformer.py",

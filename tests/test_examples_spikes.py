@@ -4,11 +4,14 @@ import math
 import pathlib
 import re
 
+import pytest
+
 from example_runner import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_spikes_prints_the_table_and_writes_the_png(tmp_path):
   out = tmp_path / "plots" / "spikes.png"
   # The spike-aware optimizers and a guard (each variant compiles its own

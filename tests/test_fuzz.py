@@ -216,8 +216,120 @@ def _clipper_state(state):
   )
 
 
+def _static(name, **kw):
+  return fz.Config(name, tuple(sorted(kw.items())))
+
+
+# Under the ci profile the (configuration, tree layout) pairs come from this
+# palette, the values drawn freely (each pair compiles one program, shared
+# by the examples that draw it again); other profiles (release) draw both
+# freely. Together: every static clipper and clipped() kind, every ord and
+# axis, every dtype (float64 under x64, complex64), scalars, empty leaves
+# and a large one (not concatenated), dict and list nesting.
+STATIC_PALETTE = (
+  (
+    _static("clip_value", max_delta=1.0),
+    {"a": ((3,), "float16"), "b": [((2, 3), "bfloat16"), ((), "float32")]},
+  ),
+  (
+    _static("clip_norm", max_norm=1.0, ord=None, axis=None),
+    [((70_000,), "float32"), ((0,), "float16"), ((2, 2, 3), "complex64")],
+  ),
+  (
+    _static("clip_norm", max_norm=1.0, ord=1, axis=0),
+    {"a": ((2, 3), "float32"), "b": ((4, 4), "bfloat16")},
+  ),
+  (
+    _static("clip_norm", max_norm=1.0, ord="inf", axis=-1),
+    [((2, 2, 3), "float16"), ((1, 5), "float64")],
+  ),
+  (
+    _static("clip_norm", max_norm=1.0, ord=2, axis=(0, 1)),
+    {"a": ((2, 3), "complex64"), "b": ((2, 2, 3), "float32")},
+  ),
+  (
+    _static("clip_global", max_norm=1.0, ord=None),
+    {
+      "a": ((2, 3), "complex64"),
+      "b": ((4, 4), "float64"),
+      "c": ((0, 3), "float32"),
+    },
+  ),
+  (
+    _static("clip_global", max_norm=1.0, ord=1),
+    [((3,), "bfloat16"), ((70_000,), "float16")],
+  ),
+  (
+    _static("clip_global", max_norm=1.0, ord="inf"),
+    {"a": ((), "float32"), "b": ((1,), "float64")},
+  ),
+  (
+    _static("clip_global", max_norm=1.0, ord=3),
+    [((4, 4), "float32"), ((3,), "complex64")],
+  ),
+  (
+    _static("clip_block_rms", threshold=1.0),
+    {
+      "a": ((2, 2, 3), "float64"),
+      "b": ((0,), "float32"),
+      "c": ((3,), "bfloat16"),
+    },
+  ),
+  (
+    _static("clip_unitwise", clipping=1.0, eps=1e-3),
+    {"a": ((4, 4), "float32"), "b": ((3,), "float64")},
+  ),
+  (
+    _static("clip_unitwise", clipping=1.0, eps=0.0),
+    {"a": ((2, 3), "bfloat16"), "b": ((0, 3), "float16"), "c": ((), "float32")},
+  ),
+  (
+    _static("clipped.clipvalue", clipvalue=1.0),
+    {"a": ((2, 3), "complex64"), "b": ((), "float64")},
+  ),
+  (
+    _static("clipped.clipnorm", clipnorm=1.0),
+    [((70_000,), "bfloat16"), ((1,), "float32")],
+  ),
+  (
+    _static("clipped.global_clipnorm", global_clipnorm=1.0),
+    {"a": ((4, 4), "float16"), "b": ((2, 3), "float32")},
+  ),
+)
+
+
+def _is_spec(x):
+  return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str)
+
+
+@st.composite
+def _palette_tree(draw, layout, nonfinite, magnitudes):
+  """Values of ``layout`` (leaves ``(shape, dtype name)``) drawn as
+  ``fz.trees`` draws them: a NaN/Inf somewhere with ``nonfinite``.
+  """
+  specs, treedef = jax.tree.flatten(layout, is_leaf=_is_spec)
+  items = [
+    draw(fz.arrays(dtype, shape, nonfinite=nonfinite, magnitudes=magnitudes))
+    for shape, dtype in specs
+  ]
+  sized = [x for x in items if x.size]
+  if nonfinite and sized and not fz.has_nonfinite(items):
+    x = sized[draw(st.integers(0, len(sized) - 1))].reshape(-1)
+    x[draw(st.integers(0, x.size - 1))] = draw(st.sampled_from(fz.NONFINITE))
+  return jax.tree.unflatten(treedef, items)
+
+
 @st.composite
 def _static_case(draw, nonfinite=False, magnitudes="all"):
+  if fz.ci_profile():
+    config, layout = draw(st.sampled_from(STATIC_PALETTE))
+    tree = draw(_palette_tree(layout, nonfinite, magnitudes))
+    params = (
+      draw(fz.like(tree, magnitudes=magnitudes))
+      if config.needs_params
+      else None
+    )
+    return config, tree, params, draw(fz.limits(magnitudes=magnitudes))
   config = draw(fz.static_configs(axes=fz.AXES))
   shapes = (
     fz.MATRIX_SHAPES if config.kw.get("axis") is not None else (fz.SHAPES)

@@ -222,3 +222,68 @@ def test_packed_unit_norms_equal_each_leaf_alone(leaves, p):
   packed, alone = _packed_and_alone(leaves, p)
   for got, want in zip(packed, alone):
     np.testing.assert_array_equal(_exactly(got), _exactly(want))
+
+
+# One layout under ci: leaves of 63 and 40 elements (copied in blocks, see
+# _norms._blocked_concat), one of them alone, units whole or per row.
+BLOCKED_LAYOUT = ((7, 9),) * 5 + ((40,),) * 3 + ((5, 8),)
+
+
+@st.composite
+def leaves_copied_in_blocks(draw):
+  """Leaves of 33 to 64 elements, which UnitLayout packs block by block."""
+  free = st.lists(
+    st.sampled_from([(7, 9), (40,), (5, 8), (64,), (33,)]),
+    min_size=2,
+    max_size=9,
+  )
+  layout = draw(fz.ci_or(st.just(BLOCKED_LAYOUT), free))
+  element = st.sampled_from([0.0, -2.0, 1.5, 1e-30, 1e30, 3e38, np.inf, np.nan])
+  return [
+    np.asarray(
+      draw(st.lists(element, min_size=n, max_size=n)), np.float32
+    ).reshape(shape)
+    for shape in layout
+    for n in [int(np.prod(shape))]
+  ]
+
+
+def _blocked_and_plain(leaves, per_row):
+  # per_row: one unit per column of the 2-D leaves (their units across the
+  # leading axis: stacked parts), else whole leaves (rows).
+  axes = [(0,) if per_row else None for _ in leaves]
+  by_size = {}
+  for x in leaves:
+    by_size.setdefault(x.shape, []).append(x)
+  blocked = [_norms._blocked_concat(xs) for xs in by_size.values()]
+  plain = [jnp.concatenate([x.ravel() for x in xs]) for xs in by_size.values()]
+  layout, parts = _norms.unit_norms_packed(
+    leaves, 2.0, axes, several_units=True
+  )
+  alone = [
+    _norms.unit_norms_scaled([x], 2.0, [ax])[0] for x, ax in zip(leaves, axes)
+  ]
+  return blocked, plain, layout.unpack(parts), alone
+
+
+# Compiled with the fast options, one program a layout.
+_BLOCKED = {
+  r: fz.FastJit(functools.partial(_blocked_and_plain, per_row=r))
+  for r in (False, True)
+}
+
+
+@fz.examples(3, deadline=None)
+@hypothesis.given(leaves_copied_in_blocks(), st.booleans())
+def test_blocked_packing_is_the_concatenation(leaves, per_row):
+  # Small leaves are stacked in blocks before their concatenation (cheaper
+  # for XLA:CPU to compile): the same elements in the same order, bit for
+  # bit, and each leaf's unit norms (whole leaves, or one unit per column,
+  # packed as rows or as a stack) those it has alone.
+  blocked, plain, packed, alone = _BLOCKED[per_row](leaves)
+  for b, q in zip(blocked, plain):
+    np.testing.assert_array_equal(
+      np.asarray(b).view(np.uint32), np.asarray(q).view(np.uint32)
+    )
+  for got, want in zip(packed, alone):
+    np.testing.assert_array_equal(_exactly(got), _exactly(want))

@@ -141,7 +141,10 @@ def _compiled(key, fn, *args):
 
 @st.composite
 def _ghost_batches(draw):
-  batch = draw(st.sampled_from([6, 70]))
+  # Under ci the batch of 70 only (above the recompute's 64 chunks; each
+  # batch size compiles the ghost and oracle programs again); release draws
+  # 6 too.
+  batch = draw(fz.ci_or(st.just(70), st.sampled_from([6, 70])))
   rng = np.random.default_rng(draw(st.integers(0, 2**16)))
   tokens = rng.integers(0, 7, size=(batch, 3)).astype(np.int32)
   scale = draw(st.sampled_from([1e-3, 1.0, 30.0]))

@@ -137,6 +137,7 @@ def _single_device_result():
   return _run(params, grads)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_every_clipper_on_an_fsdp_tree(kind):
   mesh = _mesh(kind)
@@ -454,6 +455,7 @@ def _adaptive_single_device():
   return params, stacked, run_fast(_adaptive_run(None), stacked, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)])
 def test_adaptive_clippers_inside_shard_map_match_one_device(mesh_shape):
   params, stacked, want = _adaptive_single_device()
@@ -481,6 +483,7 @@ def test_adaptive_clippers_inside_shard_map_match_one_device(mesh_shape):
   _check_adaptive(got, want)
 
 
+@pytest.mark.slow
 def test_adaptive_clippers_under_pmap_match_one_device():
   params, stacked, want = _adaptive_single_device()
   # pmap: w_in split along its rows over 8 devices, w_out along its
@@ -651,6 +654,7 @@ def _cases_2d():
   }
 
 
+@pytest.mark.slow
 def test_per_leaf_axes_on_a_2d_mesh_match_one_device():
   mesh = jax.make_mesh(
     (2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2

@@ -1408,6 +1408,7 @@ class SecondOrderTest(parameterized.TestCase):
         h_ours, h_theirs, rtol=tol, atol=tol, err_msg=name
       )
 
+  @pytest.mark.slow
   def test_every_second_order_form_is_finite_at_zero_and_on_the_limit(self):
     params, cases = _second_order_cases()
     cases.append(

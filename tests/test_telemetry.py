@@ -123,6 +123,7 @@ class LeafNormsTest(chex.TestCase, parameterized.TestCase):
       self.assertEqual(state.leaf_norms.tree()["blocks"]["kernel"].shape, (4,))
       self.assertEqual(state.leaf_norms.tree()["head"].shape, ())
 
+  @pytest.mark.slow
   def test_every_clipper_matches_numpy_and_clips_as_without(self):
     g, p = _tree(), _params()
     names = sorted(CLIPPERS)
