@@ -53,9 +53,10 @@ Values
   ``like(tree, nonfinite=False, magnitudes="all")``: a strategy of a tree
   of the same structure, shapes and dtypes (params for clip_unitwise).
   ``per_example_trees(batch_sizes=(1, 2, 4, 8), ..., nonfinite=False,
-  magnitudes="ordinary", huge=True)``: every leaf with a leading batch
-  axis; whole examples may be zero, huge (half the dtype's largest value)
-  or non-finite.
+  magnitudes="ordinary", huge=True, palette=True)``: every leaf with a
+  leading batch axis; whole examples may be zero, huge (half the dtype's
+  largest value) or non-finite; under the ci profile the layout comes from
+  ``PER_EXAMPLE_LAYOUTS``.
   ``has_nonfinite(tree)``, ``leaves(tree)``.
 
 Clipper configurations
@@ -458,6 +459,17 @@ def like(draw, tree, nonfinite=False, magnitudes="all"):
   )
 
 
+# Under the ci profile :func:`per_example_trees` takes its layout (batch
+# size, the examples' leaf shapes, the nesting) from this palette (each
+# layout compiles its programs once); other profiles draw layouts freely.
+PER_EXAMPLE_LAYOUTS = (
+  (4, ((), (3,)), "dict"),
+  (8, ((2, 2),), "leaf"),
+  (1, ((3,), (2, 2), ()), "list"),
+  (2, ((),), "list"),
+)
+
+
 @st.composite
 def per_example_trees(
   draw,
@@ -468,16 +480,26 @@ def per_example_trees(
   nonfinite=False,
   magnitudes="ordinary",
   huge=True,
+  palette=True,
 ):
   """Leaves with a leading batch axis; some whole examples zero, huge (with
   ``huge``: half the dtype's largest value in every element, far above
-  2**126) or, with ``nonfinite``, holding a NaN / Inf.
+  2**126) or, with ``nonfinite``, holding a NaN / Inf. ``palette``: under
+  the ci profile the layout comes from :data:`PER_EXAMPLE_LAYOUTS` (the
+  values, dtypes and kinds of example drawn as usual).
   """
-  batch = draw(st.sampled_from(tuple(batch_sizes)))
-  n = draw(st.integers(1, max_leaves))
+  nesting = None
+  if palette and ci_profile():
+    batch, leaf_shapes, nesting = draw(st.sampled_from(PER_EXAMPLE_LAYOUTS))
+  else:
+    batch = draw(st.sampled_from(tuple(batch_sizes)))
+    leaf_shapes = [
+      draw(st.sampled_from(tuple(shapes)))
+      for _ in range(draw(st.integers(1, max_leaves)))
+    ]
   items = []
-  for _ in range(n):
-    shape = (batch,) + draw(st.sampled_from(tuple(shapes)))
+  for leaf_shape in leaf_shapes:
+    shape = (batch, *leaf_shape)
     dtype = draw(dtype_names(dtypes))
     items.append(draw(arrays(dtype, shape, magnitudes=magnitudes)))
   kinds = ("keep", "keep", "zero") + (("huge",) if huge else ())
@@ -494,6 +516,12 @@ def per_example_trees(
       elif what == "nonfinite" and rows.shape[1]:
         i = draw(st.integers(0, rows.shape[1] - 1))
         rows[b, i] = draw(st.sampled_from(NONFINITE))
+  if nesting == "dict":
+    return {f"k{i}": x for i, x in enumerate(items)}
+  if nesting == "list":
+    return items
+  if nesting == "leaf":
+    return items[0]
   return _nest(draw, items)
 
 

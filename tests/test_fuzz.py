@@ -561,6 +561,116 @@ BOUND = 60  # steps within which a lasting new level must get through
 ZERO_LEAF = -1.0  # a level: the first leaf zero, the others at norm 1
 
 
+# Under ci, (configuration, layout, dtype) of a history from this palette
+# (each compiles once, shared by the four history properties; the dtype is
+# drawn where a property asks for others, float64), the history and levels
+# drawn; release draws all freely. Together: every adaptive clipper and
+# guard, both scopes, each mode, clip option and spike rule, caps and none.
+HISTORY_PALETTE = (
+  (
+    _static(
+      "clip_zscore",
+      warmup_steps=1,
+      alpha=0.5,
+      z_thresh=1.0,
+      max_norm=None,
+      mode="zscore",
+      clip_option="adaptive_scaling",
+      skip_update_on_spike=True,
+      scope="global",
+    ),
+    LAYOUTS[0],
+    "float32",
+  ),
+  (
+    _static(
+      "clip_zscore",
+      warmup_steps=3,
+      alpha=0.97,
+      z_thresh=2.5,
+      max_norm=1.0,
+      mode="percentile",
+      clip_option="mean",
+      skip_update_on_spike=False,
+      scope="leaf",
+    ),
+    LAYOUTS[1],
+    "bfloat16",
+  ),
+  (
+    _static("clip_percentile", percentile=0.0, history=1, scope="global"),
+    LAYOUTS[1],
+    "float32",
+  ),
+  (
+    _static("clip_percentile", percentile=50.0, history=4, scope="leaf"),
+    LAYOUTS[1],
+    "float32",
+  ),
+  (
+    _static("clip_percentile", percentile=100.0, history=4, scope="global"),
+    LAYOUTS[0],
+    "bfloat16",
+  ),
+  (
+    _static(
+      "clip_relative",
+      factor=1.0,
+      beta=0.5,
+      warmup_steps=1,
+      warmup_max_norm=math.inf,
+    ),
+    LAYOUTS[1],
+    "float32",
+  ),
+  (
+    _static(
+      "clip_relative",
+      factor=2.0,
+      beta=0.98,
+      warmup_steps=3,
+      warmup_max_norm=1.0,
+    ),
+    LAYOUTS[0],
+    "bfloat16",
+  ),
+  (
+    _static(
+      "guard.clip_global",
+      spike_z=1.0,
+      max_norm=1e4,
+      warmup_steps=3,
+      alpha=0.5,
+      inner_limit=1.0,
+    ),
+    LAYOUTS[1],
+    "float32",
+  ),
+  (
+    _static(
+      "guard.identity",
+      spike_z=3.0,
+      max_norm=None,
+      warmup_steps=1,
+      alpha=0.97,
+    ),
+    LAYOUTS[0],
+    "float32",
+  ),
+  (
+    _static(
+      "guard.identity",
+      spike_z=None,
+      max_norm=1e30,
+      warmup_steps=3,
+      alpha=0.5,
+    ),
+    LAYOUTS[1],
+    "bfloat16",
+  ),
+)
+
+
 @st.composite
 def _history_case(
   draw,
@@ -570,13 +680,18 @@ def _history_case(
   configs=None,
   zero_warmup=False,
 ):
-  config = draw(
-    configs
-    if configs is not None
-    else st.one_of(fz.adaptive_configs(), fz.guard_configs())
-  )
-  layout = draw(st.sampled_from(LAYOUTS))
-  dtype = draw(st.sampled_from(tuple(dtypes)))
+  if configs is None and fz.ci_profile():
+    config, layout, dtype = draw(st.sampled_from(HISTORY_PALETTE))
+    if dtype not in dtypes:
+      dtype = draw(st.sampled_from(tuple(dtypes)))
+  else:
+    config = draw(
+      configs
+      if configs is not None
+      else st.one_of(fz.adaptive_configs(), fz.guard_configs())
+    )
+    layout = draw(st.sampled_from(LAYOUTS))
+    dtype = draw(st.sampled_from(tuple(dtypes)))
   direction = jax.tree.map(
     lambda shape: draw(fz.arrays("float64", shape, magnitudes="ordinary")),
     layout,
@@ -834,7 +949,8 @@ def _per_example_property(config, tree):
   scope = config.kw["scope"]
   batch = np.shape(leaves[0])[0]
   msg = f"{config!r} batch={batch}"
-  run = fz.static_runner(config)
+  # The limit is traced: one program for every l2_clip of a scope.
+  run = fz.static_runner(config.with_limit(1.0))
   limit = np.float32(l2)
 
   def run_host(t):
@@ -938,8 +1054,59 @@ def test_per_example_sensitivity_bound_huge_and_nonfinite(config, tree):
 SHARDED_NAMES = ("clip_value", "clip_norm", "clip_global", "clip_block_rms")
 
 
+# Under ci, (configuration, devices, layout) from this palette (each compiles
+# once; the two explicit examples' own among them), values drawn; release
+# draws all freely.
+SHARDED_PALETTE = (
+  (
+    _static("clip_value", max_delta=1.0),
+    2,
+    {"a": ((8,), "float32"), "b": ((16, 2), "bfloat16")},
+  ),
+  (
+    _static("clip_norm", max_norm=1.0, ord=None, axis=None),
+    8,
+    [((8, 3), "float32"), ((16,), "bfloat16")],
+  ),
+  (
+    _static("clip_norm", max_norm=1.0, ord=1, axis=None),
+    2,
+    {"a": ((8,), "float32")},
+  ),
+  (
+    _static("clip_norm", max_norm=1.0, ord="inf", axis=None),
+    1,
+    {"a": ((16, 2), "float32"), "b": [((8,), "bfloat16")]},
+  ),
+  (
+    _static("clip_global", max_norm=1.0, ord=None),
+    2,
+    {"a": ((8,), "float32")},
+  ),
+  (
+    _static("clip_global", max_norm=1.0, ord=3),
+    8,
+    [((16,), "float32"), ((8, 3), "bfloat16"), ((16, 2), "float32")],
+  ),
+  (
+    _static("clip_global", max_norm=1.0, ord="inf"),
+    1,
+    [((16, 2), "bfloat16"), ((8,), "float32")],
+  ),
+  (
+    _static("clip_block_rms", threshold=1.0),
+    8,
+    {"a": ((8, 3), "bfloat16"), "b": ((8,), "float32")},
+  ),
+)
+
+
 @st.composite
 def _sharded_case(draw, magnitudes="ordinary"):
+  if fz.ci_profile():
+    config, n, layout = draw(st.sampled_from(SHARDED_PALETTE))
+    tree = draw(_palette_tree(layout, False, magnitudes))
+    return config, n, tree, draw(fz.limits(magnitudes=magnitudes))
   config = draw(fz.static_configs(names=SHARDED_NAMES))
   n = draw(st.sampled_from((1, 2, 8)))
   tree = draw(

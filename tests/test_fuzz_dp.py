@@ -8,6 +8,8 @@ norm: one beyond float32's range included), each clipped along its
 direction.
 """
 
+import functools
+
 import flax.linen as nn
 import hypothesis
 import hypothesis.strategies as st
@@ -123,9 +125,25 @@ class _ScanModel(nn.Module):
 
 
 _MODEL = _ScanModel()
-_PARAMS = _MODEL.init(
-  jax.random.PRNGKey(0), np.zeros((1, 3), np.int32), np.zeros((1, 3, 2))
-)
+
+
+@functools.cache
+def _params():
+  """The model's parameters, drawn on the host at first use (an eager
+  ``init`` at import cost every test process about 3 s of CPU).
+  """
+  shapes = jax.eval_shape(
+    _MODEL.init,
+    jax.ShapeDtypeStruct((2,), jnp.uint32),
+    jax.ShapeDtypeStruct((1, 3), jnp.int32),
+    jax.ShapeDtypeStruct((1, 3, 2), jnp.float32),
+  )
+  rng = np.random.default_rng(0)
+  return jax.tree.map(
+    lambda s: (0.5 * rng.normal(size=s.shape)).astype(s.dtype), shapes
+  )
+
+
 _COMPILED = {}
 
 
@@ -174,6 +192,7 @@ def test_ghost_clipped_sum_matches_the_per_example_oracle(
   # non-finite examples and chunking, the clipped sum is the float64
   # oracle's over the finite, non-padding examples.
   tokens, x, pad = data
+  params = _params()
   batch = len(tokens)
   micro = 2 if bookkeeping else None  # both divide the batches drawn
   fn = optaxclip.clipped_grad(
@@ -186,20 +205,20 @@ def test_ghost_clipped_sum_matches_the_per_example_oracle(
   step = _compiled(
     ("ghost", batch, bookkeeping),
     lambda p, t, x, pad, c: fn(p, t, x, is_padding_example=pad, l2_clip=c),
-    _PARAMS,
+    params,
     tokens,
     x,
     pad,
     np.float32(clip),
   )
-  grads, norms = step(_PARAMS, tokens, x, pad, np.float32(clip))
+  grads, norms = step(params, tokens, x, pad, np.float32(clip))
 
   def one(p, t, x):
     return _ghost_loss(p, t[None], x[None])[0]
 
   per_example = _compiled(
-    ("oracle", batch), jax.vmap(jax.grad(one), (None, 0, 0)), _PARAMS, tokens, x
-  )(_PARAMS, tokens, x)
+    ("oracle", batch), jax.vmap(jax.grad(one), (None, 0, 0)), params, tokens, x
+  )(params, tokens, x)
   leaves = [
     np.asarray(v, np.float64).reshape(batch, -1)
     for v in jax.tree.leaves(per_example)

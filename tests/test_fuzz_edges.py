@@ -345,7 +345,7 @@ def _tree_norm(tree) -> float:
   return float(fz.measure_tree([np.asarray(g) for g in jax.tree.leaves(tree)]))
 
 
-@hypothesis.settings(max_examples=5)
+@fz.examples(5)
 @hypothesis.given(
   scales=st.lists(
     st.sampled_from((1e-3, 1.0, 1e10, 1e19, 1e25, 1e30)),

@@ -56,10 +56,12 @@ def _runner(tx):
 
 
 def _one_at_a_time(tx, tree, params):
-  return {
-    k: _runner(tx)({k: x}, tx.init({k: params[k]}), {k: params[k]})[0][k]
-    for k, x in tree.items()
-  }
+  # Each leaf alone under one key: one program per shape, not per leaf name.
+  out = {}
+  for k, x in tree.items():
+    alone = {"x": params[k]}
+    out[k] = _runner(tx)({"x": x}, tx.init(alone), alone)[0]["x"]
+  return out
 
 
 # One transformation object each, so that _runner's cache holds.
