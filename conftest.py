@@ -7,6 +7,7 @@ correction raises a float to an int32 power), so tests/test_strict_dtypes.py
 audits the clippers alone under strict promotion.
 """
 
+import collections
 import os
 
 os.environ["XLA_FLAGS"] = " ".join(
@@ -46,16 +47,30 @@ hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(items):
-  """Long tests first: those marked ``slow`` (a big compile or a
-  subprocess), then the fuzz suite's properties, then the rest (many short
-  tests and the doctests). pyproject's ``--dist load`` hands the tests out
-  to the xdist workers in this order, so the last ones each worker runs are
-  short and no worker waits long for the other at the end.
+  """The order of the tests, and so of the files that pyproject's ``--dist
+  loadfile --no-loadscope-reorder`` hands to the xdist workers (a file is
+  one unit, in the order of its first test here: the programs its tests
+  share are compiled by one worker only).
+
+  Long tests first, so that the last units each worker runs are short and
+  neither waits long for the other at the end: the tests marked ``slow`` (a
+  big compile, a subprocess), and so their files; then the fuzz suite's
+  files; then the other files, those with more tests first; the doctests
+  last.
   """
+
+  def module(item):
+    return item.path.name
+
+  counts = collections.Counter(module(item) for item in items)
 
   def rank(item):
     if item.get_closest_marker("slow"):
-      return 0
-    return 1 if item.path.name.startswith("test_fuzz") else 2
+      return (0, 0)
+    if module(item).startswith("test_fuzz"):
+      return (1, 0)
+    if module(item).startswith("test_"):
+      return (2, -counts[module(item)])
+    return (3, 0)  # doctests
 
-  items.sort(key=rank)  # stable: each group keeps pytest's order
+  items.sort(key=rank)  # stable: within a rank, pytest's order

@@ -86,7 +86,8 @@ def global_clip(
     dtype = _norms.tree_accumulation_dtype(leaves)
     scaled = _norms.as_scaled(jnp.asarray(norm).astype(dtype).reshape(()))
   factor = _norms.clip_scale(scaled, max_norm)
-  return _norms.scale_all(leaves, factor), scaled, factor
+  smallest = _norms.smallest_clip_factor(leaves, max_norm, axis_name)
+  return _norms.scale_all(leaves, factor, smallest=smallest), scaled, factor
 
 
 def unit_norms_of(

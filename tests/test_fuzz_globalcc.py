@@ -1,0 +1,141 @@
+"""One factor for the whole tree in two multipliers (issue 10's compile
+regression of ``chain(clip_global, adam)`` on many leaves): where a static
+bound keeps the factor at or above ``2**-252``, ``_norms.scale_all`` applies
+it in two steps, and gives, bit for bit, what each leaf scaled on its own in
+three steps (``scale_leaf``) gives, on XLA:CPU, for leaves of mixed dtypes
+with magnitudes near float32's largest value and subnormal ones; with the
+same derivatives. ``clip_global`` with a fixed limit (two multipliers where
+the bound allows) equals the same limit passed as an array (three).
+"""
+
+import math
+
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fuzz_strategies
+import optaxclip
+from optaxclip import _norms
+from test_fuzz_leafpack import many_small_leaves
+
+# Exponents of the factor m * 2**e (at most 1, at least 2**-252): ordinary
+# ones, and ones that need a power of two beyond float32's range (x near
+# 3e38 times 2**-250 is about 2**-122, a normal result).
+EXPONENTS = st.one_of(st.integers(-3, 0), st.integers(-251, -120))
+MANTISSAS = st.one_of(
+  st.floats(0.5, 1.0, exclude_max=True, width=32),
+  st.sampled_from((0.5, np.nan)),
+)
+SMALLEST = math.ldexp(1.0, -252)
+
+
+@st.composite
+def leaves_and_factor(draw):
+  leaves = draw(many_small_leaves())
+  value = draw(MANTISSAS)
+  exponent = draw(EXPONENTS)
+  return leaves, jnp.float32(value), jnp.int32(exponent)
+
+
+def _two(leaves, value, exponent):
+  factor = _norms.Scaled(value, exponent)
+  return _norms.scale_all(leaves, factor, smallest=SMALLEST)
+
+
+def _three(leaves, value, exponent):
+  factor = _norms.Scaled(value, exponent)
+  return [_norms.scale_leaf(x, factor) for x in leaves]
+
+
+_RUN = {fn: fuzz_strategies.FastJit(fn) for fn in (_two, _three)}
+
+
+def _weighted_sum(fn):
+  def loss(leaves, value, exponent):
+    out = fn(leaves, value, exponent)
+    return sum(
+      jnp.sum(y.astype(jnp.float32) * (k + 1) * 0.25) for k, y in enumerate(out)
+    )
+
+  return fuzz_strategies.FastJit(jax.grad(loss, argnums=(0, 1)))
+
+
+_GRAD = {fn: _weighted_sum(fn) for fn in (_two, _three)}
+
+
+def _assert_same(got, want, err, exact=True):
+  got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+  want = np.asarray(jnp.asarray(want).astype(jnp.float32), np.float64)
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=err)
+  ok = ~np.isnan(want)
+  if exact:
+    np.testing.assert_array_equal(got[ok], want[ok], err_msg=err)
+  else:
+    np.testing.assert_allclose(got[ok], want[ok], rtol=1e-5, err_msg=err)
+
+
+@fuzz_strategies.examples(6, deadline=None)
+@hypothesis.given(leaves_and_factor())
+def test_two_multipliers_equal_three_bit_for_bit(case):
+  leaves, value, exponent = case
+  want = _RUN[_three](leaves, value, exponent)
+  got = _RUN[_two](leaves, value, exponent)
+  for i, (g, w, x) in enumerate(zip(got, want, leaves)):
+    assert g.dtype == x.dtype and g.shape == x.shape, i
+    _assert_same(g, w, f"leaf {i}, factor {value} * 2**{exponent}")
+
+
+@fuzz_strategies.examples(2, deadline=None)
+@hypothesis.given(leaves_and_factor())
+def test_two_multipliers_have_the_derivatives_of_three(case):
+  leaves, value, exponent = case
+  # Finite leaves of moderate size: derivatives, not the non-finite policy.
+  leaves = [np.asarray(x) for x in leaves]
+  leaves = [
+    jnp.asarray(
+      np.where(np.isfinite(x) & (np.abs(x) < 1e4), x, 1).astype(x.dtype)
+    )
+    for x in leaves
+  ]
+  value = jnp.float32(0.75) if np.isnan(value) else value
+  want = _GRAD[_three](leaves, value, exponent)
+  got = _GRAD[_two](leaves, value, exponent)
+  for i, (g, w) in enumerate(zip(got[0], want[0])):
+    _assert_same(g, w, f"d/dleaf {i}")
+  # The factor's cotangent sums a leaf's elements: the order may differ.
+  _assert_same(got[1], want[1], "d/dfactor", exact=False)
+
+
+def test_the_bound_is_below_every_factor_and_zero_when_unknown():
+  leaves = [jnp.zeros((3, 4)), jnp.zeros(5, jnp.bfloat16)]
+  bound = _norms.smallest_clip_factor(leaves, 1.0)
+  # 17 elements below 2**128 each: any p-norm below 17 * 2**128.
+  assert 0 < bound <= 1.0 / (17 * 2.0**128)
+  assert _norms.smallest_clip_factor(leaves, jnp.float32(1.0)) == 0.0
+  assert _norms.smallest_clip_factor(leaves, 0.0) == 0.0
+  assert _norms.smallest_clip_factor(leaves, math.inf) == 0.0
+  assert _norms.smallest_clip_factor([], 1.0) == 0.0
+
+
+@fuzz_strategies.examples(5, deadline=None)
+@hypothesis.given(
+  many_small_leaves(),
+  fuzz_strategies.limits(zero=False, inf=False),
+  st.sampled_from((1.0, 2.0, math.inf)),
+)
+def test_clip_global_with_a_fixed_limit_equals_a_traced_one(leaves, limit, p):
+  got, got_state = optaxclip.clip_global(limit, ord=p).update(
+    leaves, None
+  )  # eagerly: clip_global's own jitted update, limit static
+  want, want_state = jax.jit(
+    lambda g, c: optaxclip.clip_global(c, ord=p).update(g, None)
+  )(leaves, jnp.float32(limit))
+  for i, (g, w) in enumerate(zip(got, want)):
+    _assert_same(g, w, f"leaf {i}, limit {limit}, ord {p}")
+  for field in ("norm", "clipped_norm", "clip_fraction"):
+    _assert_same(
+      getattr(got_state, field), getattr(want_state, field), field, exact=True
+    )
