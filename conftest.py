@@ -5,10 +5,52 @@ before jax is first imported, which is why it lives here. The suite runs
 with JAX's standard dtype promotion: optax.adam fails under "strict" (its bias
 correction raises a float to an int32 power), so tests/test_strict_dtypes.py
 audits the clippers alone under strict promotion.
+
+The suite compiles with tests/fast_compile.py's options (LLVM's
+optimisations and XLA:CPU's fusion emitters off; the HLO passes, and so the
+programs' structure, collectives and memory, as users get them), passed as
+``XLA_FLAGS``: that takes about 40% off its time. What users' default
+compilation gives is checked by the doctests that .ci/run runs against the
+installed wheel (outside this conftest) and, before a release, by
+``OPTAXCLIP_TEST_COMPILE=default python -m pytest``.
 """
 
 import collections
 import os
+import pathlib
+import subprocess
+import sys
+
+import hypothesis
+
+_FAST_FLAGS = "_OPTAXCLIP_TEST_FAST_XLA_FLAGS"  # found once, for the workers
+
+
+def _fast_compile_flags() -> str:
+  """tests/fast_compile.py's options that this jaxlib knows, as
+  ``XLA_FLAGS`` words (an unknown flag there would abort the process, so a
+  subprocess asks; once per session: xdist's workers inherit the answer).
+  """
+  if os.environ.get("OPTAXCLIP_TEST_COMPILE", "fast") != "fast":
+    return ""
+  if _FAST_FLAGS not in os.environ:
+    tests = pathlib.Path(__file__).resolve().parent / "tests"
+    probe = subprocess.run(
+      [
+        sys.executable,
+        "-c",
+        "import fast_compile; print(fast_compile.xla_flags())",
+      ],
+      cwd=tests,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      capture_output=True,
+      text=True,
+      check=False,
+    )
+    words = probe.stdout.split() if probe.returncode == 0 else []
+    os.environ[_FAST_FLAGS] = " ".join(w for w in words if w.startswith("--"))
+  return os.environ[_FAST_FLAGS]
+
 
 os.environ["XLA_FLAGS"] = " ".join(
   filter(
@@ -16,11 +58,10 @@ os.environ["XLA_FLAGS"] = " ".join(
     (
       os.environ.get("XLA_FLAGS", ""),
       "--xla_force_host_platform_device_count=8",
+      _fast_compile_flags(),
     ),
   )
 )
-
-import hypothesis
 
 hypothesis.settings.register_profile(
   "ci",

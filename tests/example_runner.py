@@ -26,8 +26,9 @@ def run_script(path, *args, cwd, timeout=600):
   paths = (str(ROOT), env.get("PYTHONPATH"))
   env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
   env["JAX_PLATFORMS"] = "cpu"
-  flags = (env.get("XLA_FLAGS"), fast_compile.xla_flags())
-  env["XLA_FLAGS"] = " ".join(filter(None, flags))
+  flags = env.get("XLA_FLAGS", "").split()
+  flags += [w for w in fast_compile.xla_flags().split() if w not in flags]
+  env["XLA_FLAGS"] = " ".join(flags)
   result = subprocess.run(
     [sys.executable, str(ROOT / path), *args],
     cwd=cwd,

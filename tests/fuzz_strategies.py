@@ -1006,6 +1006,35 @@ class FastJit:
     return self.compiled[key](*args)
 
 
+def weighted_sum_grad(fn) -> FastJit:
+  """The gradient, with respect to its first two arguments, of the sum of
+  ``fn``'s outputs (a list of arrays) weighted 0.25, 0.5, 0.75, ... (so that
+  each output's derivative is told apart), fast-compiled.
+  """
+
+  def loss(leaves, a, b):
+    out = fn(leaves, a, b)
+    return sum(
+      jnp.sum(y.astype(jnp.float32) * (k + 1) * 0.25) for k, y in enumerate(out)
+    )
+
+  return FastJit(jax.grad(loss, argnums=(0, 1)))
+
+
+def assert_same(got, want, err, exact=True):
+  """``got`` equals ``want`` (as float32) bit for bit, or to ``rtol=1e-5``
+  when not ``exact``; NaN where, and only where, ``want`` has NaN.
+  """
+  got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+  want = np.asarray(jnp.asarray(want).astype(jnp.float32), np.float64)
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=err)
+  ok = ~np.isnan(want)
+  if exact:
+    np.testing.assert_array_equal(got[ok], want[ok], err_msg=err)
+  else:
+    np.testing.assert_allclose(got[ok], want[ok], rtol=1e-5, err_msg=err)
+
+
 @functools.cache
 def static_runner(config: Config):
   """``(g, limit, params) -> (updates, state)`` jitted, the limit traced."""

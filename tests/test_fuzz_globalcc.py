@@ -53,28 +53,8 @@ def _three(leaves, value, exponent):
 _RUN = {fn: fuzz_strategies.FastJit(fn) for fn in (_two, _three)}
 
 
-def _weighted_sum(fn):
-  def loss(leaves, value, exponent):
-    out = fn(leaves, value, exponent)
-    return sum(
-      jnp.sum(y.astype(jnp.float32) * (k + 1) * 0.25) for k, y in enumerate(out)
-    )
-
-  return fuzz_strategies.FastJit(jax.grad(loss, argnums=(0, 1)))
-
-
-_GRAD = {fn: _weighted_sum(fn) for fn in (_two, _three)}
-
-
-def _assert_same(got, want, err, exact=True):
-  got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
-  want = np.asarray(jnp.asarray(want).astype(jnp.float32), np.float64)
-  np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=err)
-  ok = ~np.isnan(want)
-  if exact:
-    np.testing.assert_array_equal(got[ok], want[ok], err_msg=err)
-  else:
-    np.testing.assert_allclose(got[ok], want[ok], rtol=1e-5, err_msg=err)
+_GRAD = {fn: fuzz_strategies.weighted_sum_grad(fn) for fn in (_two, _three)}
+_assert_same = fuzz_strategies.assert_same
 
 
 @fuzz_strategies.examples(6, deadline=None)
