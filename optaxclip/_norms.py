@@ -1215,43 +1215,26 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   # (clip_scale_parts, UnitLayout.scale) get the vector back: XLA folds a
   # concatenation of consecutive slices. (Fused into kernels of the parts'
   # shapes, the concatenations were half the statistics' compile time.)
-  groups, own = {}, []
-  for i, s in enumerate(sums):
-    if may_span_devices(s):
-      own.append(i)
-    else:
-      group = (np.dtype(s.dtype), flags[i], _varying(s))
-      groups.setdefault(group, []).append(i)
-  members = list(groups.values())
-  # In memory: fused into each of its consumers, the concatenation would be
-  # compiled again in each (XLA unrolls it, a long kernel per consumer).
-  flat = [
-    _materialized(_flat_concat([sums[i] for i in m]))
-    if len(m) > 1
-    else sums[m[0]].reshape(-1)
-    for m in members
-  ]
-  flat += [sums[i] for i in own]
+  groups = part_groups(sums, flags)
+  members = [m for m in groups if not may_span_devices(sums[m[0]])]
+  own = [m[0] for m in groups if may_span_devices(sums[m[0]])]
+
+  def grouped(values, in_memory=True):
+    # One vector per group, then the values that may span devices as they
+    # are. In memory: fused into each of its consumers, a concatenation
+    # would be compiled again in each (XLA unrolls it, a long kernel each).
+    out = []
+    for m in members:
+      v = _flat_concat([values[i] for i in m])
+      out.append(_materialized(v) if in_memory and len(m) > 1 else v)
+    return out + [values[i] for i in own]
+
+  flat = grouped(sums)
   # The bound of the narrowest accumulation dtype serves all: a stricter
   # bound only sends more sums to the exact recompute.
   safe_min = max(_safe_min(s.dtype) for s in sums)
   good = [jnp.isfinite(v) & (v >= safe_min) for v in flat]
   zero = [v == 0 for v in flat]  # all zeros, or all squares underflowed
-
-  def grouped(values):
-    # In memory, as the sums (a concatenation fused into its consumer is
-    # unrolled there).
-    out = [
-      _materialized(_flat_concat([values[i] for i in m]))
-      if len(m) > 1
-      else values[m[0]].reshape(-1)
-      for m in members
-    ]
-    return out + [values[i] for i in own]
-
-  def plain(values):
-    out = [_flat_concat([values[i] for i in m]) for m in members]
-    return out + [values[i] for i in own]
 
   def direct(parts_):
     del parts_
@@ -1266,8 +1249,8 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
     return [
       _materialized_scaled(Scaled(v, e)) if len(m) > 1 else Scaled(v, e)
       for v, e, m in zip(
-        plain([n.value for n in out]),
-        plain([n.exponent for n in out]),
+        grouped([n.value for n in out], in_memory=False),
+        grouped([n.exponent for n in out], in_memory=False),
         members + [[i] for i in own],
       )
     ]
@@ -1286,14 +1269,8 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   norms = jax.lax.cond(_all(good), direct, fallback, parts)
   out: list[Any] = [None] * len(parts)
   for m, n in zip(members, norms):
-    start = 0
-    for i in m:
-      size, shape = sums[i].size, sums[i].shape
-      out[i] = Scaled(
-        jax.lax.slice_in_dim(n.value, start, start + size).reshape(shape),
-        jax.lax.slice_in_dim(n.exponent, start, start + size).reshape(shape),
-      )
-      start += size
+    for i, piece in zip(m, split_parts(n, [sums[i] for i in m])):
+      out[i] = piece
   for i, n in zip(own, norms[len(members) :]):
     out[i] = n
   return out
