@@ -980,7 +980,11 @@ def oracle_per_example(tree_leaves, l2_clip, scope="global"):
 
 
 def to_jax(tree):
-  return jax.tree.map(jnp.asarray, tree)
+  """The leaves as JAX arrays: ``jnp.asarray``'s arrays, dtypes and bits
+  (canonicalised on the host alike), without the small program that
+  ``jnp.asarray`` compiles for each new shape and dtype.
+  """
+  return jax.tree.map(jax.device_put, tree)
 
 
 class FastJit:

@@ -325,7 +325,10 @@ _GHOST_SHAPE = (4, 2, 8)
 def _ghost_runners():
   """``(params, xs, padding) -> (grads, norms)`` per method, compiled once."""
   net = _GhostNet()
-  params = net.init(jax.random.PRNGKey(0), jnp.zeros(_GHOST_SHAPE))
+  # Initialised in one program (an eager init compiled one per operation).
+  params = fz.FastJit(
+    lambda: net.init(jax.random.PRNGKey(0), jnp.zeros(_GHOST_SHAPE))
+  )()
 
   def loss(p, xs):
     return net.apply(p, xs)

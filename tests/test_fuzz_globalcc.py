@@ -8,6 +8,7 @@ same derivatives. ``clip_global`` with a fixed limit (two multipliers where
 the bound allows) equals the same limit passed as an array (three).
 """
 
+import functools
 import math
 
 import hypothesis
@@ -100,6 +101,14 @@ def test_the_bound_is_below_every_factor_and_zero_when_unknown():
   assert _norms.smallest_clip_factor([], 1.0) == 0.0
 
 
+@functools.cache
+def _traced_limit(p):
+  """clip_global's update with the limit traced, one ``jax.jit`` per
+  ``ord`` (examples of the same layout share its program).
+  """
+  return jax.jit(lambda g, c: optaxclip.clip_global(c, ord=p).update(g, None))
+
+
 @fuzz_strategies.examples(5, deadline=None)
 @hypothesis.given(
   many_small_leaves(),
@@ -110,9 +119,7 @@ def test_clip_global_with_a_fixed_limit_equals_a_traced_one(leaves, limit, p):
   got, got_state = optaxclip.clip_global(limit, ord=p).update(
     leaves, None
   )  # eagerly: clip_global's own jitted update, limit static
-  want, want_state = jax.jit(
-    lambda g, c: optaxclip.clip_global(c, ord=p).update(g, None)
-  )(leaves, jnp.float32(limit))
+  want, want_state = _traced_limit(p)(leaves, np.float32(limit))
   for i, (g, w) in enumerate(zip(got, want)):
     _assert_same(g, w, f"leaf {i}, limit {limit}, ord {p}")
   for field in ("norm", "clipped_norm", "clip_fraction"):

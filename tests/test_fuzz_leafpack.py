@@ -66,7 +66,7 @@ def many_small_leaves(draw):
     if draw(st.booleans()):  # mostly finite leaves: packed rows matter
       values = np.where(np.isfinite(values), values, 1.0)
     with np.errstate(over="ignore"):  # cast on the host: 3e38 -> inf
-      leaves.append(jnp.asarray(values.astype(dtype)))
+      leaves.append(fuzz_strategies.to_jax(values.astype(dtype)))
   return leaves
 
 
