@@ -30,6 +30,7 @@ they share:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import math
 from typing import Any, Literal, NamedTuple, Optional
 
@@ -306,13 +307,10 @@ class _Measured:
         splits=splits,
       )
       self.layout = layout
-      scaled = _norms.Scaled(
-        layout.leaf_vector([n.value for n in per_part], acc)
+      scaled = (
+        layout.leaf_vector_scaled(per_part, acc)
         if per_part
-        else jnp.zeros((0,), acc),
-        layout.leaf_vector([n.exponent for n in per_part], jnp.int32)
-        if per_part
-        else jnp.zeros((0,), jnp.int32),
+        else _norms.Scaled(jnp.zeros((0,), acc), jnp.zeros((0,), jnp.int32))
       )
     # The norm exactly (value * 2**exponent, even beyond the dtype's range)
     # for the scaling; as a plain float for the statistics and decisions.
@@ -323,10 +321,22 @@ class _Measured:
     # NaN/Inf in the input (a norm of finite values beyond the dtype's
     # range is finite here, and inf as a statistic: it is not recorded).
     self.unit_finite = jnp.isfinite(jax.lax.stop_gradient(scaled.value))
-    self.finite = jnp.all(jnp.isfinite(self.stat_norm))
+    if self.stat_norm.ndim and self.stat_norm.size:
+      # The total (a statistic) and whether every unit is finite in one
+      # pass: one kernel to compile (see _norms.combine_norms_each).
+      (self.total,), (n_bad,) = _norms.combine_norms_each(
+        [self.stat_norm], counts=[~jnp.isfinite(self.stat_norm)]
+      )
+      self.finite = n_bad == 0
+    else:
+      self.total = _total(self.stat_norm, self.dtype)
+      self.finite = jnp.all(jnp.isfinite(self.stat_norm))
 
-  def clip(self, limit: jax.Array):
-    """Scales each clipping unit to ``limit``; returns updates and stats."""
+  def clip(self, limit: jax.Array, counts: Sequence[jax.Array] = ()):
+    """Scales each clipping unit to ``limit``; returns updates, stats and
+    the number of True entries (float32) of each per-unit boolean array of
+    ``counts``, counted in the statistics' pass.
+    """
     limit = jax.lax.stop_gradient(jnp.asarray(limit, self.dtype))
     g = self.stat_norm
     # Exact, and NaN for a unit with a NaN or infinite norm: the non-finite
@@ -349,13 +359,28 @@ class _Measured:
     # whose output holds NaN.
     clipped = jnp.where(self.unit_finite, jnp.where(scaled, limit, g), jnp.nan)
     dtype = self.state_dtype
-    stats = (
-      _total(g, dtype),
-      _total(clipped, dtype),
-      _stat(jnp.mean(scaled, dtype=_F32) if scaled.size else 0.0, dtype),
-      _total(limit, dtype),
+    updates = jax.tree.unflatten(self.treedef, out)
+    if g.ndim == 0 or not g.size:
+      stats = (
+        _stat(self.total, dtype),
+        _total(clipped, dtype),
+        _stat(jnp.mean(scaled, dtype=_F32) if scaled.size else 0.0, dtype),
+        _total(limit, dtype),
+      )
+      return updates, stats, [jnp.sum(c, dtype=_F32) for c in counts]
+    # Per-unit statistics in one pass (one kernel to compile, not several
+    # per statistic: see _norms.combine_norms_each).
+    per_unit = [clipped] + ([limit] if limit.shape == g.shape else [])
+    totals, numbers = _norms.combine_norms_each(
+      per_unit, counts=[scaled, *counts]
     )
-    return jax.tree.unflatten(self.treedef, out), stats
+    stats = (
+      _stat(self.total, dtype),
+      _stat(totals[0], dtype),
+      _stat(numbers[0] / scaled.size, dtype),
+      _stat(totals[1], dtype) if len(totals) > 1 else _total(limit, dtype),
+    )
+    return updates, stats, numbers[1:]
 
 
 # Shared with guard.
@@ -763,7 +788,9 @@ def clip_zscore(
     )
 
     limit = jnp.minimum(jnp.where(spike, value, jnp.inf), cap)
-    new_updates, stats = measured.clip(_nan_if_nan(limit, z_now))
+    new_updates, stats, (restarted,) = measured.clip(
+      _nan_if_nan(limit, z_now), [restart]
+    )
     threshold = jnp.minimum(jnp.where(warming, jnp.inf, boundary), cap)
     stats = stats[:3] + (_total(threshold, state.mean.dtype),)
     return new_updates, ClipZscoreState(
@@ -773,7 +800,9 @@ def clip_zscore(
       var=new_var.astype(state.var.dtype),
       consecutive_spikes=streak(state.consecutive_spikes, spike, finite),
       restarts=jnp.where(
-        finite, add_count(state.restarts, restart), state.restarts
+        finite,
+        add_count(state.restarts, restarted.astype(jnp.int32)),
+        state.restarts,
       ),
       step=_schedules.next_count(state.step),
       **measured.telemetry._asdict(),
@@ -792,29 +821,60 @@ def _rows(x: jax.Array, ndim: int) -> jax.Array:
 
 def replace_sorted(
   ordered: jax.Array, old: jax.Array, new: jax.Array
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
   """``ordered`` (sorted along axis 0, per column) with one copy of ``old``
-  replaced by ``new``, still sorted: one removal and one insertion.
+  replaced by ``new``, still sorted: one removal and one insertion; and the
+  number of finite entries of ``ordered`` per column (int32).
 
-  ``old`` must be in each column (exactly). Costs two comparison passes and
+  ``old`` must be in each column (exactly). Costs one comparison pass and
   one shifting pass over the array, no sort.
   """
   rows = ordered.shape[0]
   i = jnp.arange(rows).reshape((rows,) + (1,) * (ordered.ndim - 1))
   old_r, new_r = _rows(old, ordered.ndim), _rows(new, ordered.ndim)
   # j: the removed position; k: where `new` goes once `old` is out.
-  j = _rows(jnp.argmax(ordered == old_r, axis=0), ordered.ndim)
-  k = _rows(
-    jnp.sum(ordered < new_r, axis=0, dtype=jnp.int32)
-    - (old < new).astype(jnp.int32),
-    ordered.ndim,
+  first, (below, finite) = _first_and_count(
+    ordered == old_r, [ordered < new_r, ordered < jnp.inf]
   )
+  j = _rows(first, ordered.ndim)
+  k = _rows(below - (old < new).astype(jnp.int32), ordered.ndim)
   pad = jnp.full((1,) + ordered.shape[1:], jnp.inf, ordered.dtype)
   after = jnp.concatenate([ordered[1:], pad])  # ordered[i + 1]
   before = jnp.concatenate([pad, ordered[:-1]])  # ordered[i - 1]
   removed_i = jnp.where(i < j, ordered, after)  # without old, at i
   removed_prev = jnp.where(i - 1 < j, before, ordered)  # ... at i - 1
-  return jnp.where(i < k, removed_i, jnp.where(i == k, new_r, removed_prev))
+  replaced = jnp.where(i < k, removed_i, jnp.where(i == k, new_r, removed_prev))
+  return replaced, finite
+
+
+def _first_and_count(
+  hit: jax.Array, counted: Sequence[jax.Array]
+) -> tuple[jax.Array, list[jax.Array]]:
+  """``argmax(hit, axis=0)`` and ``[sum(c, axis=0) for c in counted]``
+  (int32), in one pass.
+
+  One reduction with several outputs: XLA:CPU compiles it as one kernel with
+  the comparisons, where it splits each plain sum along a long axis into two
+  reductions and a kernel for its operand (compile time on many leaves).
+  """
+  index = jax.lax.broadcasted_iota(jnp.int32, hit.shape, 0)
+
+  def merge(u, v):
+    (h1, i1, *c1), (h2, i2, *c2) = u, v
+    # The first True, as argmax: a True beats a False, then the lower index.
+    first = (h1 & ~h2) | ((h1 == h2) & (i1 < i2))
+    sums = [a + b for a, b in zip(c1, c2)]
+    return (h1 | h2, jnp.where(first, i1, i2), *sums)
+
+  zero = jnp.zeros((), jnp.int32)
+  _, where, *counts = jax.lax.reduce(
+    (hit, index, *[c.astype(jnp.int32) for c in counted]),
+    (jnp.asarray(False), jnp.asarray(_INT32_MAX, jnp.int32))
+    + (zero,) * len(counted),
+    merge,
+    (0,),
+  )
+  return where, counts
 
 
 def percentile_sorted(ordered: jax.Array, n: jax.Array, q: Any) -> jax.Array:
@@ -993,22 +1053,31 @@ def clip_percentile(
       state.filled,
     )
     leaving = past[state.index]
+    replaced, before = replace_sorted(past_order, leaving, value)
     recorded, ordered, filled, index = _keep_if(
       finite,
       (
         past.at[state.index].set(value),
-        replace_sorted(past_order, leaving, value),
+        replaced,
         jnp.minimum(state.filled + 1, history).astype(jnp.int32),
         ((state.index + 1) % history).astype(jnp.int32),
       ),
       (state.history, state.ordered, state.filled, state.index),
     )
-    counted = jnp.sum(ordered < jnp.inf, axis=0, dtype=jnp.int32)
+    # The recorded norms (finite entries of `ordered`) per column, counted
+    # in replace_sorted's pass: one removed, one added on a finite step; a
+    # 0.1.0 state keeps its fresh `ordered` (all +inf) on a non-finite one.
+    inf = jnp.inf
+    counted = jnp.where(
+      finite,
+      before - (leaving < inf).astype(jnp.int32) + (value < inf),
+      jnp.where(legacy, 0, before),
+    ).astype(jnp.int32)
     q = _schedules.value_at(
       percentile, state.count, who=who, name="percentile", high=100.0
     )
     threshold = _nan_if_nan(percentile_sorted(ordered, counted, q), q)
-    new_updates, stats = measured.clip(threshold.astype(measured.dtype))
+    new_updates, stats, _ = measured.clip(threshold.astype(measured.dtype))
     return new_updates, ClipPercentileState(
       *stats,
       filled=filled,
@@ -1161,7 +1230,7 @@ def clip_relative(
       warmup_max_norm, state.step, who=who, name="warmup_max_norm"
     )
     warming = state.count < warmup_steps
-    total = _norms.combine_norms([norms])
+    total = measured.total
     # Each leaf's share of the global limit, norm_i / total * limit: the
     # share (<= 1) from clip_scale, with no tiny factor to flush to zero
     # (limit / total is subnormal for a total above ~1e38 in float32).
@@ -1179,7 +1248,7 @@ def clip_relative(
     limit = jnp.where(
       warming, warm_limit, jnp.where(restart, jnp.inf, relative)
     )
-    new_updates, stats = measured.clip(limit)
+    new_updates, stats, (restarted,) = measured.clip(limit, [restart])
     clipped = jnp.minimum(norms, limit)
     # A limit of 0 (a zero factor or warm-up limit) says nothing of the
     # norm's scale: gamma stays, as for a zero norm.
@@ -1201,7 +1270,7 @@ def clip_relative(
       (
         jnp.minimum(state.count + 1, warmup_steps).astype(jnp.int32),
         new_gamma.astype(state.gamma.dtype),
-        add_count(state.restarts, restart),
+        add_count(state.restarts, restarted.astype(jnp.int32)),
       ),
       (state.count, state.gamma, state.restarts),
     )

@@ -835,14 +835,45 @@ class UnitLayout:
     """Per-part values (arrays) of whole-leaf units as one vector in leaf
     order.
     """
+    vector = self.leaf_vector_unordered(values, dtype)
+    order = self._leaf_order()
+    if order is None:
+      return vector
+    return jnp.take(vector, order, axis=0)
+
+  def leaf_vector_scaled(self, norms: Sequence[Scaled], dtype) -> Scaled:
+    """:meth:`leaf_vector` of per-part :class:`Scaled` values, value and
+    exponent put in leaf order by one gather (a kernel to compile, not
+    two): the exponents, small integers, are exact as floats of ``dtype``.
+    """
+    if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
+      return Scaled(
+        self.leaf_vector([n.value for n in norms], dtype),
+        self.leaf_vector([n.exponent for n in norms], jnp.int32),
+      )
+    pairs = jnp.stack(
+      [
+        self.leaf_vector_unordered([n.value for n in norms], dtype),
+        self.leaf_vector_unordered([n.exponent for n in norms], dtype),
+      ]
+    )
+    order = self._leaf_order()
+    if order is not None:
+      pairs = jnp.take(pairs, order, axis=1)
+    return Scaled(pairs[0], pairs[1].astype(jnp.int32))
+
+  def leaf_vector_unordered(self, values, dtype) -> jax.Array:
     flat = [jnp.ravel(v).astype(dtype) for v in values]
+    return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+
+  def _leaf_order(self) -> Optional[np.ndarray]:
+    """Where each leaf's entry lies in the parts' order (None: in place)."""
     order = []
     for kind, what, _ in self.parts:
       order.extend([what] if kind == "leaf" else [i for i, _, _ in what])
-    vector = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
     if order == sorted(order):
-      return vector
-    return jnp.take(vector, np.argsort(np.asarray(order)), axis=0)
+      return None
+    return np.argsort(np.asarray(order))
 
   def unpack(self, values):
     """Per-part unit values (arrays or :class:`Scaled`) as per-leaf ones
@@ -1612,6 +1643,15 @@ def combine_norms(
   if not norms:
     return jnp.zeros((), jnp.float32)
   across = [()] * len(norms) if across is None else list(across)
+  names = tuple(tuple(a) for a in across)
+  scaled = [as_scaled(n) for n in norms]
+  if math.isinf(ord) or any(may_span_devices(n.value) for n in scaled):
+    return _combine_norms_plain(scaled, ord, names)
+  return _combine_norms_custom(scaled, ord, names)
+
+
+def _combine_norms_plain(norms, ord, across):  # pylint: disable=redefined-builtin
+  """combine_norms in differentiable operations, reductions one at a time."""
   groups = {}
   for n, names in zip(norms, across):
     groups.setdefault(tuple(names), []).append(as_scaled(n))
@@ -1661,6 +1701,155 @@ def combine_norms(
   )
   top = jnp.where(total > 0, top, 0)
   return Scaled(safe_root(total, ord), top).as_float() + bad
+
+
+def _combine_norms_fast(norms, ord, across):  # pylint: disable=redefined-builtin
+  """combine_norms with the norms of each group (one device's, one vector)
+  reduced in one multi-output pass (:func:`_power_sums`).
+  """
+  groups = {}
+  for n, names in zip(norms, across):
+    groups.setdefault(names, []).append(n)
+  sums = []
+  for names, members in groups.items():
+    (flat,) = _flat_scaled(members)
+    ((q, e, bad),), _ = _power_sums([flat], [], ord)
+    if names:
+      top = jax.lax.pmax(e, names)
+      q = jax.lax.psum(q * _power_scale(e - top, ord, q.dtype), names)
+      e, bad = top, jax.lax.psum(bad, names)
+    sums.append((q, e, bad))
+  return _finish(sums, ord)
+
+
+def _finish(sums, ord) -> jax.Array:  # pylint: disable=redefined-builtin
+  """The norm from ``(q, E, bad)`` sums of disjoint sets (_power_sums)."""
+  top = functools.reduce(jnp.maximum, [e for _, e, _ in sums])
+  if len(sums) == 1:
+    total, _, bad = sums[0]
+  else:
+    total = functools.reduce(
+      jnp.add, [q * _power_scale(e - top, ord, q.dtype) for q, e, _ in sums]
+    )
+    bad = functools.reduce(jnp.add, [b for _, _, b in sums])
+  top = jnp.where(total > 0, top, 0)
+  return Scaled(safe_root(total, ord), top).as_float() + bad
+
+
+_combine_norms_custom = _with_plain_derivative(
+  _combine_norms_fast, _combine_norms_plain, n_args=3, n_static=2
+)
+
+
+def combine_norms_each(
+  norms: Sequence[Union[jax.Array, Scaled]],
+  ord: float = 2.0,  # pylint: disable=redefined-builtin
+  *,
+  counts: Sequence[jax.Array] = (),
+) -> tuple[list[jax.Array], list[jax.Array]]:
+  """``[combine_norms([n], ord) for n in norms]``, and the number of True
+  entries of each boolean array of ``counts`` (float32, exact below
+  2**24), for arrays of unit norms of one shape and dtype on one device: in
+  one pass (see :func:`_power_sums`), so that a clipper's statistics over
+  the units of many leaves are one kernel to compile.
+  """
+  scaled = [as_scaled(n) for n in norms]
+  flags = list(counts)
+  shapes = {jnp.shape(n.value) for n in scaled} | {jnp.shape(c) for c in flags}
+  if (
+    math.isinf(ord)
+    or not scaled
+    or len(shapes) > 1
+    or len({np.dtype(n.value.dtype) for n in scaled}) > 1
+    or any(may_span_devices(n.value) for n in scaled)
+  ):
+    return (
+      [combine_norms([n], ord) for n in scaled],
+      [_count_plain(c) for c in flags],
+    )
+  return _combine_each_custom(scaled, flags, ord)
+
+
+def _count_plain(mask: jax.Array) -> jax.Array:
+  return jnp.sum(mask, dtype=jnp.float32)
+
+
+def _combine_each_fast(norms, flags, ord):  # pylint: disable=redefined-builtin
+  flat = [Scaled(jnp.ravel(n.value), jnp.ravel(n.exponent)) for n in norms]
+  sums, counts = _power_sums(flat, [jnp.ravel(f) for f in flags], ord)
+  return [_finish([s], ord) for s in sums], counts
+
+
+def _combine_each_plain(norms, flags, ord):  # pylint: disable=redefined-builtin
+  return (
+    [_combine_norms_plain([n], ord, ((),)) for n in norms],
+    [_count_plain(f) for f in flags],
+  )
+
+
+_combine_each_custom = _with_plain_derivative(
+  _combine_each_fast, _combine_each_plain, n_args=3, n_static=1
+)
+
+
+def _power_scale(d: jax.Array, p: float, dtype) -> jax.Array:
+  """``(2**d)**p`` for int32 ``d <= 0`` (0 once ``2**d`` is below the
+  dtype's normal range).
+  """
+  return _power(pow2(jnp.maximum(d, -(1 << 16)), dtype), p)
+
+
+def _power_sums(norms: Sequence[Scaled], flags: Sequence[jax.Array], p):
+  """Per vector of unit norms (all of one shape and dtype), ``(q, E,
+  bad)``: the sum of the p-th powers of its finite norms is ``q * 2**(p *
+  E)`` (``q`` at most the number of norms, ``E`` the largest exponent of a
+  nonzero one),
+  ``bad`` the sum of the non-finite ones (inf or NaN; 0 if none); and per
+  boolean vector of ``flags``, its number of True entries (float32). All
+  in one pass.
+
+  One multi-output reduction, each partial result carrying its own largest
+  exponent (two partials are merged by rescaling the smaller by an exact
+  power of two): XLA:CPU compiles it into one kernel with the arithmetic
+  that produces its operands, and leaves it whole, where it splits a
+  single-output reduction of more than 32 elements into a reduce-window
+  and a reduce, its operands a kernel of their own: three separate
+  reductions (largest exponent, power sum, non-finite sum) were some ten
+  kernels to compile for each statistic of a clipper on many leaves.
+  Summed in the order of the vector, the terms are those of
+  ``sum((m * 2**(e - E))**p)`` for integer p.
+  """
+  floor = jnp.iinfo(jnp.int32).min // 2
+  operands, inits, kinds = [], [], []
+  for n in norms:
+    ok = jnp.isfinite(n.value)
+    m, e = _normalized(Scaled(jnp.where(ok, n.value, 0), n.exponent))
+    operands += [_power(m, p), jnp.where(m > 0, e, floor)]
+    operands.append(jnp.where(ok, 0, n.value))
+    inits += [jnp.zeros((), m.dtype), jnp.asarray(floor, jnp.int32)]
+    inits.append(jnp.zeros((), n.value.dtype))
+    kinds.append(m.dtype)
+  # Counted in the norms' dtype (one float type in a reduction).
+  wide = kinds[0] if kinds else jnp.float32
+  for f in flags:
+    operands.append(f.astype(wide))
+    inits.append(jnp.zeros((), wide))
+
+  def merge(u, v):
+    out = []
+    for k, dtype in enumerate(kinds):
+      (q1, e1, b1), (q2, e2, b2) = u[3 * k : 3 * k + 3], v[3 * k : 3 * k + 3]
+      top = jnp.maximum(e1, e2)
+      q = q1 * _power_scale(e1 - top, p, dtype)
+      out += [q + q2 * _power_scale(e2 - top, p, dtype), top, b1 + b2]
+    return tuple(out) + tuple(
+      a + b for a, b in zip(u[3 * len(kinds) :], v[3 * len(kinds) :])
+    )
+
+  axes = tuple(range(operands[0].ndim))
+  out = jax.lax.reduce(tuple(operands), tuple(inits), merge, axes)
+  sums = [tuple(out[3 * k : 3 * k + 3]) for k in range(len(kinds))]
+  return sums, [c.astype(jnp.float32) for c in out[3 * len(kinds) :]]
 
 
 def combine_norms_scaled(

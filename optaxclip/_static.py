@@ -419,10 +419,26 @@ def _per_unit_clip(leaves, layout, norms, limits, ord, smallest=0.0):  # pylint:
   out, factors = _functional.scale_units(
     leaves, layout, norms, limits, smallest
   )
+  groups = _norms.part_groups(norms, layout.keys)
+  if len(groups) == 1 and not across[groups[0][0]]:
+    # One vector of units, on each device whole: the statistics in one pass
+    # (one kernel to compile: see _norms.combine_norms_each).
+    n = _norms.concat_parts([norms[i] for i in groups[0]])
+    f = _norms.concat_parts([factors[i] for i in groups[0]])
+    (total, clipped), (scaled,) = _norms.combine_norms_each(
+      [n, n * f], ord, counts=[_norms.is_scaled_down(f)]
+    )
+    units = sum(n.value.size for n in norms)
+    stats = (
+      _stats.as_stat(total),
+      _stats.as_stat(clipped),
+      _fraction(scaled, units),
+    )
+    return out, stats
   # Per group of parts (one concatenation each: see _norms.part_groups).
   clipped_norms: list[Any] = [None] * len(norms)
   scaled = jnp.zeros((), jnp.float32)
-  for group in _norms.part_groups(norms, layout.keys):
+  for group in groups:
     n = _norms.concat_parts([norms[i] for i in group])
     f = _norms.concat_parts([factors[i] for i in group])
     pieces = _norms.split_parts(n * f, [norms[i] for i in group])

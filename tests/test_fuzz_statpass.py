@@ -1,0 +1,136 @@
+"""Statistics of many units in one pass (issue 15 item 4, compile time on
+many leaves): ``_norms.combine_norms_each`` reduces several vectors of unit
+norms (and counts boolean vectors) in one multi-output reduction, each
+partial result carrying its own largest exponent. It equals a float64
+reference, with NaN and inf where the reference has them, for norms near
+float32's largest value, subnormal ones, zeros and exponents beyond the
+range; ``combine_norms`` of each vector alone is the same number, bit for
+bit; counts are exact. ``_adaptive._first_and_count`` (clip_percentile's
+sorted window) equals ``argmax`` and ``sum`` exactly.
+"""
+
+import math
+
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fuzz_strategies
+from optaxclip import _adaptive
+from optaxclip import _norms
+
+VALUES = st.one_of(
+  st.floats(0, 4, width=32),
+  st.sampled_from((0.0, 1e-45, 1e-40, 3e38, 3.4e38, np.inf, np.nan)),
+)
+# Under ci, a few lengths (each one a program to compile): one unit, a
+# short vector, and vectors longer than the 32 elements XLA:CPU's
+# reduction rewriter splits.
+LENGTHS = fuzz_strategies.ci_or(
+  st.sampled_from((1, 7, 300)), st.integers(1, 400)
+)
+
+
+@st.composite
+def unit_norms(draw):
+  n = draw(LENGTHS)
+  k = draw(st.integers(1, 3))
+  rows = []
+  for _ in range(k):
+    values = draw(st.lists(VALUES, min_size=n, max_size=n))
+    exponents = draw(st.lists(st.integers(-60, 60), min_size=n, max_size=n))
+    rows.append((np.asarray(values, np.float32), np.asarray(exponents)))
+  flags = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+  return rows, np.asarray(flags)
+
+
+def _reference(values, exponents) -> float:
+  """The L2 norm of ``values * 2**exponents`` in float64, as float32."""
+  x = values.astype(np.float64) * np.exp2(exponents.astype(np.float64))
+  with np.errstate(over="ignore", invalid="ignore"):
+    return float(np.float32(np.sqrt(np.sum(x * x))))
+
+
+def _each(rows, flags):
+  norms = [_norms.Scaled(v, e) for v, e in rows]
+  return _norms.combine_norms_each(norms, counts=[flags, ~flags])
+
+
+def _alone(rows):
+  return [_norms.combine_norms([_norms.Scaled(v, e)]) for v, e in rows]
+
+
+_RUN = {fn: fuzz_strategies.FastJit(fn) for fn in (_each, _alone)}
+
+
+@fuzz_strategies.examples(8, deadline=None)
+@hypothesis.given(unit_norms())
+def test_one_pass_equals_the_reference_and_each_vector_alone(case):
+  rows, flags = case
+  args = [(jnp.asarray(v), jnp.asarray(e, jnp.int32)) for v, e in rows]
+  totals, (n_true, n_false) = _RUN[_each](args, jnp.asarray(flags))
+  alone = _RUN[_alone](args)
+  for i, ((v, e), got, one) in enumerate(zip(rows, totals, alone)):
+    want = _reference(v, e)
+    err = f"vector {i}: {v[:4]} * 2**{e[:4]}"
+    fuzz_strategies.assert_same(got, one, err)
+    if math.isnan(want) or math.isinf(want):
+      fuzz_strategies.assert_same(got, want, err)
+    else:
+      np.testing.assert_allclose(float(got), want, rtol=1e-5, err_msg=err)
+  assert float(n_true) == int(flags.sum())
+  assert float(n_false) == int((~flags).sum())
+
+
+def test_derivatives_are_those_of_the_plain_form():
+  v = jnp.asarray([3.0, 0.0, 4.0, 1e-3], jnp.float32)
+
+  def one_pass(v):
+    (a, b), _ = _norms.combine_norms_each([v, 2 * v])
+    return a + 0.5 * b
+
+  def plain(v):
+    a = jnp.sqrt(jnp.sum(v * v))
+    return a + 0.5 * jnp.sqrt(jnp.sum(4 * v * v))
+
+  np.testing.assert_allclose(
+    jax.grad(one_pass)(v), jax.grad(plain)(v), rtol=1e-6
+  )
+
+
+@st.composite
+def sorted_columns(draw):
+  rows = draw(st.integers(1, 40))
+  cols = draw(st.integers(1, 4))
+  values = draw(
+    st.lists(
+      st.sampled_from((0.0, 1.0, 2.0, 3.0, np.inf)),
+      min_size=rows * cols,
+      max_size=rows * cols,
+    )
+  )
+  ordered = np.sort(np.asarray(values, np.float32).reshape(rows, cols), 0)
+  old = draw(
+    st.lists(
+      st.sampled_from((0.0, 1.0, 2.5, np.inf)), min_size=cols, max_size=cols
+    )
+  )
+  new = draw(
+    st.lists(st.sampled_from((0.5, 2.0, np.inf)), min_size=cols, max_size=cols)
+  )
+  return ordered, np.asarray(old, np.float32), np.asarray(new, np.float32)
+
+
+@fuzz_strategies.examples(15, deadline=None)
+@hypothesis.given(sorted_columns())
+def test_first_and_count_is_argmax_and_sum(case):
+  ordered, old, new = case
+  hit, below, finite = ordered == old, ordered < new, ordered < np.inf
+  first, (n_below, n_finite) = _adaptive._first_and_count(
+    jnp.asarray(hit), [jnp.asarray(below), jnp.asarray(finite)]
+  )
+  np.testing.assert_array_equal(first, np.argmax(hit, axis=0))
+  np.testing.assert_array_equal(n_below, below.sum(0))
+  np.testing.assert_array_equal(n_finite, finite.sum(0))
