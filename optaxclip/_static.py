@@ -558,7 +558,14 @@ def clip_norm(
       axis_name=axis_name,
       splits=_sharding.resolve(updates, sharded, axis_name, who),
     )
-    out, stats = _per_unit_clip(leaves, layout, norms, [limit] * len(norms), p)
+    # A bound on the factors when max_norm is a number (half of it: the
+    # factor's quotient is rounded): two multipliers (see clip_unitwise).
+    smallest = _norms.smallest_clip_factor(
+      leaves, None if callable(max_norm) else max_norm / 2, axis_name
+    )
+    out, stats = _per_unit_clip(
+      leaves, layout, norms, [limit] * len(norms), p, smallest
+    )
     return jax.tree.unflatten(treedef, out), ClipNormState(
       *stats,
       _stats.as_stat(limit),

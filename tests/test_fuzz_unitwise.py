@@ -268,3 +268,21 @@ def test_clip_unitwise_applies_two_multipliers_where_bounded():
 
   assert rows_in_kernels(0.01) == 2
   assert rows_in_kernels(lambda count: 0.01) == 3
+
+
+def test_clip_norm_applies_two_multipliers_where_bounded():
+  # A number for max_norm bounds clip_norm's factors too: two multiplications
+  # per element of the scaled leaf, three with a schedule.
+  g = {"k": jnp.ones(BIG[0] * BIG[1])}
+
+  def multiplications(max_norm):
+    tx = optaxclip.clip_norm(max_norm)
+    hlo = jax.jit(lambda s, g: tx.update(g, s)[0]).lower(tx.init(g), g)
+    kernels = _fusions_of_shape(hlo.compile().as_text(), g["k"].shape)
+    return max(
+      len(re.findall(rf"= f32\[{g['k'].size}\][^\n]* multiply\(", b))
+      for b in kernels
+    )
+
+  assert multiplications(1.0) == 2
+  assert multiplications(lambda count: 1.0) == 3
