@@ -126,14 +126,17 @@ def scale_units(
   layout: _norms.UnitLayout,
   norms: list[_norms.Scaled],
   limits: list[Any],
+  smallest: float = 0.0,
 ) -> tuple[list[jax.Array], list[_norms.Scaled]]:
   """Each unit scaled to its limit: ``(out, factors per part)``.
 
   ``norms`` and ``limits`` are per part of ``layout``; the factors are
   computed on the few parts, and each leaf is scaled by its own entries.
+  ``smallest``: a bound on the factors known when tracing (see
+  ``_norms.scale_leaf``), or 0.
   """
   factors = _norms.clip_scale_parts(norms, limits, layout.keys)
-  return layout.scale(leaves, factors), factors
+  return layout.scale(leaves, factors, smallest), factors
 
 
 def clip_leaf_to_range(

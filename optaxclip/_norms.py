@@ -951,9 +951,10 @@ class UnitLayout:
         out[i] = value.reshape(self.unit_shape(i))
     return out
 
-  def scale(self, leaves, factors) -> list[jax.Array]:
+  def scale(self, leaves, factors, smallest: float = 0.0) -> list[jax.Array]:
     """Each leaf times its units' factors (per part, :class:`Scaled` or
-    plain), as :func:`scale_leaf` computes it.
+    plain), as :func:`scale_leaf` computes it (``smallest``: a bound on
+    the factors for the parts of one leaf, see :func:`scale_leaf`).
 
     Stacked parts of leaves of at most ``PACKED_SCALE_SIZE`` elements with
     Scaled factors are scaled as arrays: the multipliers of all their
@@ -972,7 +973,7 @@ class UnitLayout:
     packed = []
     for j, ((kind, what, _), f) in enumerate(zip(self.parts, factors)):
       if kind == "leaf":
-        out[what] = scale_leaf(leaves[what], f)
+        out[what] = scale_leaf(leaves[what], f, smallest=smallest)
         continue
       members = [i for i, _, _ in what]
       if isinstance(f, Scaled) and (
@@ -2233,12 +2234,19 @@ def clip_factor(norm: Union[jax.Array, Scaled], limit: Any) -> jax.Array:
   return clip_scale(norm, limit).as_float()
 
 
-def scale_leaf(x: jax.Array, factor: Union[jax.Array, Scaled]) -> jax.Array:
+def scale_leaf(
+  x: jax.Array, factor: Union[jax.Array, Scaled], *, smallest: float = 0.0
+) -> jax.Array:
   """``x * factor`` computed in the accumulation dtype, returned in x's dtype.
 
   A :class:`Scaled` factor is applied exactly whatever its exponent: its
   value times the part of ``2**exponent`` that keeps it normal, then the
   rest as further exact powers of two (each 1 for an ordinary factor).
+  ``smallest``: a bound known when tracing below which the factor (at most
+  1) does not fall; where it allows, two multipliers, not three (see
+  :func:`scale_all`): one multiplication fewer per element in each kernel
+  that reads the scaled leaf (clip_unitwise's step on a transformer's
+  kernels, where Adam's two element-wise kernels each apply them).
 
   Per-unit factors (an array, one per unit) reach the leaf's kernel as
   multipliers kept in memory (see :func:`_materialized`): otherwise XLA
@@ -2253,7 +2261,9 @@ def scale_leaf(x: jax.Array, factor: Union[jax.Array, Scaled]) -> jax.Array:
   per_unit = 1 < math.prod(jnp.shape(_value(factor))) < x.size
   if per_unit and isinstance(factor, Scaled):
     factor = _materialized_scaled(factor)
-  multipliers = _multipliers(factor, x.dtype)
+  multipliers = _multipliers(
+    factor, x.dtype, count=_multiplier_count(x.dtype, smallest)
+  )
   if per_unit:
     multipliers = _materialized_rows(multipliers)
   return _apply_multipliers(x, multipliers)
@@ -2294,10 +2304,9 @@ def scale_all(
   for x in leaves:
     dtype = np.dtype(x.dtype)
     if dtype not in by_dtype:
-      wide = promote_types(dtype, accumulation_dtype(dtype))
-      lo, _ = _exp_range(jnp.finfo(wide).dtype)
-      two = smallest > 0 and smallest >= math.ldexp(1.0, 2 * lo)
-      columns = _multipliers(factor, dtype, count=2 if two else 3)
+      columns = _multipliers(
+        factor, dtype, count=_multiplier_count(dtype, smallest)
+      )
       wide = columns[0].dtype
       by_dtype[dtype] = [
         # Real numbers (a complex leaf's last one is stored as complex).
@@ -2306,6 +2315,15 @@ def scale_all(
       ]
     out.append(_apply_multipliers(x, by_dtype[dtype]))
   return out
+
+
+def _multiplier_count(dtype: Any, smallest: float) -> int:
+  """2 where ``smallest`` (see :func:`scale_all`) is at least
+  ``2**(2 * minexp)`` of x's wide dtype, else 3.
+  """
+  wide = promote_types(dtype, accumulation_dtype(dtype))
+  lo, _ = _exp_range(jnp.finfo(wide).dtype)
+  return 2 if smallest > 0 and smallest >= math.ldexp(1.0, 2 * lo) else 3
 
 
 def smallest_clip_factor(

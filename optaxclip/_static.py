@@ -400,8 +400,11 @@ def _value_state(state, max_delta_now, largest, finite, clipped, total):
   )
 
 
-def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redefined-builtin
+def _per_unit_clip(leaves, layout, norms, limits, ord, smallest=0.0):  # pylint: disable=redefined-builtin
   """Scales each unit to its limit; returns updates and the statistics.
+
+  ``smallest``: a bound on the clip factors known when tracing (see
+  ``_norms.scale_leaf``), or 0.
 
   ``norms`` and ``limits`` are per part of ``layout`` (see
   ``_norms.UnitLayout``): factors and statistics are computed on the few
@@ -413,7 +416,9 @@ def _per_unit_clip(leaves, layout, norms, limits, ord):  # pylint: disable=redef
   summed across them; see combine_norms).
   """
   across = [key[1] for key in layout.keys]
-  out, factors = _functional.scale_units(leaves, layout, norms, limits)
+  out, factors = _functional.scale_units(
+    leaves, layout, norms, limits, smallest
+  )
   groups = _norms.part_groups(norms, layout.keys)
   if len(groups) == 1 and not across[groups[0][0]]:
     # One vector of units, on each device whole: the statistics in one pass
@@ -1013,7 +1018,12 @@ def clip_unitwise(
       limit = _unitwise_limit(_norms.concat_parts(like), ratio, eps)
       for i, piece in zip(group, _norms.split_parts(limit, like)):
         limits[i] = piece
-    out, stats = _per_unit_clip(leaves, layout, g_norms, limits, 2.0)
+    # Each factor is at least clipping * eps over the largest norm the
+    # gradients may have (half of it: the limit's product is rounded).
+    # (A schedule's or an array's bound is not known: 0, three multipliers.)
+    least_limit = None if callable(clipping) else clipping * eps / 2
+    smallest = _norms.smallest_clip_factor(leaves, least_limit, axis_name)
+    out, stats = _per_unit_clip(leaves, layout, g_norms, limits, 2.0, smallest)
     return jax.tree.unflatten(treedef, out), ClipUnitwiseState(
       *stats,
       _stats.as_stat(ratio),

@@ -76,7 +76,7 @@ def test_two_multipliers_have_the_derivatives_of_three(case):
   # Finite leaves of moderate size: derivatives, not the non-finite policy.
   leaves = [np.asarray(x) for x in leaves]
   leaves = [
-    jnp.asarray(
+    fuzz_strategies.to_jax(
       np.where(np.isfinite(x) & (np.abs(x) < 1e4), x, 1).astype(x.dtype)
     )
     for x in leaves

@@ -113,15 +113,20 @@ def test_the_multiplier_rows_do_not_recompute_the_factor(shape):
   bodies = re.findall(
     r"\n(%fused_computation[^\n]*\{\n.*?\n\})", hlo.as_text(), re.S
   )
-  # The kernel that builds the three multiplier rows (a stack padded with a
-  # zero row, reduced into memory: f32[3,1,units], or f32[2,3,1,units] when
-  # XLA writes the padded stack out for a separate reduction) reads one
-  # operand, the factor in memory: not the norms and limits (which it read
-  # before, five operands and 178 instructions with the factor's tests).
+  # The kernel that builds the multiplier rows (a stack padded with a row
+  # of ones, reduced into memory: f32[rows,1,units], or f32[2,rows,1,units]
+  # when XLA writes the padded stack out for a separate reduction; two rows
+  # here, three where no bound on the factors is known) reads one operand,
+  # the factor in memory (value and exponent: f32[2,1,units]), not the norms
+  # and limits (which it read before, five operands and 178 instructions
+  # with the factor's tests). The factor's own kernel has that shape too.
+  factor = rf"f32\[2,1,{units}\]"
   rows = [
     b
     for b in bodies
-    if re.search(rf"ROOT [^\n]*= f32\[(2,)?3,1,{units}\]", b) and " pad(" in b
+    if re.search(rf"ROOT [^\n]*= f32\[(2,)?[23],1,{units}\]", b)
+    and " pad(" in b
+    and re.search(rf"\(param_[0-9.]+: {factor}\)", b.split("\n")[0])
   ]
   assert rows, "no kernel of the multiplier rows found"
   for body in rows:

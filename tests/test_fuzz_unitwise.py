@@ -14,6 +14,7 @@ every bit (a sum with zeros turned -0.0 into +0.0, and XLA:CPU handed it to
 YNNPACK, whose calls cost about 10 ms a step on a 12-block transformer).
 """
 
+import functools
 import math
 import re
 
@@ -68,25 +69,31 @@ def units_and_factors(draw):
   exponents = draw(
     st.lists(st.integers(-300, 300), min_size=cols, max_size=cols)
   )
+  # Values exact in float32 and int32: built on the host (jnp.asarray and
+  # reshape compile a program per shape).
   factor = _norms.Scaled(
-    jnp.asarray(values, jnp.float32).reshape(1, cols),
-    jnp.asarray(exponents, jnp.int32).reshape(1, cols),
+    fz.to_jax(np.asarray(values, np.float32).reshape(1, cols)),
+    fz.to_jax(np.asarray(exponents, np.int32).reshape(1, cols)),
   )
-  return jnp.asarray(x), factor
+  return fz.to_jax(x), factor
+
+
+_SCALE_LEAF = jax.jit(_norms.scale_leaf)
 
 
 @fz.examples(25, deadline=None)
 @hypothesis.given(units_and_factors())
 def test_per_unit_factors_scale_as_scalar_factors_one_unit_at_a_time(case):
   x, factor = case
-  got = jax.jit(_norms.scale_leaf)(x, factor)
-  one = jax.jit(_norms.scale_leaf)
-  for j in range(x.shape[1]):
-    want = one(
-      x[:, j], _norms.Scaled(factor.value[0, j], factor.exponent[0, j])
-    )
+  got = np.asarray(_SCALE_LEAF(x, factor))
+  # Units sliced on the host (indexing a JAX array compiles a program per
+  # shape); each still goes through scale_leaf as a JAX array of its own.
+  xs = np.asarray(x)
+  values, exponents = np.asarray(factor.value), np.asarray(factor.exponent)
+  for j in range(xs.shape[1]):
+    want = _SCALE_LEAF(xs[:, j], _norms.Scaled(values[0, j], exponents[0, j]))
     np.testing.assert_array_equal(
-      np.asarray(got[:, j]), np.asarray(want), err_msg=f"unit {j}"
+      got[:, j], np.asarray(want), err_msg=f"unit {j}"
     )
 
 
@@ -172,3 +179,92 @@ def test_materialized_values_are_not_a_library_call():
   v = jnp.ones((3, 4096))
   hlo = jax.jit(lambda v: _norms._materialized(v * 2)).lower(v).compile()
   assert "ynn" not in hlo.as_text()
+
+
+# Per-unit factors of at least 2**-251 and at most 1: where a static bound
+# says so, scale_leaf applies them in two multipliers (clip_unitwise with a
+# number for clipping and eps); three otherwise.
+@st.composite
+def units_and_bounded_factors(draw):
+  x, factor = draw(units_and_factors())
+  cols = x.shape[1]
+  values = draw(
+    st.lists(
+      st.one_of(st.floats(0.5, 1.0, width=32), st.just(np.nan)),
+      min_size=cols,
+      max_size=cols,
+    )
+  )
+  exponents = draw(st.lists(st.integers(-251, 0), min_size=cols, max_size=cols))
+  factor = _norms.Scaled(
+    jnp.minimum(jnp.asarray(values, jnp.float32), 1.0).reshape(1, cols),
+    jnp.asarray(exponents, jnp.int32).reshape(1, cols),
+  )
+  return x, factor
+
+
+BOUND = 2.0**-252
+
+
+def _scaled_sum(x, value, exponent, smallest):
+  out = _norms.scale_leaf(x, _norms.Scaled(value, exponent), smallest=smallest)
+  return jnp.sum(out * jnp.arange(1.0, out.size + 1).reshape(out.shape))
+
+
+_SCALE = {
+  s: jax.jit(lambda x, f, s=s: _norms.scale_leaf(x, f, smallest=s))
+  for s in (0.0, BOUND)
+}
+_GRAD = {
+  s: jax.jit(jax.grad(functools.partial(_scaled_sum, smallest=s), (0, 1)))
+  for s in (0.0, BOUND)
+}
+
+
+@fz.examples(10, deadline=None)
+@hypothesis.given(units_and_bounded_factors())
+def test_two_multipliers_per_unit_equal_three_bit_for_bit(case):
+  x, factor = case
+  np.testing.assert_array_equal(
+    _bits(_SCALE[BOUND](x, factor)), _bits(_SCALE[0.0](x, factor))
+  )
+
+
+@fz.examples(3, deadline=None)
+@hypothesis.given(units_and_bounded_factors())
+def test_two_multipliers_per_unit_have_the_derivatives_of_three(case):
+  x, factor = case
+  # Finite values of moderate size: derivatives, not the non-finite policy.
+  x = np.asarray(x)
+  x = jnp.asarray(np.where(np.isfinite(x) & (np.abs(x) < 1e4), x, 1))
+  value = jnp.where(jnp.isnan(factor.value), 0.75, factor.value)
+  got = _GRAD[BOUND](x, value, factor.exponent)
+  want = _GRAD[0.0](x, value, factor.exponent)
+  np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]))
+  # The factor's cotangent sums a unit's elements: the order may differ.
+  fz.assert_same(got[1], want[1], "d/dfactor", exact=False)
+
+
+def test_clip_unitwise_applies_two_multipliers_where_bounded():
+  # Kernels of the leaf's shape multiply the scaled gradient by two rows of
+  # multipliers with numbers for clipping and eps, three with a schedule.
+  shape = BIG
+
+  def rows_in_kernels(clipping):
+    params = {"k": jnp.ones(shape)}
+    tx = optax.chain(optaxclip.clip_unitwise(clipping), optax.adam(1e-3))
+    hlo = (
+      jax.jit(lambda p, s, g: tx.update(g, s, p))
+      .lower(params, tx.init(params), params)
+      .compile()
+      .as_text()
+    )
+    kernels = _fusions_of_shape(hlo, shape)
+    # A row of multipliers reaches the kernel broadcast along its units
+    # (kernels of the exact recompute's branch read none).
+    return max(
+      len(re.findall(r"broadcast\([^\n]*dimensions=\{1\}", b)) for b in kernels
+    )
+
+  assert rows_in_kernels(0.01) == 2
+  assert rows_in_kernels(lambda count: 0.01) == 3
