@@ -547,6 +547,58 @@ def _scaled_sum(x: jax.Array, p: float, axes, dtype):
   return q, _scale_exponent(m)
 
 
+def _exact_rows(parts, axes, flags, members, p) -> dict[int, Scaled]:
+  """Exact norms (:func:`_scaled_sum`) of the parts ``members`` whose units
+  are rows (2-D, real, on one device, reduced along axis 1), by index:
+  their rows padded with zeros to the widest and reduced as one matrix. A
+  zero adds nothing to a unit's largest magnitude or scaled sum, so each
+  unit's norm is what its part alone gives; the multi-output reduction is
+  one kernel to compile, not one per part's shape (it runs only in the
+  rare exact recompute). Parts are left out (computed on their own) when
+  the padding would more than quadruple the elements or exceed
+  ``CHUNK_SIZE``.
+  """
+  rows = [
+    i
+    for i in members
+    if parts[i].ndim == 2
+    and tuple(axes[i]) == (1,)
+    and not flags[i]
+    and not jnp.iscomplexobj(parts[i])
+    and not may_span_devices(parts[i])
+    and parts[i].shape[1] > 0
+  ]
+  dtypes = {np.dtype(parts[i].dtype) for i in rows}
+  if len(rows) < 2 or len(dtypes) > 1:
+    return {}
+  width = max(parts[i].shape[1] for i in rows)
+  units = sum(parts[i].shape[0] for i in rows)
+  actual = sum(parts[i].size for i in rows)
+  if units * width > min(4 * actual, CHUNK_SIZE):
+    return {}
+  matrix = jnp.concatenate(
+    [
+      jax.lax.pad(
+        parts[i],
+        jnp.zeros((), parts[i].dtype),
+        [(0, 0, 0), (0, width - parts[i].shape[1], 0)],
+      )
+      for i in rows
+    ]
+  )
+  q, e = _scaled_sum(matrix, p, (1,), accumulation_dtype(matrix.dtype))
+  out, start = {}, 0
+  for i in rows:
+    n = parts[i].shape[0]
+    out[i] = _scaled_norm(
+      jax.lax.slice_in_dim(q, start, start + n),
+      jax.lax.slice_in_dim(e, start, start + n),
+      p,
+    )
+    start += n
+  return out
+
+
 def _merge_scaled(parts, p: float):
   """Merges ``(q_i, E_i)`` of disjoint parts (same shapes) into one."""
   e = functools.reduce(jnp.maximum, [ei for _, ei in parts])
@@ -1273,10 +1325,14 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
     return [as_scaled(safe_root(s, p)) for s in flat]
 
   def exact(parts_):
-    out = []
-    for x, ax, f in zip(parts_, axes, flags):
-      q, e = _scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
-      out.append(_scaled_norm(*_across_devices(q, e, p, f, axis_name), p))
+    out: list[Any] = [None] * len(parts_)
+    for m in members:
+      for i, n in _exact_rows(parts_, axes, flags, m, p).items():
+        out[i] = n
+    for i, (x, ax, f) in enumerate(zip(parts_, axes, flags)):
+      if out[i] is None:
+        q, e = _scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
+        out[i] = _scaled_norm(*_across_devices(q, e, p, f, axis_name), p)
     # Value and exponent of a group in one kernel (_materialized_scaled).
     return [
       _materialized_scaled(Scaled(v, e)) if len(m) > 1 else Scaled(v, e)

@@ -134,3 +134,57 @@ def test_first_and_count_is_argmax_and_sum(case):
   np.testing.assert_array_equal(first, np.argmax(hit, axis=0))
   np.testing.assert_array_equal(n_below, below.sum(0))
   np.testing.assert_array_equal(n_finite, finite.sum(0))
+
+
+# Row parts (units x elements) of different widths, as the exact recompute
+# of _part_norms merges them: under ci, two layouts (each a program).
+ROW_LAYOUTS = (((3, 5), (2, 40), (4, 1)), ((1, 33), (2, 7)))
+ELEMENTS = st.one_of(
+  st.floats(-4, 4, width=32),
+  st.sampled_from((0.0, 1e-45, 1e-40, 3e38, -3.3e38, np.inf, np.nan)),
+)
+
+
+@st.composite
+def row_parts(draw):
+  free = st.lists(
+    st.tuples(st.integers(1, 4), st.integers(1, 50)), min_size=2, max_size=4
+  )
+  layout = draw(fuzz_strategies.ci_or(st.sampled_from(ROW_LAYOUTS), free))
+  parts = []
+  for units, width in layout:
+    values = draw(
+      st.lists(ELEMENTS, min_size=units * width, max_size=units * width)
+    )
+    parts.append(np.asarray(values, np.float32).reshape(units, width))
+  return parts, draw(st.sampled_from((1.0, 2.0, 3.0)))
+
+
+def _merged(parts, p):
+  n = len(parts)
+  out = _norms._exact_rows(parts, [(1,)] * n, [()] * n, list(range(n)), p)
+  return [out[i] for i in range(n)]
+
+
+def _one_by_one(parts, p):
+  return [
+    _norms._scaled_norm(*_norms._scaled_sum(x, p, (1,), jnp.float32), p)
+    for x in parts
+  ]
+
+
+@fuzz_strategies.examples(6, deadline=None)
+@hypothesis.given(row_parts())
+def test_exact_rows_merged_equal_each_part_alone(case):
+  parts, p = case
+  units = sum(x.shape[0] for x in parts)
+  width = max(x.shape[1] for x in parts)
+  # Merged only where the padding at most quadruples the elements.
+  hypothesis.assume(units * width <= 4 * sum(x.size for x in parts))
+  args = [jnp.asarray(x) for x in parts]
+  got = jax.jit(_merged, static_argnums=1)(args, p)
+  want = jax.jit(_one_by_one, static_argnums=1)(args, p)
+  for i, (g, w) in enumerate(zip(got, want)):
+    err = f"part {i} of {[x.shape for x in parts]}, p={p}"
+    fuzz_strategies.assert_same(g.value, w.value, err)
+    np.testing.assert_array_equal(g.exponent, w.exponent, err_msg=err)
