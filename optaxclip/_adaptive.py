@@ -1070,7 +1070,9 @@ def clip_percentile(
     inf = jnp.inf
     counted = jnp.where(
       finite,
-      before - (leaving < inf).astype(jnp.int32) + (value < inf),
+      before
+      - (leaving < inf).astype(jnp.int32)
+      + (value < inf).astype(jnp.int32),
       jnp.where(legacy, 0, before),
     ).astype(jnp.int32)
     q = _schedules.value_at(
