@@ -898,7 +898,7 @@ class UnitLayout:
     exponent put in leaf order by one gather (a kernel to compile, not
     two): the exponents, small integers, are exact as floats of ``dtype``.
     """
-    if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
+    if not _holds_exponents(dtype):
       return Scaled(
         self.leaf_vector([n.value for n in norms], dtype),
         self.leaf_vector([n.exponent for n in norms], jnp.int32),
@@ -2416,6 +2416,13 @@ def _value(factor: Union[jax.Array, Scaled]) -> jax.Array:
   return factor.value if isinstance(factor, Scaled) else factor
 
 
+def _holds_exponents(dtype) -> bool:
+  """Whether a :class:`Scaled` exponent (a small int32) is exact as a float
+  of ``dtype``, so that value and exponent can share one array (one kernel).
+  """
+  return np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def _materialized_scaled(factor: Scaled) -> Scaled:
   """A per-unit factor computed once into memory, value and exponent in one
   kernel (:func:`_materialized` on their stack; the exponent, a small
@@ -2424,8 +2431,8 @@ def _materialized_scaled(factor: Scaled) -> Scaled:
   norms and limits (about a hundred instructions per unit and row); from
   memory, a row is a few bit operations.
   """
-  if factor.value.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-    return factor  # exponents are exact as floats of these
+  if not _holds_exponents(factor.value.dtype):
+    return factor
   value, e = jnp.broadcast_arrays(factor.value, factor.exponent)
   stacked = _materialized(
     jnp.stack([value, jax.lax.stop_gradient(e).astype(value.dtype)])

@@ -196,9 +196,10 @@ def units_and_bounded_factors(draw):
     )
   )
   exponents = draw(st.lists(st.integers(-251, 0), min_size=cols, max_size=cols))
+  # On the host (eager jnp operations compile a program per shape).
   factor = _norms.Scaled(
-    jnp.minimum(jnp.asarray(values, jnp.float32), 1.0).reshape(1, cols),
-    jnp.asarray(exponents, jnp.int32).reshape(1, cols),
+    fz.to_jax(np.minimum(np.asarray(values, np.float32), 1.0).reshape(1, cols)),
+    fz.to_jax(np.asarray(exponents, np.int32).reshape(1, cols)),
   )
   return x, factor
 
@@ -236,8 +237,9 @@ def test_two_multipliers_per_unit_have_the_derivatives_of_three(case):
   x, factor = case
   # Finite values of moderate size: derivatives, not the non-finite policy.
   x = np.asarray(x)
-  x = jnp.asarray(np.where(np.isfinite(x) & (np.abs(x) < 1e4), x, 1))
-  value = jnp.where(jnp.isnan(factor.value), 0.75, factor.value)
+  x = fz.to_jax(np.where(np.isfinite(x) & (np.abs(x) < 1e4), x, 1))
+  value = np.asarray(factor.value)
+  value = fz.to_jax(np.where(np.isnan(value), np.float32(0.75), value))
   got = _GRAD[BOUND](x, value, factor.exponent)
   want = _GRAD[0.0](x, value, factor.exponent)
   np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]))
