@@ -87,6 +87,7 @@ from collections.abc import Sequence
 import functools
 import math
 from typing import Any, NamedTuple, Optional, Union
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -640,9 +641,81 @@ def _all(parts) -> jax.Array:
   )
 
 
+def _all_of_fast(mask):
+  # As int32: the bitwise and of the entries and the number of False ones
+  # (their sum), two outputs of one reduction that XLA:CPU keeps whole.
+  every, misses = jax.lax.reduce(
+    (mask.astype(jnp.int32), (~mask).astype(jnp.int32)),
+    (jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)),
+    lambda u, v: (
+      jax.lax.bitwise_and(u[0], v[0]),
+      jax.lax.add(u[1], v[1]),
+    ),
+    tuple(range(mask.ndim)),
+  )
+  return (every > 0) & (misses == 0)
+
+
+def _all_of(masks) -> jax.Array:
+  """Whether every entry of the boolean arrays ``masks`` is True.
+
+  XLA:CPU splits a single-output reduction of more than 32 elements
+  (``jnp.all``) into a reduce-window and a reduce, with its operand (the
+  comparisons that make the mask) a kernel of its own in memory: three
+  kernels to compile for each check of the norms. Here each array is
+  reduced by a two-output reduction (both outputs say the same), which it
+  keeps whole, in one kernel with its operand.
+  """
+  out = jnp.array(True)
+  for m in masks:
+    if m.size and not may_span_devices(m):
+      out = out & _all_of_fast(m)
+    else:
+      out = out & jnp.all(m)
+  return out
+
+
 def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
+  whole = _whole_of(xs)
+  if whole is not None:
+    return whole
   flat = [jnp.ravel(x) for x in xs]
   return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+
+
+# The pieces that split_parts cut, by id: (a weak reference to the piece,
+# the vector it was cut from, its offset there). Per-part values are cut
+# from one vector and concatenated again by their consumers (the norms,
+# the factors, their statistics); XLA folds a concatenation of slices only
+# where it sees them as such, and left a kernel per such concatenation.
+_PIECES: dict[int, tuple[Any, jax.Array, int]] = {}
+
+
+def _remember_piece(piece: jax.Array, flat: jax.Array, start: int) -> None:
+  key = id(piece)
+
+  def forget(_, key=key):
+    _PIECES.pop(key, None)
+
+  _PIECES[key] = (weakref.ref(piece, forget), flat, start)
+
+
+def _whole_of(xs: Sequence[jax.Array]) -> Optional[jax.Array]:
+  """The vector that ``xs`` were cut from by :func:`split_parts`, when they
+  are all of it in order, else None.
+  """
+  whole, at = None, 0
+  for x in xs:
+    entry = _PIECES.get(id(x))
+    if entry is None or entry[0]() is not x:
+      return None
+    _, flat, start = entry
+    if (whole is not None and flat is not whole) or start != at:
+      return None
+    whole, at = flat, at + math.prod(jnp.shape(x))
+  if whole is None or at != whole.size:
+    return None
+  return whole
 
 
 # XLA:CPU unrolls the copy of each operand of a concatenation with at most
@@ -927,12 +1000,24 @@ class UnitLayout:
       return None
     return np.argsort(np.asarray(order))
 
-  def unpack(self, values):
+  def unpack_part(self, j, value) -> list[Any]:
+    """:meth:`unpack` of part ``j``'s unit values alone: its leaves' values,
+    in the order of its rows.
+    """
+    values: list[Any] = [None] * len(self.parts)
+    values[j] = value
+    out = self.unpack(values, only=j)
+    kind, what, _ = self.parts[j]
+    return [out[what]] if kind == "leaf" else [out[i] for i, _, _ in what]
+
+  def unpack(self, values, only: Optional[int] = None):
     """Per-part unit values (arrays or :class:`Scaled`) as per-leaf ones
-    (keepdims shapes).
+    (keepdims shapes). ``only``: of that part alone (the others' None).
     """
     out: list[Any] = [None] * len(self.shapes)
-    for (kind, what, _), v in zip(self.parts, values):
+    for j, ((kind, what, _), v) in enumerate(zip(self.parts, values)):
+      if only is not None and j != only:
+        continue
       if kind == "leaf":
         out[what] = v
         continue
@@ -1317,8 +1402,12 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   # The bound of the narrowest accumulation dtype serves all: a stricter
   # bound only sends more sums to the exact recompute.
   safe_min = max(_safe_min(s.dtype) for s in sums)
-  good = [jnp.isfinite(v) & (v >= safe_min) for v in flat]
-  zero = [v == 0 for v in flat]  # all zeros, or all squares underflowed
+
+  def good(v):
+    return jnp.isfinite(v) & (v >= safe_min)
+
+  def zero(v):  # all zeros, or all squares underflowed
+    return v == 0
 
   def direct(parts_):
     del parts_
@@ -1346,15 +1435,19 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   def fallback(parts_):
     # Zero sums are zero norms when their units' largest magnitude is 0 and
     # every other sum is trusted (one max pass); otherwise recompute.
-    settled = _all(
+    settled = _all_of(
       [
-        g | (z & (m == 0))
-        for g, z, m in zip(good, zero, grouped(maxima(parts_)))
+        good(v) | (zero(v) & (m == 0))
+        for v, m in zip(flat, grouped(maxima(parts_)))
       ]
     )
     return jax.lax.cond(settled, direct, exact, parts_)
 
-  norms = jax.lax.cond(_all(good), direct, fallback, parts)
+  # The checks are computed where they are used (inside the branch too):
+  # fused into their reductions (_all_of), not kept in memory.
+  norms = jax.lax.cond(
+    _all_of([good(v) for v in flat]), direct, fallback, parts
+  )
   out: list[Any] = [None] * len(parts)
   for m, n in zip(members, norms):
     for i, piece in zip(m, split_parts(n, [sums[i] for i in m])):
@@ -1650,13 +1743,99 @@ def largest_and_count_parts(
       out.append((biggest, count_above(part, limit), int(part.size), finite))
       continue
     m = jax.lax.optimization_barrier(part)  # read once, as _power_sum
-    biggest = jnp.maximum(
-      jnp.max(m, axis=1, keepdims=True), -jnp.min(m, axis=1, keepdims=True)
+    top, bottom, n_over = _row_extremes_and_count(
+      m, jnp.asarray(limit, m.dtype)
     )
-    above = jnp.abs(m) > jnp.asarray(limit, m.dtype)
-    n_over = jnp.sum(above, axis=1, keepdims=True, dtype=jnp.float32)
+    biggest = jnp.maximum(top, -bottom)
     out.append((biggest, n_over, int(m.shape[1]), biggest < jnp.inf))
   return out
+
+
+def _row_extremes_and_count_plain(m, limit):
+  return (
+    jnp.max(m, axis=1, keepdims=True),
+    jnp.min(m, axis=1, keepdims=True),
+    jnp.sum(jnp.abs(m) > limit, axis=1, keepdims=True, dtype=jnp.float32),
+  )
+
+
+def _row_extremes_and_count_fast(m, limit):
+  # Counted in m's dtype (one float type in the reduction): exact, rows are
+  # at most CHUNK_SIZE long.
+  big = jnp.asarray(jnp.inf, m.dtype)
+  top, bottom, n_over = jax.lax.reduce(
+    (m, m, (jnp.abs(m) > limit).astype(m.dtype)),
+    (-big, big, jnp.zeros((), m.dtype)),
+    lambda u, v: (
+      jax.lax.max(u[0], v[0]),
+      jax.lax.min(u[1], v[1]),
+      jax.lax.add(u[2], v[2]),
+    ),
+    (1,),
+  )
+  return (
+    top[:, None],
+    bottom[:, None],
+    n_over[:, None].astype(jnp.float32),
+  )
+
+
+# Per row of a matrix: max, min and the number of |x| > limit (float32), in
+# one three-output reduction. XLA:CPU compiles it as one kernel with the
+# comparison, where the three single-output reductions (split into
+# reduce-window and reduce above 32 elements a row) and their operands were
+# some three kernels a part shape: clip_value's statistics on many small
+# leaves. Derivatives from the plain formulas.
+_row_extremes_and_count = _with_plain_derivative(
+  _row_extremes_and_count_fast,
+  _row_extremes_and_count_plain,
+  n_args=2,
+  n_static=0,
+)
+
+
+def _max_sum_all_plain(largest_of, summed, all_of):
+  return jnp.max(largest_of), jnp.sum(summed), jnp.all(all_of)
+
+
+def _max_sum_all_fast(largest_of, summed, all_of):
+  # The flags as int32 (a bitwise and): a reduction of booleans is split
+  # like a single-output one.
+  top, total, every = jax.lax.reduce(
+    (largest_of, summed, all_of.astype(jnp.int32)),
+    (
+      jnp.asarray(-jnp.inf, largest_of.dtype),
+      jnp.zeros((), summed.dtype),
+      jnp.ones((), jnp.int32),
+    ),
+    lambda u, v: (
+      jax.lax.max(u[0], v[0]),
+      jax.lax.add(u[1], v[1]),
+      jax.lax.bitwise_and(u[2], v[2]),
+    ),
+    (0,),
+  )
+  return top, total, every > 0
+
+
+_max_sum_all_custom = _with_plain_derivative(
+  _max_sum_all_fast, _max_sum_all_plain, n_args=3, n_static=0
+)
+
+
+def max_sum_all(
+  largest_of: jax.Array, summed: jax.Array, all_of: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(max(largest_of), sum(summed), all(all_of))`` for three non-empty
+  vectors of one length (floats, floats, booleans), in one three-output
+  reduction: one kernel to compile, where XLA:CPU splits each
+  single-output reduction of more than 32 elements into a reduce-window, a
+  reduce and a kernel for its operand (see :func:`_power_sums`).
+  Derivatives from the plain formulas.
+  """
+  if may_span_devices(largest_of):
+    return _max_sum_all_plain(largest_of, summed, all_of)
+  return _max_sum_all_custom(largest_of, summed, all_of)
 
 
 def _flat_scaled(norms: Sequence[Scaled]) -> list[Scaled]:
@@ -2154,14 +2333,10 @@ def clip_scale_parts(
     # In memory: each part's slice would otherwise recompute the factors'
     # arithmetic in its own consumers' kernels.
     factor = _materialized_scaled(factor)
-    start = 0
-    for i, shape in zip(members, shapes):
-      size = math.prod(shape)
-      out[i] = Scaled(
-        factor.value[start : start + size].reshape(shape),
-        factor.exponent[start : start + size].reshape(shape),
-      )
-      start += size
+    for i, piece in zip(
+      members, split_parts(factor, [norms[i] for i in members])
+    ):
+      out[i] = piece
   return out
 
 
@@ -2212,7 +2387,10 @@ def split_parts(flat: Any, like: Sequence[Any]) -> list[Any]:
   for v in like:
     size = math.prod(jnp.shape(v))
     piece = jax.lax.slice_in_dim(flat, start, start + size)
-    out.append(piece.reshape(jnp.shape(v)))
+    piece = piece.reshape(jnp.shape(v))
+    if jnp.ndim(flat) == 1:
+      _remember_piece(piece, flat, start)
+    out.append(piece)
     start += size
   return out
 

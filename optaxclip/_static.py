@@ -314,31 +314,11 @@ def clip_value(
     layout = _norms.UnitLayout(
       leaves, [None] * len(leaves), [None] * len(leaves)
     )
-    largest = jnp.zeros((), jnp.float32)
-    clipped, total, finite = jnp.zeros((), jnp.float32), 0, jnp.array(True)
-    poisons = []
-    for biggest, n_over, size, leaf_finite in _norms.largest_and_count_parts(
+    poisons, largest, finite, clipped, total = _value_statistics(
       layout, leaves, max_delta_now
-    ):
-      # 0 for a finite leaf, NaN otherwise: a leaf holding a NaN or an inf
-      # comes out all NaN (the non-finite policy). Computed from the
-      # statistics, it also makes a leaf's clip wait for them, so that XLA
-      # computes them while the leaf is in cache.
-      poison = jnp.where(leaf_finite, 0 * n_over, jnp.nan).astype(biggest.dtype)
-      poisons.append(poison)
-      if size == 0:
-        continue
-      limit = jnp.asarray(max_delta_now, biggest.dtype) + poison
-      largest = jnp.maximum(largest, jnp.max(biggest).astype(jnp.float32))
-      # In the leaf's own dtype: a finite float64 may be inf in float32.
-      finite = finite & jnp.all(leaf_finite)
-      # A sampled count may miss rare outliers: a leaf whose largest element
-      # is clipped counts at least one clipped element.
-      n_over = jnp.clip(n_over, (biggest > limit).astype(n_over.dtype), size)
-      clipped = clipped + jnp.sum(jnp.where(leaf_finite, n_over, size))
-      total += size * biggest.size
+    )
     out = []
-    for x, poison in zip(leaves, layout.unpack(poisons)):
+    for x, poison in zip(leaves, poisons):
       if x.size == 0:
         out.append(x)
         continue
@@ -353,6 +333,82 @@ def clip_value(
     _init_stats(ClipValueState, max_delta, "clip_value", "max_delta"),
     _compiled.jit_update(update_fn),
   )
+
+
+def _value_statistics(layout, leaves, max_delta_now):
+  """clip_value's statistics over the parts of ``layout`` (whole leaves as
+  units): per leaf, its poison (0 for a finite leaf, NaN otherwise: a leaf
+  holding a NaN or an inf comes out all NaN, the non-finite policy), and
+  ``(largest, finite, clipped, total)`` (see _value_state).
+
+  The per-leaf values of the stacked parts of one dtype are concatenated
+  into one vector and reduced at once, and each leaf takes its poison from
+  it with :func:`_norms.take_each`: a few kernels for all of them, not a
+  few per part shape (compile time on many-leaf trees).
+  """
+  largest = jnp.zeros((), jnp.float32)
+  clipped, total, finite = jnp.zeros((), jnp.float32), 0, jnp.array(True)
+  stats = _norms.largest_and_count_parts(layout, leaves, max_delta_now)
+  poisons: list[Any] = [None] * len(leaves)
+  groups = {}
+  for j, ((kind, _, _), (biggest, *_)) in enumerate(zip(layout.parts, stats)):
+    if kind == "leaf":
+      groups[("leaf", j)] = [j]
+    else:
+      groups.setdefault(np.dtype(biggest.dtype), []).append(j)
+  for members in groups.values():
+    if len(members) == 1:
+      biggest, n_over, size, leaf_finite = stats[members[0]]
+      sizes = size
+    else:
+      parts = [stats[j] for j in members]
+      biggest = _norms.concat_parts([b for b, _, _, _ in parts])
+      n_over = _norms.concat_parts([n for _, n, _, _ in parts])
+      leaf_finite = biggest < jnp.inf
+      sizes = np.concatenate(
+        [np.full(b.size, size, np.float32) for b, _, size, _ in parts]
+      )
+      size = 1
+    # 0 for a finite leaf, NaN otherwise. Computed from the statistics, it
+    # also makes a leaf's clip wait for them, so that XLA computes them
+    # while the leaf is in cache.
+    poison = jnp.where(leaf_finite, 0 * n_over, jnp.nan).astype(biggest.dtype)
+    if len(members) == 1:
+      for i, piece in zip(
+        _leaves_of(layout, members[0]), layout.unpack_part(members[0], poison)
+      ):
+        poisons[i] = piece
+    else:
+      rows = [i for j in members for i in _leaves_of(layout, j)]
+      for i, piece in zip(rows, _norms.take_each(poison)):
+        poisons[i] = piece.reshape(layout.unit_shape(i))
+    if size == 0:
+      continue
+    limit = jnp.asarray(max_delta_now, biggest.dtype) + poison
+    # A sampled count may miss rare outliers: a leaf whose largest element
+    # is clipped counts at least one clipped element.
+    n_over = jnp.clip(n_over, (biggest > limit).astype(n_over.dtype), sizes)
+    if len(members) == 1:
+      largest = jnp.maximum(largest, jnp.max(biggest).astype(jnp.float32))
+      # In the leaf's own dtype: a finite float64 may be inf in float32.
+      finite = finite & jnp.all(leaf_finite)
+      clipped = clipped + jnp.sum(jnp.where(leaf_finite, n_over, sizes))
+      total += size * biggest.size
+    else:
+      top, n_clipped, every = _norms.max_sum_all(
+        biggest, jnp.where(leaf_finite, n_over, sizes), leaf_finite
+      )
+      largest = jnp.maximum(largest, top.astype(jnp.float32))
+      finite = finite & every
+      clipped = clipped + n_clipped
+      total += int(sizes.sum())
+  return poisons, largest, finite, clipped, total
+
+
+def _leaves_of(layout, j) -> list[int]:
+  """The leaves of part ``j`` of ``layout``, in the order of its rows."""
+  kind, what, _ = layout.parts[j]
+  return [what] if kind == "leaf" else [i for i, _, _ in what]
 
 
 def _clip_value_sampled(leaves, max_delta_now, state):
