@@ -108,6 +108,7 @@ Running under JAX
   histories of adaptive clippers and guard (state replicated).
   ``with_axis_name(config)``: the config with ``axis_name="d"`` where its
   clipper takes one.
+  ``on_mesh(tree, n)``: the host tree split over ``mesh(n)`` (their input).
   ``mesh(n)``: a 1-D mesh of the first ``n`` devices, axis ``"d"``.
 """
 
@@ -1139,6 +1140,17 @@ def sharded_step_runner(config: Config, n: int):
     )(g, state)
 
   return tx, FastJit(mapped)
+
+
+def on_mesh(tree, n: int):
+  """The host tree as JAX arrays split along their first axis over
+  :func:`mesh` ``(n)``, as :func:`sharded_runner` and
+  :func:`sharded_step_runner` take them: put from the host shard by shard
+  (a one-device array would be resliced by a program compiled for each
+  shape).
+  """
+  split = jax.sharding.NamedSharding(mesh(n), jax.sharding.PartitionSpec("d"))
+  return jax.tree.map(lambda x: jax.device_put(np.asarray(x), split), tree)
 
 
 def mesh(n: int) -> jax.sharding.Mesh:
