@@ -244,7 +244,12 @@ def test_seeds_map_to_distinct_keys_or_are_rejected(seed):
   st.sampled_from([0.05, 2.0, 7.5]), st.sampled_from(["clip_global"])
 )
 def test_injected_hyperparameter_updates_like_a_plain_one(limit, name):
-  grads = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.array([1.0, -2, 3])}
+  grads = fz.to_jax(
+    {
+      "w": np.arange(6.0, dtype=np.float32).reshape(2, 3),
+      "b": np.asarray([1.0, -2, 3], np.float32),
+    }
+  )
   factory = getattr(optaxclip, name)
   injected = optax.inject_hyperparams(factory)(limit)
   plain = factory(limit)

@@ -70,7 +70,7 @@ def gradient(scale_a, scale_b):
       x = x * np.float32(scale)
     else:
       x[0] = scale
-    out[name] = jnp.asarray(x)
+    out[name] = jax.device_put(x)
   return out
 
 
