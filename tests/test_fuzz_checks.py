@@ -14,7 +14,6 @@ import re
 import hypothesis
 from hypothesis import strategies as st
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -23,7 +22,11 @@ import fuzz_strategies as fz
 import optaxclip
 from optaxclip import _stats
 
-PARAMS = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+# Put from the host: an eager jnp.ones compiles a program as the module is
+# collected, in every xdist worker.
+PARAMS = fz.to_jax(
+  {"w": np.ones((2, 3), np.float32), "b": np.ones(3, np.float32)}
+)
 MASK = {"w": True, "b": False}
 
 # name -> a transformation and the registered state classes it holds.

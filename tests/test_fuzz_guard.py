@@ -27,7 +27,9 @@ import fuzz_strategies as fz
 import optaxclip
 
 PATIENCE, WARMUP = 3, 3
-PARAMS = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
+# Put from the host: an eager jnp.zeros compiles a program as the module is
+# collected, in every xdist worker.
+PARAMS = fz.to_jax({"a": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)})
 CONFIGS = list(itertools.product((None, 4), ("global", "leaf")))
 TXS = {
   (window, scope): optaxclip.guard(
