@@ -110,6 +110,21 @@ def pytest_sessionfinish(session):
   gc.freeze()
 
 
+# The fuzz suite's longest files, longest first (seconds of one process's
+# `python -m pytest -n 0 --durations=0 tests/test_fuzz*.py`, summed by
+# file): handed out first, they start on different workers, and the
+# short files fill in around them. An order only: a file missing here runs
+# after these, in pytest's order.
+LONGEST_FUZZ_FILES = (
+  "test_fuzz_ghostmem.py",
+  "test_fuzz.py",
+  "test_fuzz_numerics.py",
+  "test_fuzz_sharding.py",
+  "test_fuzz_edges.py",
+  "test_fuzz_adaptive.py",
+)
+
+
 def pytest_collection_modifyitems(items):
   """The order of the tests, and so of the files that pyproject's ``--dist
   loadfile --no-loadscope-reorder`` hands to the xdist workers (a file is
@@ -119,8 +134,8 @@ def pytest_collection_modifyitems(items):
   Long tests first, so that the last units each worker runs are short and
   neither waits long for the other at the end: the tests marked ``slow`` (a
   big compile, a subprocess), and so their files; then the fuzz suite's
-  files; then the other files, those with more tests first; the doctests
-  last.
+  files, the longest (:data:`LONGEST_FUZZ_FILES`) first; then the other
+  files, those with more tests first; the doctests last.
   """
 
   def module(item):
@@ -131,8 +146,10 @@ def pytest_collection_modifyitems(items):
   def rank(item):
     if item.get_closest_marker("slow"):
       return (0, 0)
+    if module(item) in LONGEST_FUZZ_FILES:
+      return (1, LONGEST_FUZZ_FILES.index(module(item)))
     if module(item).startswith("test_fuzz"):
-      return (1, 0)
+      return (1, len(LONGEST_FUZZ_FILES))
     if module(item).startswith("test_"):
       return (2, -counts[module(item)])
     return (3, 0)  # doctests

@@ -654,11 +654,27 @@ def _make_tap(
   def rows_of(sq, needs, probe):
     # Per group, the rows of _norms.to_buckets (squares beyond float32's
     # range added up exactly), groups one after the other, then the flags.
+    # One to_buckets per dtype for all the layer's parameters, stacked: it
+    # works element by element, so each parameter's rows are those of a
+    # call of its own, in a smaller program (a kernel and its bias share
+    # one call), and they are added up in the same order.
     shape = (_norms.N_BUCKETS,) + probe.shape[1:]
     rows = [jnp.zeros(shape, jnp.float32) for _ in range(n_groups)]
+    by_dtype: dict = {}
     for name, value in sq.items():
-      buckets = _norms.to_buckets(_norms.as_scaled(value))
-      rows[groups[name]] = rows[groups[name]] + buckets.astype(jnp.float32)
+      value = _norms.as_scaled(value)
+      by_dtype.setdefault(value.value.dtype, []).append((name, value))
+    buckets = {}
+    for items in by_dtype.values():
+      stacked = _norms.Scaled(
+        jnp.stack([v.value for _, v in items]),
+        jnp.stack([v.exponent for _, v in items]),
+      )
+      rows_of_all = _norms.to_buckets(stacked).astype(jnp.float32)
+      for i, (name, _) in enumerate(items):
+        buckets[name] = rows_of_all[:, i]
+    for name in sq:
+      rows[groups[name]] = rows[groups[name]] + buckets[name]
     rows.append(needs[None].astype(jnp.float32))
     # Each piece typed like the probe (under an Explicit mesh a row of
     # zeros is not split like the batch).

@@ -244,11 +244,27 @@ def sum_clipped(
   kept example is scaled by its factor exactly (exact powers of two, then
   the mantissa: :func:`optaxclip._norms.scale_leaf`) before the sum.
   """
+  # Leaves that share their norm and limit (a global clip: all of them)
+  # or their factor share one computation of it: a program of the size of
+  # one, not of one per leaf.
   if factors is None:
-    factors = [_norms.clip_scale(n, limit) for n, limit in zip(norms, limits)]
-  factors = [_norms.as_scaled(f) for f in factors]
-  plain_factors = [f.as_float() for f in factors]
-  tiny = _any_of([keep & ~(f >= _SMALL_FACTOR) for f in plain_factors])
+    by_pair: dict = {}
+    factors = [
+      _shared(
+        by_pair, (n, limit), lambda n=n, lim=limit: _norms.clip_scale(n, lim)
+      )
+      for n, limit in zip(norms, limits)
+    ]
+  by_factor: dict = {}
+  factors = [
+    _shared(by_factor, (f,), lambda f=f: _norms.as_scaled(f)) for f in factors
+  ]
+  by_scaled: dict = {}
+  plain_factors = [
+    _shared(by_scaled, (f,), lambda f=f: f.as_float()) for f in factors
+  ]
+  distinct = {id(f): f for f in plain_factors}.values()
+  tiny = _any_of([keep & ~(f >= _SMALL_FACTOR) for f in distinct])
   ordinary = jnp.all(keep) & ~jnp.any(tiny)
 
   def plain(leaves_):
@@ -268,6 +284,14 @@ def sum_clipped(
     return out
 
   return jax.lax.cond(ordinary, plain, careful, list(leaves))
+
+
+def _shared(cache: dict, key: tuple, make: Callable) -> Any:
+  """``make()``, once per ``key`` (its objects compared by identity)."""
+  ids = tuple(id(k) for k in key)
+  if ids not in cache:
+    cache[ids] = (key, make())  # the key kept alive: its ids stay unique
+  return cache[ids][1]
 
 
 def reported_norm(norm: _norms.Scaled) -> jax.Array:

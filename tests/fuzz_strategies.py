@@ -82,6 +82,7 @@ Float64 oracles (NumPy, no JAX)
   subnormals to zero needs (the dtype's smallest normal): values below it may
   come back as 0, a platform behaviour, not a clipper's.
   ``round_tol(dtype)``: the relative rounding of one element of that dtype.
+  ``as_float32(x)``: ``jnp.asarray(x).astype(jnp.float32)`` on the host.
   ``oracle_per_example(leaves, l2_clip, scope)`` -> ``(sum, contributions,
   nonfinite)`` of ``clip_per_example(..., reduce="sum")`` without noise.
 
@@ -107,6 +108,7 @@ Running under JAX
   histories of adaptive clippers and guard (state replicated).
   ``with_axis_name(config)``: the config with ``axis_name="d"`` where its
   clipper takes one.
+  ``on_mesh(tree, n)``: the host tree split over ``mesh(n)`` (their input).
   ``mesh(n)``: a 1-D mesh of the first ``n`` devices, axis ``"d"``.
 """
 
@@ -1025,12 +1027,30 @@ def weighted_sum_grad(fn) -> FastJit:
   return FastJit(jax.grad(loss, argnums=(0, 1)))
 
 
+def as_float32(x) -> np.ndarray:
+  """``jnp.asarray(x).astype(jnp.float32)`` computed on the host (eagerly,
+  JAX compiles a program for each new shape and dtype): the real part, and,
+  as XLA:CPU's conversion does, a float64 (a JAX array, or any under x64)
+  whose float32 is below the smallest normal flushed to a zero of its sign.
+  """
+  on_device = isinstance(x, jax.Array)
+  x = np.asarray(x)
+  wide = x.dtype in (np.float64, np.complex128) and (
+    on_device or jax.config.jax_enable_x64
+  )
+  x = (x.real if np.iscomplexobj(x) else x).astype(np.float32)
+  if wide:
+    tiny = np.finfo(np.float32).tiny
+    x = np.where(np.abs(x) < tiny, np.copysign(np.float32(0), x), x)
+  return x
+
+
 def assert_same(got, want, err, exact=True):
   """``got`` equals ``want`` (as float32) bit for bit, or to ``rtol=1e-5``
   when not ``exact``; NaN where, and only where, ``want`` has NaN.
   """
-  got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
-  want = np.asarray(jnp.asarray(want).astype(jnp.float32), np.float64)
+  got = as_float32(got).astype(np.float64)
+  want = as_float32(want).astype(np.float64)
   np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=err)
   ok = ~np.isnan(want)
   if exact:
@@ -1120,6 +1140,17 @@ def sharded_step_runner(config: Config, n: int):
     )(g, state)
 
   return tx, FastJit(mapped)
+
+
+def on_mesh(tree, n: int):
+  """The host tree as JAX arrays split along their first axis over
+  :func:`mesh` ``(n)``, as :func:`sharded_runner` and
+  :func:`sharded_step_runner` take them: put from the host shard by shard
+  (a one-device array would be resliced by a program compiled for each
+  shape).
+  """
+  split = jax.sharding.NamedSharding(mesh(n), jax.sharding.PartitionSpec("d"))
+  return jax.tree.map(lambda x: jax.device_put(np.asarray(x), split), tree)
 
 
 def mesh(n: int) -> jax.sharding.Mesh:

@@ -1123,7 +1123,7 @@ def _sharded_case(draw, magnitudes="ordinary"):
 
 def _sharded_property(config, n, tree, value):
   limit = _limit_for(tree, value)
-  out, state = fz.sharded_runner(config, n)(fz.to_jax(tree), limit)
+  out, state = fz.sharded_runner(config, n)(fz.on_mesh(tree, n), limit)
   # clip_value takes no axis_name: its statistics are the local shard's.
   stats = config.name != "clip_value"
   _check_static(config, tree, None, limit, out, state, stats=stats)
@@ -1412,9 +1412,8 @@ def test_sharded_adaptive_and_guard_match_one_device(case):
   base = float(fz.measure_tree(fz.leaves(tree))) or 1.0
   for i, level in enumerate(levels):
     g = jax.tree.map(lambda x, lv=level: (x / base * lv).astype(x.dtype), tree)
-    g = fz.to_jax(g)
-    o1, s1 = step1(g, s1, None)
-    on, sn = stepn(g, sn)
+    o1, s1 = step1(fz.to_jax(g), s1, None)
+    on, sn = stepn(fz.on_mesh(g, n), sn)
     msg = f"{config!r} on {n} devices, step {i} (levels {levels})"
     for a, b in zip(_host(on), _host(o1)):
       np.testing.assert_allclose(

@@ -72,8 +72,8 @@ SHARE = np.array([0.6, 0.8])  # leaf shares of the global norm
 def tree(norm, dtype=np.float32):
   """Two leaves whose norms are ``norm * SHARE`` (NaN/Inf go in as such)."""
   return {
-    "a": jnp.asarray(np.full((1,), norm * SHARE[0]), dtype),
-    "b": jnp.asarray(np.array([norm * SHARE[1], 0.0]), dtype),
+    "a": jax.device_put(np.asarray(np.full((1,), norm * SHARE[0]), dtype)),
+    "b": jax.device_put(np.asarray([norm * SHARE[1], 0.0], dtype)),
   }
 
 

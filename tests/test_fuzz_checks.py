@@ -14,7 +14,6 @@ import re
 import hypothesis
 from hypothesis import strategies as st
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -23,7 +22,11 @@ import fuzz_strategies as fz
 import optaxclip
 from optaxclip import _stats
 
-PARAMS = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+# Put from the host: an eager jnp.ones compiles a program as the module is
+# collected, in every xdist worker.
+PARAMS = fz.to_jax(
+  {"w": np.ones((2, 3), np.float32), "b": np.ones(3, np.float32)}
+)
 MASK = {"w": True, "b": False}
 
 # name -> a transformation and the registered state classes it holds.
@@ -244,7 +247,12 @@ def test_seeds_map_to_distinct_keys_or_are_rejected(seed):
   st.sampled_from([0.05, 2.0, 7.5]), st.sampled_from(["clip_global"])
 )
 def test_injected_hyperparameter_updates_like_a_plain_one(limit, name):
-  grads = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.array([1.0, -2, 3])}
+  grads = fz.to_jax(
+    {
+      "w": np.arange(6.0, dtype=np.float32).reshape(2, 3),
+      "b": np.asarray([1.0, -2, 3], np.float32),
+    }
+  )
   factory = getattr(optaxclip, name)
   injected = optax.inject_hyperparams(factory)(limit)
   plain = factory(limit)

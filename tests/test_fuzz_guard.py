@@ -27,7 +27,9 @@ import fuzz_strategies as fz
 import optaxclip
 
 PATIENCE, WARMUP = 3, 3
-PARAMS = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
+# Put from the host: an eager jnp.zeros compiles a program as the module is
+# collected, in every xdist worker.
+PARAMS = fz.to_jax({"a": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)})
 CONFIGS = list(itertools.product((None, 4), ("global", "leaf")))
 TXS = {
   (window, scope): optaxclip.guard(
@@ -70,7 +72,7 @@ def gradient(scale_a, scale_b):
       x = x * np.float32(scale)
     else:
       x[0] = scale
-    out[name] = jnp.asarray(x)
+    out[name] = jax.device_put(x)
   return out
 
 

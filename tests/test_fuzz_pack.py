@@ -8,7 +8,7 @@ and subnormal ones; and the same derivatives.
 
 import hypothesis
 from hypothesis import strategies as st
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 import fuzz_strategies
@@ -32,7 +32,9 @@ def leaves_and_factors(draw):
   values = draw(st.lists(MANTISSAS, min_size=n, max_size=n))
   exponents = draw(st.lists(EXPONENTS, min_size=n, max_size=n))
   factor = _norms.Scaled(
-    jnp.asarray(values, jnp.float32), jnp.asarray(exponents, jnp.int32)
+    *fuzz_strategies.to_jax(
+      (np.asarray(values, np.float32), np.asarray(exponents, np.int32))
+    )
   )
   return leaves, factor
 
@@ -111,14 +113,14 @@ def test_packed_scaling_has_the_derivatives_of_each_leaf_alone(case):
   # Finite leaves of moderate size: derivatives, not the non-finite policy.
   # (On the host: eager operations would compile a program per leaf.)
   leaves = [np.asarray(x) for x in leaves]
-  leaves = [
-    jnp.asarray(
+  leaves = fuzz_strategies.to_jax(
+    [
       np.where(np.isfinite(x) & (np.abs(x) < 1e4), x, 1).astype(x.dtype)
-    )
-    for x in leaves
-  ]
+      for x in leaves
+    ]
+  )
   value = np.asarray(factor.value)
-  values = jnp.asarray(np.where(np.isnan(value), 0.75, value))
+  values = jax.device_put(np.where(np.isnan(value), 0.75, value))
   want = _GRAD[_alone](leaves, values, factor.exponent)
   for fn in (_packed, _leafwise):
     got = _GRAD[fn](leaves, values, factor.exponent)

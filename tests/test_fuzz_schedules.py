@@ -64,14 +64,14 @@ def _case(draw):
   count = draw(
     st.one_of(st.integers(0, 64), st.integers(INT32_MAX - 20, INT32_MAX))
   )
-  return name, jax.tree.map(jnp.asarray, g), count
+  return name, fs.to_jax(g), count
 
 
 @hypothesis.given(_case())
 def test_a_schedule_acts_as_its_value_at_the_step(case):
   name, g, count = case
   tx = _SCHEDULED[name]
-  params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+  params = fs.to_jax({k: np.zeros(s, np.float32) for k, s in SHAPES.items()})
   state = tx.init(params)._replace(count=jnp.int32(count))
   out, new_state = _UPDATE[name](g, state)
 

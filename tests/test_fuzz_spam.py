@@ -16,7 +16,6 @@ import functools
 import hypothesis
 import hypothesis.strategies as st
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -89,7 +88,8 @@ def gradient_runs(draw):
 
 def _stacked(run):
   return tuple(
-    jnp.asarray(np.stack([step[i] for step in run])) for i in range(len(SHAPES))
+    jax.device_put(np.stack([step[i] for step in run]))
+    for i in range(len(SHAPES))
   )
 
 
@@ -126,8 +126,8 @@ def _ours(program, run, hyper):
   """``program`` on ``run``'s gradients, the hyperparameters traced."""
   return program(
     _stacked(run),
-    tuple(jnp.asarray(p) for p in _params()),
-    {k: jnp.asarray(v) for k, v in hyper.items()},
+    tuple(jax.device_put(np.asarray(p)) for p in _params()),
+    {k: jax.device_put(np.asarray(v)) for k, v in hyper.items()},
   )
 
 
