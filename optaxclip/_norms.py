@@ -724,6 +724,19 @@ def _whole_of(xs: Sequence[jax.Array]) -> Optional[jax.Array]:
 UNROLLED_COPY_SIZE = 64
 
 
+def _blocked_pieces(xs: Sequence[jax.Array]) -> list[jax.Array]:
+  """The 1-D operands of :func:`_blocked_concat`'s concatenation."""
+  flat = [jnp.ravel(x) for x in xs]
+  size = flat[0].size if flat else 0
+  k = UNROLLED_COPY_SIZE // max(size, 1) + 1
+  unrolled = UNROLLED_COPY_SIZE // 2 < size <= UNROLLED_COPY_SIZE
+  if not unrolled or len(flat) <= k:
+    return flat
+  return [
+    jnp.stack(flat[i : i + k]).reshape(-1) for i in range(0, len(flat), k)
+  ]
+
+
 def _blocked_concat(xs: Sequence[jax.Array]) -> jax.Array:
   """``_flat_concat(xs)`` for arrays of one size, cheap to compile.
 
@@ -734,16 +747,7 @@ def _blocked_concat(xs: Sequence[jax.Array]) -> jax.Array:
   the outer one): the outer concatenation then copies each block in a
   loop. The elements and their order are those of the plain concatenation.
   """
-  flat = [jnp.ravel(x) for x in xs]
-  size = flat[0].size if flat else 0
-  k = UNROLLED_COPY_SIZE // max(size, 1) + 1
-  unrolled = UNROLLED_COPY_SIZE // 2 < size <= UNROLLED_COPY_SIZE
-  if not unrolled or len(flat) <= k:
-    return _flat_concat(flat)
-  blocks = [
-    jnp.stack(flat[i : i + k]).reshape(-1) for i in range(0, len(flat), k)
-  ]
-  return _flat_concat(blocks)
+  return _flat_concat(_blocked_pieces(xs))
 
 
 # --------------------------------------------------------------------------
@@ -885,15 +889,61 @@ class UnitLayout:
         out.append(self.axes[what])
     return out
 
-  def pack(self, leaves) -> list[jax.Array]:
+  def pack(self, leaves, together: bool = False) -> list[jax.Array]:
     """The leaves (or arrays of their shapes, e.g. the params) as parts.
 
     Stacked parts are in the members' widest accumulation dtype.
+    ``together``: the stacked parts of a dtype (and key) cut from one
+    concatenation of their leaves (one kernel to compile, not one per part),
+    for consumers into whose kernels XLA fuses the cuts (a reduction it
+    emits itself, not one it hands to YNNPACK: there each cut would be a
+    copy, a kernel of its own).
     """
+    if together:
+      self._pack_together(leaves)
     return [
       leaves[what] if kind == "leaf" else self._pack_part(kind, what, leaves)
       for kind, what, _ in self.parts
     ]
+
+  def _pack_together(self, leaves) -> None:
+    """Packs the stacked parts not packed yet as :meth:`pack` does with
+    ``together``, into the cache of :meth:`_pack_part`. The cut is hidden
+    from XLA's simplifier (which would turn the cuts of a concatenation
+    back into one concatenation each) by an ``optimization_barrier``.
+    """
+    groups = {}
+    for kind, what, part_key in self.parts:
+      if kind == "leaf":
+        continue
+      members = [leaves[i] for i, _, _ in what]
+      key = (kind, tuple(map(id, members)))
+      if key in self._packed:
+        continue
+      dtype = tree_accumulation_dtype(members)
+      group = (np.dtype(dtype), part_key, _varying(*members))
+      groups.setdefault(group, []).append((kind, what, key, members))
+    for (dtype, *_), entries in groups.items():
+      if len(entries) < 2:
+        continue
+      pieces = []
+      for *_, members in entries:
+        pieces += _blocked_pieces(
+          [jax.lax.convert_element_type(jnp.ravel(x), dtype) for x in members]
+        )
+      whole = jax.lax.optimization_barrier(jnp.concatenate(pieces))
+      start = 0
+      for kind, what, key, members in entries:
+        size = sum(x.size for x in members)
+        seg = jax.lax.slice_in_dim(whole, start, start + size)
+        start += size
+        if kind == "stack":
+          part = seg.reshape((len(what),) + self.shapes[what[0][0]])
+        else:
+          first = what[0][0]
+          unit = math.prod(self.shapes[first][d] for d in self.axes[first])
+          part = seg.reshape(-1, unit)
+        self._packed[key] = (members, part)
 
   def _pack_part(self, kind, what, leaves) -> jax.Array:
     members = [leaves[i] for i, _, _ in what]
@@ -1734,7 +1784,8 @@ def largest_and_count_parts(
   parts' unit values (see :meth:`UnitLayout.unpack`).
   """
   out = []
-  for (kind, _, _), part in zip(layout.parts, layout.pack(list(leaves))):
+  parts = layout.pack(list(leaves), together=True)
+  for (kind, _, _), part in zip(layout.parts, parts):
     if kind == "leaf":
       biggest = largest_magnitude(part)
       finite = (
