@@ -114,7 +114,7 @@ def pytest_sessionfinish(session):
 # `python -m pytest -n 0 --durations=0 tests/test_fuzz*.py`, summed by
 # file): handed out first, they start on different workers, and the
 # short files fill in around them. An order only: a file missing here runs
-# after these, in pytest's order.
+# after these, those with more tests first.
 LONGEST_FUZZ_FILES = (
   "test_fuzz_ghostmem.py",
   "test_fuzz.py",
@@ -134,8 +134,9 @@ def pytest_collection_modifyitems(items):
   Long tests first, so that the last units each worker runs are short and
   neither waits long for the other at the end: the tests marked ``slow`` (a
   big compile, a subprocess), and so their files; then the fuzz suite's
-  files, the longest (:data:`LONGEST_FUZZ_FILES`) first; then the other
-  files, those with more tests first; the doctests last.
+  files, the longest (:data:`LONGEST_FUZZ_FILES`) first, then those with
+  more tests first; then the other files, those with more tests first; the
+  doctests last.
   """
 
   def module(item):
@@ -149,7 +150,7 @@ def pytest_collection_modifyitems(items):
     if module(item) in LONGEST_FUZZ_FILES:
       return (1, LONGEST_FUZZ_FILES.index(module(item)))
     if module(item).startswith("test_fuzz"):
-      return (1, len(LONGEST_FUZZ_FILES))
+      return (1, len(LONGEST_FUZZ_FILES), -counts[module(item)])
     if module(item).startswith("test_"):
       return (2, -counts[module(item)])
     return (3, 0)  # doctests
