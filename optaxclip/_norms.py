@@ -496,7 +496,10 @@ def _scaled_sum_fast(x, p, axes, dtype):
     first = (m1 >= m2) | jnp.isnan(m1)
     m = jnp.where(first, m1, m2)
     small = jnp.where(first, m2, m1)
-    ratio = small / jnp.where(m > 0, m, 1)
+    # The minimum changes no value (ratio <= 1); it keeps codegen from
+    # reassociating q * (small / m) into (q * small) / m, which overflows
+    # (XLA:CPU's element emitters, xla_cpu_use_fusion_emitters=false).
+    ratio = jnp.minimum(small / jnp.where(m > 0, m, 1), 1)
     q_big, q_small = jnp.where(first, q1, q2), jnp.where(first, q2, q1)
     return m, q_big + q_small * _power(ratio, p)
 

@@ -277,10 +277,51 @@ def test_exact_power_sum_matches_the_oracle_whatever_the_compiler(x, p):
   """``sum (|x| * 2**-E)**p`` of the exact recompute against float64, on
   any finite values (subnormals count as 0).
   """
+  _check_exact_power_sum(x, p)
+
+
+def _check_exact_power_sum(x, p):
   q, e = _exact_sum_runner(p)(jnp.asarray(x))
   a = np.abs(_flushed(x, "float32"))
   want = np.sum((a * 2.0 ** -float(np.ravel(e)[0])) ** p)
   np.testing.assert_allclose(float(np.ravel(q)[0]), want, rtol=1e-5, atol=0)
+
+
+@fz.examples(10, NO_SHRINK)
+@hypothesis.given(
+  x=fz.arrays("float32", (8,), magnitudes="extreme"),
+  p=st.sampled_from((1.0, 2.0, 3.0)),
+)
+# Fixed: XLA:CPU's element emitters (the suite's fast compile) turned the
+# merge's q * (small / M) into (q * small) / M, which overflowed once the
+# smaller magnitudes summed past float32's largest value: an infinite sum of
+# finite values, and clip_norm(0.0, ord=1) returned NaN for zeros.
+@hypothesis.example(
+  x=np.array([1.2e38, 1.2e38, 1.2e38, 1.3e38, 0, 0, 0, 0], F32), p=1.0
+)
+@hypothesis.example(
+  x=np.array([2.55e38, -2.55e38, 2.55e38, 2.55e38, 0, 0, 0, 0], F32), p=2.0
+)
+def test_exact_power_sum_of_values_at_the_edges_of_the_range(x, p):
+  """As above, with every magnitude at an edge of float32's range (the
+  largest values, 2**126 and around, the smallest normals, subnormals):
+  where a merge's partial sums come near overflow.
+  """
+  _check_exact_power_sum(x, p)
+
+
+def test_clip_norm_l1_of_near_overflow_values_is_exact():
+  """A zero L1 limit on a leaf whose L1 norm overflows float32: zeros, as
+  the limit asks, not NaN (the merge's overflow, above, made the norm inf).
+  """
+  leaf = np.array([[1.276e38] * 3, [3.4e38, 0, 1.276e38]], F32)
+
+  def update(g, limit):
+    tx = optaxclip.clip_norm(limit, ord=1)
+    return tx.update(g, tx.init(g))[0]
+
+  out = fz.FastJit(update)(jnp.asarray(leaf), jnp.float32(0.0))
+  np.testing.assert_array_equal(np.asarray(out), np.zeros_like(leaf))
 
 
 @fz.examples(10, NO_SHRINK)
