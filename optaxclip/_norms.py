@@ -61,7 +61,11 @@ on values from 1e-30 to 1e11 (tests/test_fuzz_edges.py). Known limit of
 float32 derivatives, left as it is: where the clipped update's inner
 product with the cotangent, or the power sum's own tangent, exceeds the
 dtype's range (a limit near 3.4e38 on several values of that size), the
-cotangent overflows.
+cotangent overflows. At the other end, values and limits within a few
+powers of two of the smallest normal number (about 1e-38 in float32):
+products of two such values underflow, so a gradient can miss the norm's
+own term and a Hessian-vector product can be NaN (found by the release
+fuzz profile: clip_global with a limit of 1.45e-38 on values of 1e-38).
 
 ``axis_name`` support: inside ``shard_map`` or ``pmap``, the partial sums of
 leaves that are sharded over the named axis (or axes) are ``psum``-ed, and the
