@@ -204,15 +204,26 @@ def _root_jvp(p, primals, tangents):
 # range are carried as ``value * 2**exponent`` (:class:`Scaled`).
 
 
+@functools.cache
+def _bits_of(dtype: np.dtype) -> tuple[Any, int, int]:
+  info = jnp.finfo(dtype)
+  ints = {4: np.int32, 8: np.int64}
+  if dtype.itemsize not in ints:
+    raise TypeError(
+      f"power-of-two scaling needs float32 or float64; got {dtype}"
+    )
+  return ints[dtype.itemsize], int(info.nmant), int(info.maxexp) - 1
+
+
 def _bits(dtype) -> tuple[Any, int, int]:
   """(unsigned-size int dtype, mantissa bits, exponent bias) of a float."""
-  info = jnp.finfo(dtype)
-  ints = {4: jnp.int32, 8: jnp.int64}
-  if np.dtype(dtype).itemsize not in ints:
-    raise TypeError(
-      f"power-of-two scaling needs float32 or float64; got {np.dtype(dtype)}"
-    )
-  return ints[np.dtype(dtype).itemsize], int(info.nmant), int(info.maxexp) - 1
+  return _bits_of(np.dtype(dtype))
+
+
+# The helpers below run once or more per leaf while tracing: they bind lax
+# primitives on operands of known, equal dtypes (with numpy constants of that
+# dtype) rather than going through jnp's promotion and nested jits, which made
+# them a large part of the Python time spent tracing a clipper.
 
 
 def exponent(v: jax.Array) -> jax.Array:
@@ -224,9 +235,14 @@ def exponent(v: jax.Array) -> jax.Array:
   v = jax.lax.stop_gradient(v)
   int_dtype, nmant, bias = _bits(v.dtype)
   bits = jax.lax.bitcast_convert_type(v, int_dtype)
-  field = jnp.right_shift(bits, nmant) & (2 * bias + 1)
-  field = jnp.maximum(field, 1)  # subnormals: as the smallest normal
-  return (field - (bias - 1)).astype(jnp.int32)
+  field = jax.lax.bitwise_and(
+    jax.lax.shift_right_arithmetic(bits, int_dtype(nmant)),
+    int_dtype(2 * bias + 1),
+  )
+  field = jax.lax.max(field, int_dtype(1))  # subnormals: as the smallest normal
+  return jax.lax.convert_element_type(
+    jax.lax.sub(field, int_dtype(bias - 1)), np.int32
+  )
 
 
 def pow2(k: jax.Array, dtype: Any) -> jax.Array:
@@ -234,16 +250,24 @@ def pow2(k: jax.Array, dtype: Any) -> jax.Array:
   below it, the largest normal power above it.
   """
   int_dtype, nmant, bias = _bits(dtype)
-  field = jnp.clip(jnp.asarray(k).astype(int_dtype) + bias, 0, 2 * bias)
-  return jax.lax.bitcast_convert_type(
-    jnp.left_shift(field, jnp.asarray(nmant, int_dtype)), dtype
+  k = jax.lax.convert_element_type(k, int_dtype)
+  field = jax.lax.clamp(
+    int_dtype(0), jax.lax.add(k, int_dtype(bias)), int_dtype(2 * bias)
   )
+  return jax.lax.bitcast_convert_type(
+    jax.lax.shift_left(field, int_dtype(nmant)), dtype
+  )
+
+
+@functools.cache
+def _exp_range_of(dtype: np.dtype) -> tuple[int, int]:
+  info = jnp.finfo(dtype)
+  return int(info.minexp), -int(info.minexp)
 
 
 def _exp_range(dtype) -> tuple[int, int]:
   """The exponents k for which ``2**k`` and ``2**-k`` are both normal."""
-  info = jnp.finfo(dtype)
-  return int(info.minexp), -int(info.minexp)
+  return _exp_range_of(np.dtype(dtype))
 
 
 def ldexp(v: jax.Array, k: jax.Array, pieces: int = 3) -> jax.Array:
@@ -256,11 +280,17 @@ def ldexp(v: jax.Array, k: jax.Array, pieces: int = 3) -> jax.Array:
   v = jnp.asarray(v)
   real = jnp.finfo(v.dtype).dtype
   lo, hi = _exp_range(real)
-  k = jnp.asarray(k, jnp.int32)
+  k = jax.lax.convert_element_type(k, np.int32)
+  # lax.mul broadcasts only a rank-0 operand; other shapes as jnp does.
+  same = np.shape(v) == np.shape(k) or not np.ndim(v) or not np.ndim(k)
   for _ in range(pieces):
-    step = jnp.clip(k, lo, hi)
-    v = v * pow2(step, real).astype(v.dtype)  # complex v: explicit
-    k = k - step
+    step = jax.lax.clamp(np.int32(lo), k, np.int32(hi))
+    power = pow2(step, real)
+    if power.dtype != v.dtype:  # complex v: explicit
+      power = jax.lax.convert_element_type(power, v.dtype)
+    # v * power; the result strong-typed as jnp's (power is strong).
+    v = jax.lax.mul(v, power) if same else v * power
+    k = jax.lax.sub(k, step)
   return v
 
 
@@ -295,8 +325,9 @@ def _normalized(x: Scaled) -> tuple[jax.Array, jax.Array]:
   (``m = 0`` for 0; ``inf`` and NaN values stay as they are).
   """
   e = exponent(x.value)
-  e = jnp.where(e > jnp.finfo(x.value.dtype).maxexp, 0, e)
-  return ldexp(x.value, -e, pieces=2), x.exponent + e
+  maxexp = np.int32(jnp.finfo(x.value.dtype).maxexp)
+  e = jax.lax.select(jax.lax.gt(e, maxexp), jax.lax.full_like(e, 0), e)
+  return ldexp(x.value, jax.lax.neg(e), pieces=2), x.exponent + e
 
 
 def _safe_min(dtype: Any) -> float:
@@ -463,7 +494,7 @@ def _scale_exponent(m: jax.Array) -> jax.Array:
   is ``m``. Non-finite ``m``: the largest such E.
   """
   lo, hi = _exp_range(m.dtype)
-  return jnp.clip(exponent(m), lo, hi)
+  return jax.lax.clamp(np.int32(lo), exponent(m), np.int32(hi))
 
 
 def _scaled_sum_plain(x, p, axes, dtype):
