@@ -421,8 +421,12 @@ def ema_mean_var(alpha, mean, var, x):
 
   This is the order of the ZClip reference implementation:
   ``mean = a*mean + (1-a)*x`` first, then ``var = a*var + (1-a)*(x-mean)**2``.
+  The mean is computed as ``mean + (1-a)*(x-mean)``, equal up to rounding:
+  a value equal to the mean leaves it exactly as it was (ZClip's form
+  drifts by an ulp a step on a constant stream, and the variance that the
+  drift builds up made the constant value itself a spike).
   """
-  new_mean = alpha * mean + (1 - alpha) * x
+  new_mean = mean + (1 - alpha) * (x - mean)
   new_var = alpha * var + (1 - alpha) * (x - new_mean) ** 2
   return new_mean, new_var
 

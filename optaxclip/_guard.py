@@ -211,7 +211,12 @@ def _judge(x, finite, count, mean, var, run, *, z, warmup_steps, patience):
   if z is None:
     return jnp.full(jnp.shape(x), jnp.inf, x.dtype), no, no, z_score
   bound = jnp.where(warming, jnp.inf, mean + z * std)
-  spike = finite & (x > bound)
+  # A value equal to the mean up to rounding is no spike, however small the
+  # variance: a constant stream's moments carry rounding noise (a mean one
+  # ulp off, a variance of 1e-16), against which its own value read as a
+  # spike again and again.
+  rounding = 4 * jnp.finfo(x.dtype).eps * jnp.maximum(jnp.abs(x), jnp.abs(mean))
+  spike = finite & (x > bound) & (x - mean > rounding)
   restart = spike & ((run >= patience) | (var == 0))
   return bound, spike & ~restart, restart, z_score
 

@@ -1511,11 +1511,25 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
         q, e = _scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
         out[i] = _scaled_norm(*_across_devices(q, e, p, f, axis_name), p)
     # Value and exponent of a group in one kernel (_materialized_scaled).
+    # Units whose sum is trusted keep the direct root: a unit's norm does
+    # not depend, in its last bit, on whether another unit of the tree sent
+    # the step here.
     return [
-      _materialized_scaled(Scaled(v, e)) if len(m) > 1 else Scaled(v, e)
-      for v, e, m in zip(
-        grouped([n.value for n in out], in_memory=False),
-        grouped([n.exponent for n in out], in_memory=False),
+      _materialized_scaled(n) if len(m) > 1 else n
+      for n, m in zip(
+        (
+          Scaled(
+            # Both operands masked: the root of an untrusted (inf) sum
+            # would meet 0 * inf in the second derivative.
+            jnp.where(good(s), safe_root(jnp.where(good(s), s, 1), p), v),
+            jnp.where(good(s), 0, e),
+          )
+          for s, v, e in zip(
+            flat,
+            grouped([n.value for n in out], in_memory=False),
+            grouped([n.exponent for n in out], in_memory=False),
+          )
+        ),
         members + [[i] for i in own],
       )
     ]
