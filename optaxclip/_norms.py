@@ -139,7 +139,10 @@ def magnitude(x: jax.Array, dtype: Optional[Any] = None) -> jax.Array:
   """``|x|`` in the accumulation dtype (complex: the overflow-safe modulus)."""
   dtype = accumulation_dtype(x.dtype) if dtype is None else dtype
   if jnp.iscomplexobj(x):
-    return jnp.abs(x).astype(dtype)
+    # The modulus in the accumulation's precision: a complex64 leaf beside a
+    # float64 one is measured in float64, as its parts are.
+    wide = np.promote_types(x.dtype, np.result_type(dtype, np.complex64))
+    return jnp.abs(x.astype(wide)).astype(dtype)
   return jnp.abs(x.astype(dtype))
 
 

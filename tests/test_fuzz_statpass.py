@@ -71,6 +71,14 @@ _RUN = {fn: fuzz_strategies.FastJit(fn) for fn in (_each, _alone)}
 @hypothesis.example(
   ([(np.asarray([1e-45], np.float32), np.asarray([0]))], np.asarray([True]))
 )
+# Found by the release profile (a test fix): a subnormal mantissa with a
+# positive exponent, flushed to 0 by XLA:CPU, read as a normal 1.2e-35.
+@hypothesis.example(
+  (
+    [(np.asarray([0, 1e-45, 0], np.float32), np.asarray([0, 33, 0]))],
+    np.asarray([False, True, False]),
+  )
+)
 def test_one_pass_equals_the_reference_and_each_vector_alone(case):
   rows, flags = case
   args = fuzz_strategies.to_jax([(v, e.astype(np.int32)) for v, e in rows])
@@ -83,13 +91,15 @@ def test_one_pass_equals_the_reference_and_each_vector_alone(case):
     if math.isnan(want) or math.isinf(want):
       fuzz_strategies.assert_same(got, want, err)
     else:
-      np.testing.assert_allclose(
-        float(got),
-        want,
-        rtol=1e-5,
-        atol=fuzz_strategies.flush_atol(np.float32),
-        err_msg=err,
-      )
+      # A subnormal mantissa may be flushed to 0 before its exponent scales
+      # it (1e-45 * 2**33 is a normal 1.2e-35): either reading is right.
+      tiny = np.finfo(np.float32).tiny
+      flushed = _reference(np.where(np.abs(v) < tiny, 0, v).astype(v.dtype), e)
+      close = [
+        math.isclose(float(got), w, rel_tol=1e-5, abs_tol=float(tiny))
+        for w in (want, flushed)
+      ]
+      assert any(close), (err, float(got), want, flushed)
   assert float(n_true) == int(flags.sum())
   assert float(n_false) == int((~flags).sum())
 

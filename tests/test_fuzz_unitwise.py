@@ -249,6 +249,17 @@ def test_two_multipliers_per_unit_equal_three_bit_for_bit(case):
 
 @fz.examples(3, deadline=None)
 @hypothesis.given(units_and_bounded_factors())
+# Found by the release profile (a test fix): with a factor of 2**-127 the
+# three multipliers flush x * 2**-127 before the cotangent's weight 5 makes
+# it normal (0), the two keep it (2.9e-38, the exact value).
+@hypothesis.example(
+  (
+    np.array([[0, 0], [0, 0], [1, 0]], np.float32),
+    _norms.Scaled(
+      np.array([[np.nan, 1]], np.float32), np.array([[-127, 0]], np.int32)
+    ),
+  )
+)
 def test_two_multipliers_per_unit_have_the_derivatives_of_three(case):
   x, factor = case
   # Finite values of moderate size: derivatives, not the non-finite policy.
@@ -259,8 +270,20 @@ def test_two_multipliers_per_unit_have_the_derivatives_of_three(case):
   got = _GRAD[BOUND](x, value, factor.exponent)
   want = _GRAD[0.0](x, value, factor.exponent)
   np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]))
-  # The factor's cotangent sums a unit's elements: the order may differ.
-  fz.assert_same(got[1], want[1], "d/dfactor", exact=False)
+  # The factor's cotangent sums a unit's elements: the order may differ,
+  # and so may which products below the smallest normal are flushed (each
+  # term ct * x * 2**E, with ct at most the element count).
+  got_f, want_f = (
+    np.asarray(got[1], np.float64),
+    np.asarray(want[1], np.float64),
+  )
+  np.testing.assert_array_equal(np.isnan(got_f), np.isnan(want_f))
+  size = np.asarray(x).size
+  atol = size * (size + 1) / 2 * fz.flush_atol(np.float32)
+  ok = ~np.isnan(want_f)
+  np.testing.assert_allclose(
+    got_f[ok], want_f[ok], rtol=1e-5, atol=atol, err_msg="d/dfactor"
+  )
 
 
 def test_clip_unitwise_applies_two_multipliers_where_bounded():
