@@ -46,9 +46,10 @@ def _seen(x: np.ndarray) -> np.ndarray:
   acc = np.float64 if x.dtype == np.float64 else np.float32
   tiny = np.finfo(acc).tiny
   if np.iscomplexobj(x):
-    x = x.astype(np.complex128)
     flush = lambda v: np.where(np.abs(v) < tiny, 0.0, v)
-    x = flush(x.real) + 1j * flush(x.imag)
+    parts = x.astype(np.complex128)
+    x = np.empty_like(parts)  # parts set apart: 1j * inf would be NaN + inf j
+    x.real, x.imag = flush(parts.real), flush(parts.imag)
   mag = np.abs(x.astype(np.complex128 if np.iscomplexobj(x) else np.float64))
   return np.where(mag < tiny, 0.0, mag)
 
