@@ -1514,19 +1514,11 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
         q, e = _scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
         out[i] = _scaled_norm(*_across_devices(q, e, p, f, axis_name), p)
     # Value and exponent of a group in one kernel (_materialized_scaled).
-    # Units whose sum is trusted keep the direct root: a unit's norm does
-    # not depend, in its last bit, on whether another unit of the tree sent
-    # the step here.
     return [
       _materialized_scaled(n) if len(m) > 1 else n
       for n, m in zip(
         (
-          Scaled(
-            # Both operands masked: the root of an untrusted (inf) sum
-            # would meet 0 * inf in the second derivative.
-            jnp.where(good(s), safe_root(jnp.where(good(s), s, 1), p), v),
-            jnp.where(good(s), 0, e),
-          )
+          trusted_or(s, Scaled(v, e))
           for s, v, e in zip(
             flat,
             grouped([n.value for n in out], in_memory=False),
@@ -1536,6 +1528,17 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
         members + [[i] for i in own],
       )
     ]
+
+  def trusted_or(s, exact_norm: Scaled) -> Scaled:
+    # Units whose sum is trusted keep the direct root: a unit's norm does
+    # not depend, in its last bit, on whether another unit of the tree sent
+    # the step to the recompute. Both operands masked: the root of an
+    # untrusted (inf) sum would meet 0 * inf in the second derivative.
+    ok = good(s)
+    return Scaled(
+      jnp.where(ok, safe_root(jnp.where(ok, s, 1), p), exact_norm.value),
+      jnp.where(ok, 0, exact_norm.exponent),
+    )
 
   def fallback(parts_):
     # Zero sums are zero norms when their units' largest magnitude is 0 and
