@@ -107,7 +107,13 @@ def value_at(
   out = out.reshape(()).astype(dtype)
   # jnp.where, not clip: NaN must stay NaN.
   if low is not None:
-    out = jnp.where(out < low, jnp.asarray(low, dtype), out)
+    below = out < low
+    if low == 0:
+      # XLA:CPU reads a subnormal as zero in a comparison, so a negative
+      # subnormal is not "< 0" there; its sign bit says it is (and turns
+      # -0.0 into 0.0). NaN keeps its value whatever its sign bit.
+      below = below | (jnp.signbit(out) & ~jnp.isnan(out))
+    out = jnp.where(below, jnp.asarray(low, dtype), out)
   if high is not None:
     out = jnp.where(out > high, jnp.asarray(high, dtype), out)
   return out

@@ -11,6 +11,12 @@ the references; a float32 array times a Python float stays float32 (NumPy 2).
 a float32 implementation is from exact.
 Each ``step(grads)`` updates ``self.params`` in place of the references'
 ``p.grad``/``p`` pair.
+
+Not in the references, for the tests' tolerances only: ``rounding_scale``,
+per tensor, is the largest step the first moment would give if its terms had
+not cancelled (the moment of ``|g|``, same decay and resets). A float32 moment
+rounds relative to that sum of terms, not to its own, possibly cancelled,
+value; an update's float32 error scales with this, not with the update.
 """
 
 import math
@@ -50,6 +56,8 @@ class SpamReference:
     self.step_count = [0] * n
     self.exp_avg = [np.zeros_like(p) for p in self.params]
     self.exp_avg_sq = [np.zeros_like(p) for p in self.params]
+    self.exp_avg_abs = [np.zeros_like(p) for p in self.params]
+    self.rounding_scale = [0.0] * n
     self.clipped = 0  # coordinates clipped on the last step
 
   def _death_rate(self, c):
@@ -69,6 +77,7 @@ class SpamReference:
       if (self.total_step + 1) % self.delta_t == 0:
         self.exp_avg[i] = np.zeros_like(g)
         self.exp_avg_sq[i] = np.zeros_like(g)
+        self.exp_avg_abs[i] = np.zeros_like(g)
       m, v = self.exp_avg[i], self.exp_avg_sq[i]
       self.step_count[i] += 1
       if self.thres != 0:
@@ -81,9 +90,12 @@ class SpamReference:
       m = m * self.b1 + g * (1.0 - self.b1)
       v = v * self.b2 + g * g * (1.0 - self.b2)
       self.exp_avg[i], self.exp_avg_sq[i] = m, v
+      a = self.exp_avg_abs[i] * self.b1 + np.abs(g) * (1.0 - self.b1)
+      self.exp_avg_abs[i] = a
       denom = np.sqrt(v) + self.eps
       k = self.step_count[i]
       step_size = self.lr * math.sqrt(1.0 - self.b2**k) / (1.0 - self.b1**k)
+      self.rounding_scale[i] = float(np.max(a / denom)) * step_size * scale
       p = self.params[i] + (m / denom) * (-step_size * scale)
       if self.weight_decay > 0:
         p = p + p * (-self.lr * self.weight_decay)
@@ -137,6 +149,8 @@ class StableSpamReference:
     self.m_norm = [0] * n
     self.v_norm = [0] * n
     self.m_max = [0] * n
+    self.exp_avg_abs = [np.zeros_like(p) for p in self.params]
+    self.rounding_scale = [0.0] * n
     self.clipped = 0
 
   def _cosine(self, t):
@@ -157,6 +171,7 @@ class StableSpamReference:
       self.params[i] = self.params[i] * (1 - self.lr * self.weight_decay)
       g = np.array(grad, self.dtype)
       m, v = self.exp_avg[i], self.exp_avg_sq[i]
+      a = self.exp_avg_abs[i]
       max_gradient = np.max(np.abs(g))
       self.step_count[i] += 1
       k = self.step_count[i]
@@ -184,18 +199,23 @@ class StableSpamReference:
         self.exp_avg[i] = np.zeros_like(g)
         self.exp_avg_sq[i] = np.zeros_like(g)
         self.step_count[i] = 1
+        self.exp_avg_abs[i] = np.zeros_like(g)
         if not self.rebind:
           m, v = self.exp_avg[i], self.exp_avg_sq[i]
+          a = self.exp_avg_abs[i]
       k = self.step_count[i]
       beta1 = self.b1 * scale
       bias_correction1 = 1 - beta1**k
       bias_correction2 = 1 - self.b2**k
       m = m * beta1 + g * (1 - beta1)
       v = v * self.b2 + g * g * (1 - self.b2)
+      a = a * beta1 + np.abs(g) * (1 - beta1)
       if not (reset and self.rebind):
         self.exp_avg[i], self.exp_avg_sq[i] = m, v
+        self.exp_avg_abs[i] = a
       denom = np.sqrt(v) / math.sqrt(bias_correction2) + self.eps
       step_size = self.lr / bias_correction1
+      self.rounding_scale[i] = float(np.max(a / denom, initial=0.0)) * step_size
       self.params[i] = (self.params[i] + (m / denom) * (-step_size)).astype(
         self.dtype
       )

@@ -12,6 +12,8 @@ The programs are jitted once per tree structure (shapes are few, see
 fuzz_strategies.SHAPES).
 """
 
+import math
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -61,6 +63,14 @@ def _layout_trees(draw):
   ),
   c=fz.limits(zero=False, inf=False, magnitudes="ordinary"),
 )
+# Found by the release profile (an oracle fix): three subnormal elements
+# whose norm, 1.66e-38, is normal; the norm reads 0.
+@hypothesis.example(
+  tree={
+    "k0": np.array([5.9746126e-39, 1.0657445e-38, 1.1242166e-38], np.float32)
+  },
+  c=0.5,
+)
 def test_functions_match_the_transformation_and_the_oracle(tree, c):
   out, state_norm, fn_out, fn_norm, norm, per, clipped_per = _run(tree, c)
   # One code path: bit-identical results.
@@ -70,11 +80,13 @@ def test_functions_match_the_transformation_and_the_oracle(tree, c):
   np.testing.assert_array_equal(norm, fn_norm)
   leaves = [np.asarray(x) for x in fz.leaves(tree)]
   want_out, want_norm = np_refs.tf_clip_by_global_norm(leaves, c)
+  # Subnormal elements count as 0 (XLA:CPU flushes them; optaxclip._norms
+  # does too wherever it measures): n of them, each below the smallest
+  # normal, move a norm by less than sqrt(n) of it, even when their own
+  # norm is normal.
+  flushed = fz.flush_atol("float32") * math.sqrt(sum(x.size for x in leaves))
   if float(norm) < np.inf:
-    # Subnormal norms may be flushed to 0 (XLA:CPU).
-    np.testing.assert_allclose(
-      norm, want_norm, rtol=TOL, atol=fz.flush_atol("float32")
-    )
+    np.testing.assert_allclose(norm, want_norm, rtol=TOL, atol=flushed)
   else:  # beyond float32's range (rounded), reported as inf
     assert want_norm > float(np.finfo(np.float32).max) * (1 - TOL)
   for a, b in zip(jax.tree.leaves(fn_out), want_out, strict=True):
@@ -90,7 +102,7 @@ def test_functions_match_the_transformation_and_the_oracle(tree, c):
       np_refs.pnorm(np.asarray(per), 2.0),
       want_norm,
       rtol=TOL,
-      atol=fz.flush_atol("float32"),
+      atol=flushed,
     )
   for n in jax.tree.leaves(clipped_per):
     assert float(n) <= c * (1 + TOL)
