@@ -94,6 +94,14 @@ _UNIT_NORMS = fz.FastJit(_norms.unit_norms)
 
 
 @fz.examples(5, deadline=None)
+@hypothesis.example(  # found by the release profile: 2**-126 / 2 flushed
+  tree=fz.to_jax(
+    {
+      "l00": np.zeros(5, np.float32),
+      "l01": np.array([0, 0, 0, 2, 1.1754944e-38], np.float32),
+    }
+  )
+)
 @hypothesis.given(many_leaves())
 def test_clip_norm_many_leaves_matches_per_leaf(tree):
   out, state = _CLIP_NORM(tree)
@@ -108,8 +116,14 @@ def test_clip_norm_many_leaves_matches_per_leaf(tree):
       continue
     factor = min(1.0, 1.0 / norm) if norm > 0 else 1.0
     clipped += factor < 1
+    # XLA:CPU flushes a product below float32's smallest normal to 0
+    # (2**-126 * 0.5 is 0): a platform behaviour, within the smallest normal.
     np.testing.assert_allclose(
-      got, (x64 * factor).astype(np.float32), rtol=2e-6, atol=0, err_msg=k
+      got,
+      (x64 * factor).astype(np.float32),
+      rtol=2e-6,
+      atol=fz.flush_atol(np.float32),
+      err_msg=k,
     )
   np.testing.assert_allclose(
     float(state.clip_fraction), clipped / len(tree), rtol=1e-6
