@@ -353,15 +353,34 @@ def _static_case(draw, nonfinite=False, magnitudes="all"):
 
 
 @_examples(12)
-@hypothesis.given(data=st.data())
-def test_static_clippers_match_the_oracle(data):
+@hypothesis.given(case=_static_case(magnitudes="ordinary"))
+# Found by the release profile, a test fix: clipping twice moved the float32
+# leaf by 5.7e-5 relative (its own rounding allowed 2e-5), because the
+# tree's norm, measured again, sees the float16 and bfloat16 leaves rounded
+# to their dtypes.
+@hypothesis.example(
+  case=(
+    fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))),
+    {
+      "k0": np.array(-0.635, np.float16),
+      "k1": {
+        "k0": np.array(-0.635, np.float16),
+        "k1": {
+          "k0": np.array(-0.63671875, jnp.bfloat16),
+          "k1": np.array(-0.63489336, F32),
+        },
+      },
+    },
+    None,
+    0.0,
+  )
+)
+def test_static_clippers_match_the_oracle(case):
   """Bound, direction, statistics, finiteness, idempotence of every static
   clipper on ordinary magnitudes (2**-40 to 2**40), for limits around the
   tree's own measure and one drawn in the same range.
   """
-  _static_property(
-    *data.draw(_static_case(magnitudes="ordinary"), label="case")
-  )
+  _static_property(*case)
 
 
 @_examples(8)
@@ -452,12 +471,20 @@ def _static_property(config, tree, params, extra):
       _check_static(config, tree, params, limit, out, state)
       # 4. Clipping twice is clipping once.
       twice, _ = run(out, limit, p)
+      # Clipping again measures the clipped leaves rounded to their dtypes:
+      # where one norm spans the tree (clip_global), the coarsest leaf's
+      # rounding may put it above the limit, and the second clip takes that
+      # off every leaf.
+      coarsest = max(
+        (np.asarray(x).dtype for x in leaves), key=fz.round_tol, default=F32
+      )
       for a, b, x in zip(_host(twice), _host(out), leaves):
         dtype = np.asarray(x).dtype
+        rounded = coarsest if config.static_name == "clip_global" else dtype
         np.testing.assert_allclose(
           a,
           b,
-          rtol=_rtol(dtype),
+          rtol=2 * REL + max(fz.round_tol(dtype), fz.round_tol(rounded)),
           atol=fz.flush_atol(dtype),
           err_msg=f"{config!r} limit={limit!r}: clip(clip(g)) != clip(g)",
         )
