@@ -855,17 +855,13 @@ def clip_block_rms(
       ]
     )
     # rms * sqrt(n) may exceed the dtype's range (a threshold near 3.4e38
-    # on a leaf of several elements) while the clip is still meaningful:
-    # the limit as a Scaled number, with sqrt(n) = m * 2**e (exact).
-    limits = []
-    for r, n in zip(roots, norms):
-      m, e = np.frexp(r)
-      limits.append(
-        _norms.Scaled(
-          jnp.asarray(rms, n.value.dtype) * m.astype(n.value.dtype),
-          jnp.asarray(e, jnp.int32),
-        )
-      )
+    # on a leaf of several elements) or fall below its smallest normal (a
+    # threshold near 1.2e-38 times sqrt(n)'s mantissa) while the clip is
+    # still meaningful: the limit as a Scaled number, sqrt(n) = m * 2**e.
+    limits = [
+      _norms.scaled_product(jnp.asarray(rms, n.value.dtype), *np.frexp(r))
+      for r, n in zip(roots, norms)
+    ]
     out, stats = _per_unit_clip(leaves, layout, norms, limits, 2.0)
     return jax.tree.unflatten(treedef, out), ClipBlockRMSState(
       *stats,

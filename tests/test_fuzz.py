@@ -435,6 +435,20 @@ def test_static_clippers_match_the_oracle(case):
     1.0,
   )
 )
+# Found by the release profile, fixed: clip_block_rms's limit, the threshold
+# times sqrt(n)'s mantissa 0.5, was subnormal for a threshold of 1.5e-38 on
+# a one-element leaf (flushed: the leaf clipped to 0).
+@hypothesis.example(
+  case=(
+    fz.Config("clip_block_rms", (("threshold", 1.0),)),
+    {
+      "k0": np.zeros(0, np.float16),
+      "k1": np.array(-1.49692e-38, jnp.bfloat16),
+    },
+    None,
+    fz._ldexp32(0.5, -125),
+  )
+)
 def test_static_clippers_at_the_edges_of_the_range(case):
   """The same properties for values at the edges of each dtype's range
   (subnormals, smallest normals, 2**126 and above, the largest finite) and
