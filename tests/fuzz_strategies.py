@@ -217,6 +217,16 @@ def flush_atol(dtype) -> float:
   return float(_finfo(dtype).tiny)
 
 
+def element_flush_atol(dtype) -> float:
+  """How far flushing may move one element: both parts of a complex one
+  may be flushed, up to sqrt(2) times the smallest normal.
+  """
+  scale = (
+    math.sqrt(2) if np.issubdtype(np.dtype(dtype), np.complexfloating) else 1
+  )
+  return scale * flush_atol(dtype)
+
+
 def round_tol(dtype) -> float:
   """The relative rounding error of one element stored in ``dtype``."""
   return float(_finfo(dtype).eps)
