@@ -905,9 +905,13 @@ def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
 
     measures = unit_measure(xs)
     eps = kw.get("eps", 1e-3)
+    # clipping=inf means no limit, also where the params' norm (or eps) is
+    # 0: inf, not inf * 0 = NaN.
     lims = [
-      _WIDE(limit) * np.maximum(_unit_pnorm(w, 2.0, a), eps)
-      for w, a in zip(params, axes)
+      np.full(np.shape(m), np.inf)
+      if limit == math.inf
+      else _WIDE(limit) * np.maximum(_unit_pnorm(w, 2.0, a), eps)
+      for w, a, m in zip(params, axes, measures)
     ]
   else:
     raise ValueError(f"no static oracle for {config!r}")

@@ -57,6 +57,7 @@ REL = 1e-5
 # clip_value counts clipped elements exactly in leaves up to this size.
 ESTIMATED_COUNT = 1 << 16
 F32 = np.float32
+F16 = np.float16
 
 
 def _examples(n, xfailing=False):
@@ -580,6 +581,17 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
     {"a": np.array([np.nan], F32), "b": np.array([1e6], F32)},
     None,
     1.0,
+  )
+)
+# Found by the release profile: clipping=inf is no limit, also for a unit
+# whose params' norm and eps are 0 (an empty leaf's; the oracle took
+# inf * 0 = NaN).
+@hypothesis.example(
+  case=(
+    _static("clip_unitwise", clipping=1.0, eps=0.0),
+    {"k0": np.array(np.nan, F16), "k1": np.zeros((0,), F16)},
+    {"k0": np.array(-0.635, F16), "k1": np.zeros((0,), F16)},
+    math.inf,
   )
 )
 def test_static_clippers_nonfinite_policy(case):
