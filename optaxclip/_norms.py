@@ -334,15 +334,16 @@ def _normalized(x: Scaled) -> tuple[jax.Array, jax.Array]:
 
 
 def scaled_product(x: jax.Array, m: Any, e: Any) -> Scaled:
-  """``x * m * 2**e`` as a :class:`Scaled` (``m`` in ``[0.5, 1)`` and the
-  integer ``e`` known when tracing, numbers or NumPy arrays: ``np.frexp``
-  of static numbers) whose
-  value is neither subnormal nor beyond the dtype's range for a normal
-  ``x``: ``x``'s power of two goes to the exponent first, and the value is
-  ``m`` times a mantissa in ``[0.5, 1)``, one rounding as ``x * m`` has.
-  ``x * m`` itself is subnormal, and flushed to 0 by XLA:CPU, for ``x``
-  below twice the smallest normal (clip_block_rms's threshold of 1.5e-38
-  on a one-element leaf was a limit of 0).
+  """``x * m * 2**e`` as a :class:`Scaled` whose value is neither subnormal
+  nor beyond the dtype's range for a normal ``x``.
+
+  ``m`` in ``[0.5, 1)`` and the integer ``e`` are known when tracing
+  (numbers or NumPy arrays: ``np.frexp`` of static numbers). ``x``'s power
+  of two goes to the exponent first, and the value is ``m`` times a
+  mantissa in ``[0.5, 1)``, one rounding as ``x * m`` has. ``x * m``
+  itself is subnormal, and flushed to 0 by XLA:CPU, for ``x`` below twice
+  the smallest normal (clip_block_rms's threshold of 1.5e-38 on a
+  one-element leaf was a limit of 0).
   """
   v, k = _normalized(as_scaled(x))
   return Scaled(v * jnp.asarray(m, v.dtype), k + np.asarray(e, np.int32))
