@@ -164,7 +164,7 @@ def safe_root(s: jax.Array, p: float) -> jax.Array:
     return s
   positive = s > 0
   s_safe = jnp.where(positive, s, 1)
-  root = jnp.sqrt(s_safe) if p == 2 else _root(s_safe, p)
+  root = _root(s_safe, p)
   return jnp.where(positive, root, jnp.where(jnp.isnan(s), s, 0))
 
 
@@ -179,9 +179,13 @@ def _root(s: jax.Array, p: float) -> jax.Array:
   that Hessian-vector products through a clipped p-norm came out wrong or
   NaN. Here ``s`` enters every order's derivative only through its mantissa
   and an exact power of two, and the root (whose derivative is this rule
-  again): each intermediate stays of the size of the result.
+  again): each intermediate stays of the size of the result. For p = 2,
+  too: JAX's rule for ``sqrt``, ``ds * 0.5 / root``, meets ``ds * d(root)``
+  at the next order, which overflows for a float32 sum of squares near
+  1e38 (clip_block_rms' Hessian-vector products there were NaN or off by
+  15%).
   """
-  return s ** (1.0 / p)
+  return jnp.sqrt(s) if p == 2 else s ** (1.0 / p)
 
 
 @_root.defjvp

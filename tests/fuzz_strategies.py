@@ -217,6 +217,15 @@ def flush_atol(dtype) -> float:
   return float(_finfo(dtype).tiny)
 
 
+def norm_flush_atol(dtype, size: int, p: float = 2.0) -> float:
+  """How far flushing may move the p-norm of ``size`` elements: each may be
+  read as 0 (below the smallest normal), ``size**(1/p)`` times it in all
+  (``sqrt(size)`` for L2, ``size`` for L1, one for the max).
+  """
+  n = max(int(size), 1)
+  return flush_atol(dtype) * (1.0 if math.isinf(p) else n ** (1.0 / p))
+
+
 def element_flush_atol(dtype) -> float:
   """How far flushing may move one element: both parts of a complex one
   may be flushed, up to sqrt(2) times the smallest normal.
@@ -823,6 +832,16 @@ def _norm_axes(x, axis) -> tuple | None:
   return tuple(sorted(a % np.ndim(x) for a in axis))
 
 
+def _as_read(w):
+  """``w`` as the norms read it: magnitudes below the accumulation dtype's
+  smallest normal (float32's for float16 and bfloat16) as 0 (a bfloat16
+  param of 9.2e-41 has norm 0: with eps=0, a limit of 0).
+  """
+  w = np.asarray(w)
+  acc = np.float64 if w.dtype == np.float64 else np.float32
+  return np.where(_abs_wide(w) < np.finfo(acc).tiny, 0, w)
+
+
 def _factor(measure, limit):
   limit = np.asarray(limit, _WIDE)
   with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -849,6 +868,7 @@ class Oracle:
   factors: list
   stats: dict
   unit_measure: Any
+  order: float = 2.0  # p of the measure (inf for clip_value's magnitude)
 
 
 def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
@@ -910,7 +930,7 @@ def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
     lims = [
       np.full(np.shape(m), np.inf)
       if limit == math.inf
-      else _WIDE(limit) * np.maximum(_unit_pnorm(w, 2.0, a), eps)
+      else _WIDE(limit) * np.maximum(_unit_pnorm(_as_read(w), 2.0, a), eps)
       for w, a, m in zip(params, axes, measures)
     ]
   else:
@@ -953,7 +973,7 @@ def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
         "clip_fraction": sum(int(np.sum(f < 1)) for f in factors)
         / max(units, 1),
       }
-  return Oracle(out, measures, lims, factors, stats, unit_measure)
+  return Oracle(out, measures, lims, factors, stats, unit_measure, p)
 
 
 def oracle_per_example(tree_leaves, l2_clip, scope="global"):

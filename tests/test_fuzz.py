@@ -149,15 +149,21 @@ def _check_static(config, tree, params, limit, out, state, stats=True):
   # Finite input: finite output.
   assert _finite(got), f"{msg}: non-finite output from finite input"
   got_measures = oracle.unit_measure(got)
-  tree_flush = math.sqrt(sum(np.size(x) for x in leaves)) * max(
-    (fz.flush_atol(np.asarray(x).dtype) for x in leaves), default=0.0
+  tree_flush = max(
+    (
+      fz.norm_flush_atol(
+        np.asarray(x).dtype, sum(np.size(y) for y in leaves), oracle.order
+      )
+      for x in leaves
+    ),
+    default=0.0,
   )
   tree_rtol = max((_rtol(np.asarray(x).dtype) for x in leaves), default=REL)
   for x, g, want, m, lim in zip(
     leaves, got, oracle.out, got_measures, oracle.limits
   ):
     dtype = np.asarray(x).dtype
-    atol = fz.flush_atol(dtype) * math.sqrt(max(x.size, 1))
+    atol = fz.norm_flush_atol(dtype, x.size, oracle.order)
     rtol = _rtol(dtype)
     if config.static_name == "clip_global":  # one unit: the whole tree
       atol, rtol = tree_flush, tree_rtol
@@ -188,8 +194,13 @@ def _check_static(config, tree, params, limit, out, state, stats=True):
   lo = hi = 0
   units = 0
   for x, m, lim in zip(leaves, oracle.measures, oracle.limits):
-    # Measures below the smallest normal may be flushed to 0 (either side).
-    flush = fz.flush_atol(np.asarray(x).dtype) * math.sqrt(max(x.size, 1))
+    # Measures below the smallest normal may be flushed to 0 (either side);
+    # clip_global's unit is the whole tree.
+    flush = (
+      tree_flush
+      if config.static_name == "clip_global"
+      else fz.norm_flush_atol(np.asarray(x).dtype, x.size, oracle.order)
+    )
     lo += int(np.sum(m > lim * (1 + REL) + flush))
     hi += int(np.sum((m >= lim * (1 - REL)) & ~((m == 0) & (lim == 0))))
     units += m.size
@@ -461,6 +472,32 @@ def test_static_clippers_match_the_oracle(case):
     fz._ldexp32(0.5, -125),
   )
 )
+# Found by the release profile, test fixes: clip_global's unit is the whole
+# tree, so a flushed measure is allowed the tree's flush, not the float64
+# leaf's (both values subnormal: norm 0, nothing clipped at a zero limit);
+# and a bfloat16 param of 9.2e-41 is read as 0 (a limit of 0 with eps=0).
+@hypothesis.example(
+  case=(
+    fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))),
+    {
+      "k0": np.zeros(0, F16),
+      "k1": {
+        "k0": np.array(-9.18355e-41, jnp.bfloat16),
+        "k1": np.array(-5e-324, np.float64),
+      },
+    },
+    None,
+    fz._ldexp32(0.5, -125),
+  )
+)
+@hypothesis.example(
+  case=(
+    _static("clip_unitwise", clipping=1.0, eps=0.0),
+    {"k0": np.array(-1.49692e-38, jnp.bfloat16)},
+    {"k0": np.array(-9.18355e-41, jnp.bfloat16)},
+    fz._ldexp32(0.5, -125),
+  )
+)
 def test_static_clippers_at_the_edges_of_the_range(case):
   """The same properties for values at the edges of each dtype's range
   (subnormals, smallest normals, 2**126 and above, the largest finite) and
@@ -550,9 +587,12 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
     finite_out = [g for g in got if np.all(np.isfinite(g))]
     norm = fz.measure_tree(finite_out, config.kw.get("ord"))
     tol = max(_rtol(np.asarray(x).dtype) for x in fz.leaves(tree))
-    flush = max(fz.flush_atol(np.asarray(x).dtype) for x in fz.leaves(tree))
     size = sum(np.size(x) for x in fz.leaves(tree))
-    assert norm <= limit * (1 + tol) + flush * math.sqrt(size), (
+    flush = max(
+      fz.norm_flush_atol(np.asarray(x).dtype, size, oracle.order)
+      for x in fz.leaves(tree)
+    )
+    assert norm <= limit * (1 + tol) + flush, (
       f"{msg}: finite leaves of global norm {norm:.6g} > {limit}"
     )
   else:
@@ -562,7 +602,7 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
       ok = ~np.isfinite(m) | (
         m
         <= lim * (1 + _rtol(x.dtype))
-        + fz.flush_atol(x.dtype) * math.sqrt(max(x.size, 1))
+        + fz.norm_flush_atol(x.dtype, x.size, oracle.order)
       )
       assert np.all(ok), f"{msg}: a finite unit above its limit: {g}"
   # clipped_norm describes the update returned.
@@ -1026,16 +1066,30 @@ def _per_example_property(config, tree):
   assert int(state.nonfinite) == nonfinite, (
     f"{msg}: nonfinite {int(state.nonfinite)}, oracle {nonfinite}"
   )
-  if math.isfinite(l2):
+  # A float32 sum of B contributions may overflow (in any order of
+  # summation) where their magnitudes add up beyond float32's range: with
+  # no clip (l2_clip=inf), or a clip whose B-fold exceeds the range.
+  top = float(np.finfo(F32).max)
+  sums_fit = math.isfinite(l2) and batch * l2 <= top
+  if sums_fit:
     # Finite clips of finite (or zeroed) examples: a finite sum.
     assert _finite(full), f"{msg}: a non-finite sum {full}"
   # The sum equals the oracle's (float32 summation of B clipped examples).
   scale = batch * (l2 if math.isfinite(l2) else 0.0)
-  for got, w in zip(full, want):
+  for got, w, x in zip(full, want, leaves):
     atol = 8 * batch * fz.round_tol(F32) * np.max(np.abs(w), initial=0.0)
     atol = max(atol, scale * 1e-6, fz.flush_atol(F32))
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
       ok = (np.abs(got - w) <= 2 * REL * np.abs(w) + atol) | (got == w)
+      a = np.abs(np.asarray(x, np.float64))
+      magnitudes = np.sum(np.where(np.isfinite(a), a, 0), axis=0)
+    overflowed = (
+      ~sums_fit
+      & (magnitudes > top)
+      & np.isinf(got)
+      & (np.sign(got) == np.sign(w))
+    )
+    ok = ok | overflowed
     assert np.all(ok), f"{msg}: sum {got.ravel()[:4]} != {w.ravel()[:4]}"
   if not math.isfinite(l2):
     return
@@ -1103,6 +1157,15 @@ def test_per_example_sensitivity_bound(config, tree):
     (("l2_clip", 1.0), ("reduce", "sum"), ("scope", "global")),
   ),
   tree={"a": np.array([[1e38, 1e38], [1.0, 0.0]], F32)},
+)
+# Found by the release profile, a test fix: with no clip, a float32 sum of
+# three examples of 1.7e38 overflows (the oracle's 5.1e38 is beyond float32).
+@hypothesis.example(
+  config=fz.Config(
+    "clip_per_example",
+    (("l2_clip", math.inf), ("reduce", "sum"), ("scope", "global")),
+  ),
+  tree=np.array([1.7014117e38] * 3 + [-0.8647483], F32),
 )
 def test_per_example_sensitivity_bound_huge_and_nonfinite(config, tree):
   """The bound for every input: examples far above 2**126 and examples
@@ -1227,6 +1290,31 @@ def test_sharded_leaves_match_the_oracle(case):
     2,
     {"a": np.array([1e38, 1e38, 1, 1, 0, 0, 0, 0], F32)},
     1.0,
+  )
+)
+# Found by the release profile, a test fix: flushing n subnormal elements
+# moves an L1 norm by up to n times the smallest normal (sqrt(n) for L2):
+# these eight read 0, the oracle's L1 norm 7.1e-38.
+@hypothesis.example(
+  case=(
+    fz.Config("clip_norm", (("axis", None), ("max_norm", 1.0), ("ord", 1))),
+    1,
+    {
+      "k0": np.array(
+        [
+          9.0726116e-39,
+          1.1373334e-38,
+          -1.0672628e-38,
+          -5.8935671e-39,
+          -1.0916841e-38,
+          -6.0748699e-39,
+          1.0166001e-38,
+          6.9098826e-39,
+        ],
+        F32,
+      )
+    },
+    fz._ldexp32(0.5, -125),
   )
 )
 def test_sharded_leaves_at_the_edges_of_the_range(case):
@@ -1367,6 +1455,15 @@ def _derivative_example(config, scale, ratio, seed=0):
 # 6 and 5, each a compile of its own).
 @_examples(8)
 @hypothesis.given(case=_derivative_case())
+# Found by the release profile, fixed: clip_block_rms's Hessian-vector
+# product on values near 1e19 (a leaf's sum of squares near 1e38, taken
+# directly) was NaN or off by 15%: JAX's rule for sqrt overflowed at the
+# second order (_norms._root now differentiates p = 2 too).
+@hypothesis.example(
+  case=_derivative_example(
+    fz.Config("clip_block_rms", (("threshold", 1.0),)), 1e19, 0.3, seed=2
+  )
+)
 def test_first_and_second_derivatives_through_update(case):
   """jax.grad through every static clipper's update equals finite
   differences of the float64 oracle, clipped or not, at magnitudes from
