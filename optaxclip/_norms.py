@@ -59,13 +59,22 @@ whose next order flushes or overflows for sums far from 1: Hessian-vector
 products of float32 p-norms are checked against float64 finite differences
 on values from 1e-30 to 1e11 (tests/test_fuzz_edges.py). Known limit of
 float32 derivatives, left as it is: where the clipped update's inner
-product with the cotangent, or the power sum's own tangent, exceeds the
-dtype's range (a limit near 3.4e38 on several values of that size), the
-cotangent overflows. At the other end, values and limits within a few
-powers of two of the smallest normal number (about 1e-38 in float32):
-products of two such values underflow, so a gradient can miss the norm's
-own term and a Hessian-vector product can be NaN (found by the release
+product with the cotangent, or the power sum's own tangent, comes within
+a factor of four of the dtype's range, the cotangent overflows (the
+factor's mantissa is a quotient of mantissas in [0.5, 1): its derivative
+multiplies by up to 4). Seen with a limit near 3.4e38 on several values
+of that size, and with clip_unitwise(0.375) of two values of -3.4e38 (an
+update of two values of -1.3e38) whose params are the gradient. At the
+other end, values and limits within a few powers of two of the smallest
+normal number (1e-37 and below in float32): the factor's cotangent is of
+the size of the values times the update's cotangent, and its products
+with numbers below 1 are flushed, so a gradient can miss the norm's own
+term (clip_global(1.45e-37) of ``[1, 2, -1.5] * 1e-37`` against the
+cotangent ``[1, 2, 3]``: 0.5385 where 0.5014 is right, in the first
+element) and a Hessian-vector product can be NaN (found by the release
 fuzz profile: clip_global with a limit of 1.45e-38 on values of 1e-38).
+Keeping it would need that cotangent carried at a normalised scale, an
+exact power-of-two multiplication more per element when scaling a leaf.
 
 ``axis_name`` support: inside ``shard_map`` or ``pmap``, the partial sums of
 leaves that are sharded over the named axis (or axes) are ``psum``-ed, and the
@@ -351,6 +360,19 @@ def scaled_product(x: jax.Array, m: Any, e: Any) -> Scaled:
   """
   v, k = _normalized(as_scaled(x))
   return Scaled(v * jnp.asarray(m, v.dtype), k + np.asarray(e, np.int32))
+
+
+def product(a: Union[jax.Array, Scaled], b: Union[jax.Array, Scaled]) -> Scaled:
+  """``a * b`` as a :class:`Scaled` of the two normalised mantissas, whose
+  value is neither subnormal nor beyond the dtype's range for finite
+  nonzero operands (the same rounding as ``a * b`` where that is normal).
+  A plain product flushes: clip_unitwise's limit, a clipping of 1.2e-38
+  times a params' norm of 5.7e20 carried as ``0.97 * 2**69``, was 0.
+  """
+  a_m, a_e = _normalized(as_scaled(a))
+  b = as_scaled(b)
+  b_m, b_e = _normalized(Scaled(b.value.astype(a_m.dtype), b.exponent))
+  return Scaled(a_m * b_m, a_e + b_e)
 
 
 def _safe_min(dtype: Any) -> float:

@@ -919,10 +919,15 @@ def _unitwise_limit(w_norm, clipping, eps):
   # to the params would be inf * 0 = NaN.
   clipping = jnp.asarray(clipping, dtype)
   unlimited = clipping == jnp.inf
-  value = jnp.where(
-    unlimited, jnp.inf, jnp.where(unlimited, 1, clipping) * value
+  # A product of normalised mantissas: a clipping near float32's smallest
+  # normal times a norm's value below 1 would be subnormal (flushed to 0).
+  limit = _norms.product(
+    _norms.Scaled(value, jnp.where(small, 0, w_norm.exponent)),
+    jnp.where(unlimited, 1, clipping),
   )
-  return _norms.Scaled(value, jnp.where(small, 0, w_norm.exponent))
+  return _norms.Scaled(
+    jnp.where(unlimited, jnp.inf, limit.value), limit.exponent
+  )
 
 
 def _global_unit_axes(x, split: _sharding.LeafSharding, path: str):

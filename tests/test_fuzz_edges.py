@@ -145,8 +145,16 @@ def test_hvp_of_a_clipped_p_norm_in_float32(scale, ord_, ratio, seed):
     np.sum(np.abs(x.astype(np.float64)) ** ord_) ** (1 / ord_) for x in g
   ]
   limit = F32(ratio * max(norms))
-  got = float(_hvp_runner(ord_)(g, w, v, limit))
   h = 1e-4
+  # |x|**p for p < 2 has an unbounded second derivative at 0: the finite
+  # differences must not step across it (an element of 2e-34 moved by
+  # h * v = 2e-34 put the oracle 15% off; the float32 and float64 clippers
+  # agree with each other).
+  hypothesis.assume(
+    ord_ >= 2
+    or all(np.all(np.abs(x) > 10 * h * np.abs(d)) for x, d in zip(g, v))
+  )
+  got = float(_hvp_runner(ord_)(g, w, v, limit))
 
   def value(t):
     moved = [x.astype(np.float64) + t * d for x, d in zip(g, v)]
