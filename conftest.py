@@ -84,9 +84,10 @@ hypothesis.settings.register_profile(
 # draws the ci profile narrows to fixed layouts drawn freely
 # (tests/fuzz_strategies.py: examples, ci_or); hours, not a minute.
 # HYPOTHESIS_PROFILE=release python -m pytest tests/test_fuzz*.py
+# OPTAXCLIP_RELEASE_EXAMPLES=n sets another count (a shorter pass first).
 hypothesis.settings.register_profile(
   "release",
-  max_examples=1000,
+  max_examples=int(os.environ.get("OPTAXCLIP_RELEASE_EXAMPLES", "1000")),
   deadline=None,
   derandomize=False,
   suppress_health_check=[
