@@ -13,6 +13,7 @@ import optax
 from optaxclip import _adaptive
 from optaxclip import _checks
 from optaxclip import _compiled
+from optaxclip import _norms
 from optaxclip import _schedules
 from optaxclip import _stats
 from optaxclip import _telemetry
@@ -755,7 +756,7 @@ def guard(
       )
     out_dtype = state.norm.dtype
     if per_leaf:
-      top_z = jnp.max(z_score, initial=-jnp.inf) if z_score.size else 0.0
+      top_z = _norms.nan_max(z_score, initial=-jnp.inf) if z_score.size else 0.0
       z_score = jnp.where(jnp.isfinite(top_z), top_z, 0)
     return new_updates, state._replace(
       norm=_adaptive.total(g, out_dtype),

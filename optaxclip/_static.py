@@ -423,7 +423,7 @@ def _clip_value_sampled(leaves, max_delta_now, state):
     sample, weight = _norms.sample_elements(x)
     a = _norms.magnitude(sample)
     limit = jnp.asarray(max_delta_now, a.dtype)
-    biggest = jnp.max(a)
+    biggest = _norms.nan_max(a)
     largest = jnp.maximum(largest, biggest.astype(jnp.float32))
     # In the leaf's accumulation dtype: a finite float64 may be inf in
     # float32; a complex modulus may be inf while both parts are finite.

@@ -574,6 +574,19 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
       f"{msg}: a {'NaN' if has_nan else 'Inf'} in the gradient gave a "
       "finite update"
     )
+  # The unit of a non-finite norm comes out all NaN: the whole tree for
+  # clip_global, a leaf holding a NaN or inf for clip_value (exact).
+  for x, g in zip(leaves, got):
+    whole_tree = config.static_name == "clip_global" and (has_nan or has_inf)
+    own_leaf = (
+      config.static_name == "clip_value"
+      and config.kw.get("stats", "exact") == "exact"
+      and not np.all(np.isfinite(x))
+    )
+    if whole_tree or own_leaf:
+      assert np.all(np.isnan(g)), (
+        f"{msg}: a value of a non-finite unit came out as a number"
+      )
   # Never a finite leaf passed unclipped: every finite unit of the output is
   # within its limit; for clip_global the finite leaves together are.
   oracle_leaves = [np.where(np.isfinite(x), x, 0) for x in leaves]
@@ -632,6 +645,22 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
     {"k0": np.array(np.nan, F16), "k1": np.zeros((0,), F16)},
     {"k0": np.array(-0.635, F16), "k1": np.zeros((0,), F16)},
     math.inf,
+  )
+)
+# Found by the release profile: XLA:CPU's reductions of 4096 elements or
+# more dropped the NaN from clip_value's max |g| (the leaf's other values
+# were clipped as usual and clipped_norm read 0.5); _norms.nan_max.
+@hypothesis.example(
+  case=(
+    _static("clip_value", max_delta=1.0),
+    {
+      "k0": np.concatenate(
+        [[np.nan], np.random.default_rng(0).uniform(-1, 1, 69999)]
+      ).astype(F32),
+      "k1": np.array(-0.635, F16),
+    },
+    None,
+    0.5,
   )
 )
 def test_static_clippers_nonfinite_policy(case):

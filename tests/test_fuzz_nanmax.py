@@ -1,0 +1,161 @@
+"""Maxima keep NaN (issue 10, item 5).
+
+XLA:CPU (jaxlib 0.10, its YNNPACK reduction fusion) drops a NaN from a max
+or min reduction of 4096 elements or more: ``clip_value``'s ``max |g|`` and
+``ord=inf`` norms read a NaN leaf as finite, and the leaf's other values
+were clipped as usual. ``_norms.nan_max`` and ``_norms.nan_extremes`` are
+the reductions every max-based statistic goes through; here they must equal
+NumPy's ``max`` and ``min`` (which keep NaN) on arrays on both sides of that
+size, and the clippers built on them must make a non-finite unit all NaN.
+"""
+
+import functools
+
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import fuzz_strategies as fz
+import optaxclip
+from optaxclip import _norms
+
+# Under ci: a few shapes on both sides of 4096 elements (each compiles once
+# per axis choice); release draws them freely.
+CI_SHAPES = ((4095,), (4096,), (5000,), (3, 2048), (70, 80))
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def _dtype(name):
+  return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+@st.composite
+def _arrays(draw):
+  shape = draw(
+    fz.ci_or(
+      st.sampled_from(CI_SHAPES),
+      st.lists(st.integers(1, 9000), min_size=1, max_size=2).filter(
+        lambda s: np.prod(s) <= 40000
+      ),
+    )
+  )
+  shape = tuple(shape)
+  dtype = _dtype(draw(st.sampled_from(DTYPES)))
+  seed = draw(st.integers(0, 2**32 - 1))
+  rng = np.random.default_rng(seed)
+  x = rng.uniform(-1, 1, shape) * 10.0 ** draw(st.integers(-30, 30))
+  x = x.astype(np.float64)
+  flat = x.reshape(-1)
+  # A few NaN and inf at drawn places: first, last, anywhere.
+  for special in draw(
+    st.lists(st.sampled_from([np.nan, np.inf, -np.inf]), max_size=3)
+  ):
+    where = draw(
+      st.sampled_from(["first", "last", "any"]),
+    )
+    i = {"first": 0, "last": flat.size - 1}.get(where)
+    flat[rng.integers(0, flat.size) if i is None else i] = special
+  axis = draw(st.sampled_from([None] + list(range(len(shape)))))
+  keepdims = draw(st.booleans())
+  with np.errstate(over="ignore"):  # beyond float16's range: inf, kept
+    return x.astype(dtype), axis, keepdims
+
+
+@functools.cache
+def _reducers(axis, keepdims):
+  return (
+    fz.FastJit(lambda v: _norms.nan_max(v, axis, keepdims=keepdims)),
+    fz.FastJit(lambda v: _norms.nan_extremes(v, axis, keepdims=keepdims)),
+  )
+
+
+@fz.examples(12)
+@hypothesis.given(case=_arrays())
+# The release profile's find: one NaN first in 70000 float32 values.
+@hypothesis.example(
+  case=(
+    np.concatenate(
+      [[np.nan], np.random.default_rng(0).uniform(-1, 1, 69999)]
+    ).astype(np.float32),
+    None,
+    False,
+  )
+)
+def test_nan_max_and_extremes_keep_nan(case):
+  """nan_max and nan_extremes equal NumPy's max and min, NaN included."""
+  x, axis, keepdims = case
+  axes = None if axis is None else (axis,)
+  with fz.x64(x):
+    top_fn, both_fn = _reducers(axes, keepdims)
+    wide = x.astype(np.float64)
+    want_top = np.max(wide, axis=axis, keepdims=keepdims)
+    want_bottom = np.min(wide, axis=axis, keepdims=keepdims)
+    got_top = np.asarray(top_fn(fz.to_jax(x)), np.float64)
+    got_both = [np.asarray(v, np.float64) for v in both_fn(fz.to_jax(x))]
+  for got, want in (
+    (got_top, want_top),
+    *zip(got_both, (want_top, want_bottom)),
+  ):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_nan_max_derivative_is_jnp_max_s():
+  """The gradient flows to the largest element, as jnp.max's does."""
+  x = jnp.asarray(np.random.default_rng(1).uniform(-1, 1, 5000), jnp.float32)
+  got = jax.grad(lambda v: _norms.nan_max(v, initial=0))(x)
+  want = jax.grad(lambda v: jnp.max(v, initial=0))(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  got = jax.grad(lambda v: -_norms.nan_extremes(v)[1])(x)
+  want = jax.grad(lambda v: -jnp.min(v))(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+CLIPPERS = {
+  "clip_value": lambda: optaxclip.clip_value(0.5),
+  "clip_norm(ord=inf)": lambda: optaxclip.clip_norm(0.5, ord=np.inf),
+  "clip_global(ord=inf)": lambda: optaxclip.clip_global(0.5, ord=np.inf),
+}
+
+
+@functools.cache
+def _runner(name):
+  tx = CLIPPERS[name]()
+  return fz.FastJit(lambda g: tx.update(g, tx.init(g)))
+
+
+@fz.examples(6)
+@hypothesis.given(
+  name=st.sampled_from(sorted(CLIPPERS)),
+  size=fz.ci_or(st.sampled_from([4096, 5000]), st.integers(4096, 70000)),
+  where=st.floats(0, 1),
+  special=st.sampled_from([np.nan, np.inf]),
+)
+def test_max_based_clippers_poison_a_big_nonfinite_leaf(
+  name, size, where, special
+):
+  """A NaN or inf in a leaf of 4096 elements or more: the leaf comes out
+  all NaN (the whole tree under clip_global), and norm and clipped_norm
+  are non-finite; a finite small leaf beside it is clipped as usual.
+  """
+  rng = np.random.default_rng(size)
+  big = rng.uniform(-1, 1, size).astype(np.float32)
+  big[min(int(where * size), size - 1)] = special
+  small = np.array([0.25, -2.0], np.float32)
+  out, state = _runner(name)(fz.to_jax({"big": big, "small": small}))
+  stats = optaxclip.stats(state)
+  assert np.all(np.isnan(np.asarray(out["big"]))), name
+  norm = float(next(v for k, v in stats.items() if k.endswith("/norm")))
+  clipped = float(
+    next(v for k, v in stats.items() if k.endswith("/clipped_norm"))
+  )
+  assert not np.isfinite(norm) and not np.isfinite(clipped), (name, stats)
+  if np.isnan(special):
+    assert np.isnan(norm), (name, norm)
+  if name == "clip_global(ord=inf)":
+    assert np.all(np.isnan(np.asarray(out["small"])))
+  else:
+    want = [0.25, -0.5] if name == "clip_value" else [0.0625, -0.5]
+    np.testing.assert_array_equal(np.asarray(out["small"]), want)
