@@ -581,6 +581,17 @@ _max_custom = _with_plain_derivative(
 )
 
 
+def _drops_nan(x: jax.Array) -> bool:
+  """Whether a plain max of ``x`` may drop a NaN: every float dtype.
+
+  Not only float32 and float64: a float16 min of 4096 elements drops it
+  too (found by tests/test_fuzz_nanmax.py when float16 and bfloat16 were
+  left to the plain reductions, which are faster there: clip_value's step
+  on a bfloat16 transformer is 2.6x adam's with the merge, against 1.4x).
+  """
+  return jnp.issubdtype(x.dtype, jnp.floating)
+
+
 def nan_extremes(
   x: jax.Array, axis: Optional[tuple[int, ...]] = None, *, keepdims=False
 ) -> tuple[jax.Array, jax.Array]:
@@ -590,7 +601,7 @@ def nan_extremes(
   section's comment for why not ``jnp.max``.
   """
   axes = _reduce_axes(x, axis)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
+  if not _drops_nan(x):
     return _extremes_plain(x, axes, keepdims)
   if may_span_devices(x):
     # Plain reductions, which XLA's partitioner splits across devices, and
@@ -612,9 +623,7 @@ def nan_max(
   was reduced (see the section's comment); derivatives as ``jnp.max``'s.
   """
   axes = _reduce_axes(x, axis)
-  if not jnp.issubdtype(x.dtype, jnp.floating) or any(
-    x.shape[d] == 0 for d in axes
-  ):
+  if not _drops_nan(x) or any(x.shape[d] == 0 for d in axes):
     return jnp.max(x, axis=axes, keepdims=keepdims, initial=initial)
   if may_span_devices(x):
     nan = jnp.any(jnp.isnan(x), axis=axes, keepdims=keepdims)
