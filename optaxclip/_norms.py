@@ -525,13 +525,15 @@ def _with_plain_derivative(fast, plain, n_args: int, n_static: int):
 # --------------------------------------------------------------------------
 #
 # XLA:CPU (jaxlib 0.10, its YNNPACK reduction fusion, on by default) drops a
-# NaN from a max or min reduction of 4096 elements or more, float32 and
-# float64 alike: ``jnp.max`` of 5000 values holding one NaN returns the
-# largest of the others, or the reduction's initial value (-inf) when the
-# NaN is the last element. Every non-finite check and every max-based norm
-# here (clip_value's ``max |g|``, ``ord=inf``) reduces through these
-# helpers: a reduction whose merge says that a NaN wins, which that fusion
-# does not take (1.07x a plain max's time on 64 x 400k float32 values).
+# NaN from a max or min reduction of 4096 elements or more (float32 and
+# float64, and float16's min): ``jnp.max`` of 5000 float32 values holding
+# one NaN returns the largest of the others, or the reduction's initial
+# value (-inf) when the NaN is the last element. Every non-finite check and
+# every max-based norm here (clip_value's ``max |g|``, ``ord=inf``) reduces
+# through these helpers: a reduction whose merge says that a NaN wins,
+# which that fusion does not take (1.07x a plain max's time on 64 x 400k
+# float32 values). Maxima that only pick a power-of-two scale for a sum
+# stay plain: the sum carries the NaN they miss.
 
 
 def _nan_max_merge(u, v):
