@@ -603,6 +603,15 @@ def _merge_dtype(x: jax.Array) -> jax.Array:
   return x
 
 
+def _nan_flagged(x, axes, keepdims, *reduced):
+  """``reduced`` (plain reductions of ``x``, which XLA's partitioner splits
+  across devices) made NaN where a NaN was reduced, by a reduction of
+  booleans (which the fusion keeps).
+  """
+  nan = jnp.any(jnp.isnan(x), axis=axes, keepdims=keepdims)
+  return tuple(jnp.where(nan, jnp.nan, r) for r in reduced)
+
+
 def nan_extremes(
   x: jax.Array, axis: Optional[tuple[int, ...]] = None, *, keepdims=False
 ) -> tuple[jax.Array, jax.Array]:
@@ -615,11 +624,10 @@ def nan_extremes(
   if not _drops_nan(x):
     return _extremes_plain(x, axes, keepdims)
   if may_span_devices(x):
-    # Plain reductions, which XLA's partitioner splits across devices, and
-    # a NaN flag from a reduction of booleans (the fusion keeps those).
-    top, bottom = _extremes_plain(x, axes, keepdims)
-    nan = jnp.any(jnp.isnan(x), axis=axes, keepdims=keepdims)
-    return jnp.where(nan, jnp.nan, top), jnp.where(nan, jnp.nan, bottom)
+    top, bottom = _nan_flagged(
+      x, axes, keepdims, *_extremes_plain(x, axes, keepdims)
+    )
+    return top, bottom
   top, bottom = _extremes_custom(_merge_dtype(x), axes, keepdims)
   return top.astype(x.dtype), bottom.astype(x.dtype)
 
@@ -638,8 +646,7 @@ def nan_max(
   if not _drops_nan(x) or any(x.shape[d] == 0 for d in axes):
     return jnp.max(x, axis=axes, keepdims=keepdims, initial=initial)
   if may_span_devices(x):
-    nan = jnp.any(jnp.isnan(x), axis=axes, keepdims=keepdims)
-    top = jnp.where(nan, jnp.nan, _max_plain(x, axes, keepdims))
+    (top,) = _nan_flagged(x, axes, keepdims, _max_plain(x, axes, keepdims))
   else:
     top = _max_custom(_merge_dtype(x), axes, keepdims).astype(x.dtype)
   if initial is not None:
