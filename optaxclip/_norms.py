@@ -2018,21 +2018,39 @@ def sample_elements(x: jax.Array) -> tuple[jax.Array, float]:
 
 
 def largest_and_count_parts(
-  layout: UnitLayout, leaves: Sequence[jax.Array], limit: Any
+  layout: UnitLayout,
+  leaves: Sequence[jax.Array],
+  limit: Any,
+  *,
+  sampled: bool = False,
 ) -> list[tuple[jax.Array, jax.Array, int, jax.Array]]:
   """Per part of ``layout`` (whole leaves as units): the largest magnitude
-  of each leaf, the number of its elements with ``|x| > limit`` (float32),
-  the leaf's size, and whether the leaf is finite (a complex modulus may
-  exceed the range while both parts are finite: see :func:`largest_part`).
+  of each leaf, the number of its elements not within ``|x| <= limit``
+  (float32; NaN counts), the leaf's size, and whether the leaf is finite (a
+  complex modulus may exceed the range while both parts are finite: see
+  :func:`largest_part`).
 
   Small leaves stacked as rows are reduced at once, along the rows (exact
   counts); other leaves as :func:`largest_magnitude` and
-  :func:`count_above` do. Values are per unit, keepdims, as the layout's
-  parts' unit values (see :meth:`UnitLayout.unpack`).
+  :func:`count_above` do, or, with ``sampled``, every statistic of such a
+  leaf from :func:`sample_elements` (no pass over a large leaf). Values are
+  per unit, keepdims, as the layout's parts' unit values (see
+  :meth:`UnitLayout.unpack`).
   """
   out = []
   parts = layout.pack(list(leaves), together=True)
   for (kind, _, _), part in zip(layout.parts, parts):
+    if kind == "leaf" and sampled:
+      if part.size == 0:
+        zero = jnp.zeros((), jnp.float32)
+        out.append((largest_magnitude(part), zero, 0, jnp.array(True)))
+        continue
+      sample, weight = sample_elements(part)
+      a = magnitude(sample)
+      n_over = count(~(a <= jnp.asarray(limit, a.dtype))) * weight
+      finite = largest_part(sample) < jnp.inf
+      out.append((nan_max(a), n_over, int(part.size), finite))
+      continue
     if kind == "leaf":
       biggest = largest_magnitude(part)
       finite = (
@@ -2052,7 +2070,7 @@ def largest_and_count_parts(
 def _row_extremes_and_count_plain(m, limit):
   return (
     *nan_extremes(m, (1,), keepdims=True),
-    jnp.sum(jnp.abs(m) > limit, axis=1, keepdims=True, dtype=jnp.float32),
+    jnp.sum(~(jnp.abs(m) <= limit), axis=1, keepdims=True, dtype=jnp.float32),
   )
 
 
@@ -2061,7 +2079,7 @@ def _row_extremes_and_count_fast(m, limit):
   # at most CHUNK_SIZE long.
   big = jnp.asarray(jnp.inf, m.dtype)
   top, bottom, n_over = jax.lax.reduce(
-    (m, m, (jnp.abs(m) > limit).astype(m.dtype)),
+    (m, m, (~(jnp.abs(m) <= limit)).astype(m.dtype)),
     (-big, big, jnp.zeros((), m.dtype)),
     lambda u, v: (
       _nan_max_merge(u[0], v[0]),
@@ -2077,7 +2095,8 @@ def _row_extremes_and_count_fast(m, limit):
   )
 
 
-# Per row of a matrix: max, min and the number of |x| > limit (float32), in
+# Per row of a matrix: max, min and the number of elements not within
+# |x| <= limit (float32; a NaN counts, as an element not kept as it was), in
 # one three-output reduction. XLA:CPU compiles it as one kernel with the
 # comparison, where the three single-output reductions (split into
 # reduce-window and reduce above 32 elements a row) and their operands were

@@ -306,16 +306,13 @@ def clip_value(
     max_delta_now = _schedules.value_at(
       max_delta, _schedules.count_of(state), who="clip_value", name="max_delta"
     )
-    if sampled:
-      out, new_state = _clip_value_sampled(leaves, max_delta_now, state)
-      return jax.tree.unflatten(treedef, out), new_state
     # Small leaves are stacked (one reduction for many: compile time on
     # many-leaf trees); each leaf gets its own poison back.
     layout = _norms.UnitLayout(
       leaves, [None] * len(leaves), [None] * len(leaves)
     )
     poisons, largest, finite, clipped, total = _value_statistics(
-      layout, leaves, max_delta_now
+      layout, leaves, max_delta_now, sampled=sampled
     )
     out = []
     for x, poison in zip(leaves, poisons):
@@ -335,11 +332,17 @@ def clip_value(
   )
 
 
-def _value_statistics(layout, leaves, max_delta_now):
+def _value_statistics(layout, leaves, max_delta_now, *, sampled=False):
   """clip_value's statistics over the parts of ``layout`` (whole leaves as
   units): per leaf, its poison (0 for a finite leaf, NaN otherwise: a leaf
   holding a NaN or an inf comes out all NaN, the non-finite policy), and
   ``(largest, finite, clipped, total)`` (see _value_state).
+
+  ``sampled``: ``stats="sampled"``'s statistics (large leaves' from a
+  sample: see _norms.largest_and_count_parts) and its element-wise policy:
+  a leaf's poison is NaN at its inf elements only and 0 elsewhere, computed
+  from the leaf alone (the clip does not wait for a statistic), and a
+  non-finite leaf counts its NaN, inf and clipped elements as clipped.
 
   The per-leaf values of the stacked parts of one dtype are concatenated
   into one vector and reduced at once, and each leaf takes its poison from
@@ -348,8 +351,14 @@ def _value_statistics(layout, leaves, max_delta_now):
   """
   largest = jnp.zeros((), jnp.float32)
   clipped, total, finite = jnp.zeros((), jnp.float32), 0, jnp.array(True)
-  stats = _norms.largest_and_count_parts(layout, leaves, max_delta_now)
+  stats = _norms.largest_and_count_parts(
+    layout, leaves, max_delta_now, sampled=sampled
+  )
   poisons: list[Any] = [None] * len(leaves)
+  if sampled:
+    for i, x in enumerate(leaves):
+      dtype = _norms.accumulation_dtype(x.dtype)
+      poisons[i] = jnp.where(jnp.isinf(x), jnp.nan, 0).astype(dtype)
   groups = {}
   for j, ((kind, _, _), (biggest, *_)) in enumerate(zip(layout.parts, stats)):
     if kind == "leaf":
@@ -373,7 +382,9 @@ def _value_statistics(layout, leaves, max_delta_now):
     # also makes a leaf's clip wait for them, so that XLA computes them
     # while the leaf is in cache.
     poison = jnp.where(leaf_finite, 0 * n_over, jnp.nan).astype(biggest.dtype)
-    if len(members) == 1:
+    if sampled:
+      pass  # the element-wise poisons above
+    elif len(members) == 1:
       for i, piece in zip(
         _leaves_of(layout, members[0]), layout.unpack_part(members[0], poison)
       ):
@@ -388,16 +399,19 @@ def _value_statistics(layout, leaves, max_delta_now):
     # A sampled count may miss rare outliers: a leaf whose largest element
     # is clipped counts at least one clipped element.
     n_over = jnp.clip(n_over, (biggest > limit).astype(n_over.dtype), sizes)
+    if not sampled:
+      # The non-finite policy: such a leaf comes out all NaN, all clipped.
+      n_over = jnp.where(leaf_finite, n_over, sizes)
     if len(members) == 1:
-      largest = jnp.maximum(largest, jnp.max(biggest).astype(jnp.float32))
+      largest = jnp.maximum(
+        largest, _norms.nan_max(biggest).astype(jnp.float32)
+      )
       # In the leaf's own dtype: a finite float64 may be inf in float32.
       finite = finite & jnp.all(leaf_finite)
-      clipped = clipped + jnp.sum(jnp.where(leaf_finite, n_over, sizes))
+      clipped = clipped + jnp.sum(n_over)
       total += size * biggest.size
     else:
-      top, n_clipped, every = _norms.max_sum_all(
-        biggest, jnp.where(leaf_finite, n_over, sizes), leaf_finite
-      )
+      top, n_clipped, every = _norms.max_sum_all(biggest, n_over, leaf_finite)
       largest = jnp.maximum(largest, top.astype(jnp.float32))
       finite = finite & every
       clipped = clipped + n_clipped
@@ -409,34 +423,6 @@ def _leaves_of(layout, j) -> list[int]:
   """The leaves of part ``j`` of ``layout``, in the order of its rows."""
   kind, what, _ = layout.parts[j]
   return [what] if kind == "leaf" else [i for i, _, _ in what]
-
-
-def _clip_value_sampled(leaves, max_delta_now, state):
-  """``clip_value(stats="sampled")``'s clip and statistics (see there)."""
-  largest = jnp.zeros((), jnp.float32)
-  clipped, total, finite = jnp.zeros((), jnp.float32), 0, jnp.array(True)
-  out = []
-  for x in leaves:
-    if x.size == 0:
-      out.append(x)
-      continue
-    sample, weight = _norms.sample_elements(x)
-    a = _norms.magnitude(sample)
-    limit = jnp.asarray(max_delta_now, a.dtype)
-    biggest = _norms.nan_max(a)
-    largest = jnp.maximum(largest, biggest.astype(jnp.float32))
-    # In the leaf's accumulation dtype: a finite float64 may be inf in
-    # float32; a complex modulus may be inf while both parts are finite.
-    finite = finite & (_norms.largest_part(sample) < jnp.inf)
-    # Not ``a > limit``: a NaN is not kept as it was either.
-    clipped = clipped + _norms.count(~(a <= limit)) * weight
-    total += x.size
-    # Element-wise: NaN for an inf element, 0 otherwise.
-    poison = jnp.where(jnp.isinf(x), jnp.nan, 0).astype(limit.dtype)
-    out.append(_functional.clip_leaf_to_range(x, -limit, limit, poison))
-  return out, _value_state(
-    state, max_delta_now, largest, finite, clipped, total
-  )
 
 
 def _value_state(state, max_delta_now, largest, finite, clipped, total):

@@ -57,7 +57,8 @@ def _seen(x: np.ndarray) -> np.ndarray:
 # Under ci the tree's layout comes from this palette (each layout compiles
 # one program, shared by the examples that draw it again; the values drawn
 # as fz.trees draws them): every dtype (float64 under x64, complex64),
-# scalars, empty leaves, ranks 1 to 3, dict and list nesting. Other
+# scalars, empty leaves, ranks 1 to 3, dict and list nesting, small leaves
+# stacked for the statistics. Other
 # profiles (release) draw layouts freely.
 LAYOUTS = (
   {"a": ((3,), "float16"), "b": [((2, 3), "bfloat16"), ((), "complex64")]},
@@ -67,6 +68,12 @@ LAYOUTS = (
     "b": ((0, 3), "float16"),
     "c": ((2, 3), "float64"),
     "d": ((), "bfloat16"),
+  },
+  # Leaves of one size and accumulation dtype, stacked for the statistics.
+  {
+    "a": ((2, 3), "float32"),
+    "b": ((6,), "float16"),
+    "c": [((3, 2), "bfloat16"), ((), "float32"), ((), "float16")],
   },
 )
 
