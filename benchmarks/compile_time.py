@@ -44,6 +44,9 @@ CLIPPERS: dict[str, Callable[[], optax.GradientTransformation]] = {
   "adam": optax.identity,
   "clip_global": lambda: optaxclip.clip_global(1.0),
   "clip_value": lambda: optaxclip.clip_value(0.01),
+  "clip_value(stats=sampled)": lambda: optaxclip.clip_value(
+    0.01, stats="sampled"
+  ),
   "clip_norm": lambda: optaxclip.clip_norm(1.0),
   "clip_block_rms": lambda: optaxclip.clip_block_rms(1.0),
   "clip_unitwise": lambda: optaxclip.clip_unitwise(0.01),
@@ -52,6 +55,10 @@ CLIPPERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     scope="leaf"
   ),
   "clip_relative": optaxclip.clip_relative,
+  # SPAM's and Stable-SPAM's clipping parts, chained before adam here.
+  "clip_spikes": optaxclip.clip_spikes,
+  "clip_spikes_adaptive": optaxclip.clip_spikes_adaptive,
+  "scale_by_norm_ema": optaxclip.scale_by_norm_ema,
 }
 
 # Leaf shapes, cycled: vectors (biases, scales) and small kernels, as in a

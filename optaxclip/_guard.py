@@ -820,7 +820,9 @@ def guard(
       return jax.lax.cond(~skip, step, skip_step)
 
     leaves, treedef = jax.tree.flatten(updates)
-    keep = [skip[i] for i in range(len(leaves))]
+    # take_each, not skip[i]: a constant slice fused into each leaf's
+    # select would be a kernel of its own per leaf (compile time).
+    keep = [k > 0 for k in _norms.take_each(skip.astype(jnp.int32))]
     paths = _leaf_paths(updates)
 
     def partial_step():

@@ -128,13 +128,14 @@ def _adam_with_resets(
   b1: Any,
   b2: Any,
   direction: Callable[[jax.Array, jax.Array, Any], jax.Array],
-  clip: Optional[Callable] = None,
+  spikes: Optional[tuple[Any, jax.Array]] = None,
 ) -> tuple[Any, Any, Any, jax.Array]:
   """One step of Adam with moment resets, the part SPAM and Stable-SPAM share.
 
   Per leaf ``g``: the moments ``state.mu``, ``state.nu`` are zeroed where
-  ``reset``; ``clip(g, nu)``, if given, returns ``(g, number clipped)``
-  against the zeroed second moment (SPAM's spike clipping); the moments take
+  ``reset``; with ``spikes = (threshold, clip_on)``, ``g`` is clipped by
+  :func:`_clip_to_moment` against the zeroed second moment (SPAM's spike
+  clipping, counted by :func:`_count_spikes`); the moments take
   in ``g``, ``m <- b1 m + (1 - b1) g`` and ``v <- b2 v + (1 - b2) g^2``
   (a traced ``b1``, stable_spam's scaled one, is cast to the moments'
   dtype); ``direction(m, v, dtype)`` is the leaf's update, cast to ``g``'s
@@ -142,18 +143,17 @@ def _adam_with_resets(
 
   Returns:
     ``(updates, mu, nu, clipped)``: trees like ``treedef``'s, and the number
-    of coordinates ``clip`` clipped (0 without it).
+    of coordinates clipped (0 without ``spikes``).
   """
-  out, mus, nus, clipped = [], [], [], jnp.zeros((), _F32)
+  out, mus, nus = [], [], []
   mu_leaves = treedef.flatten_up_to(state.mu)
   nu_leaves = treedef.flatten_up_to(state.nu)
   for g, mu, nu in zip(leaves, mu_leaves, nu_leaves):
     dtype = mu.dtype
     mu = jnp.where(reset, jnp.zeros_like(mu), mu)
     nu = jnp.where(reset, jnp.zeros_like(nu), nu)
-    if clip is not None:
-      g, n = clip(g, nu)
-      clipped = clipped + n
+    if spikes is not None:
+      g = _clip_to_moment(g, nu, *spikes)
     if isinstance(b1, jax.Array):
       mu = b1.astype(dtype) * mu + (1 - b1).astype(dtype) * g
     else:
@@ -162,6 +162,11 @@ def _adam_with_resets(
     out.append(direction(mu, nu, dtype).astype(g.dtype))
     mus.append(mu)
     nus.append(nu)
+  clipped = (
+    jnp.zeros((), _F32)
+    if spikes is None
+    else _count_spikes(leaves, nu_leaves, reset, *spikes)
+  )
   return (
     treedef.unflatten(out),
     treedef.unflatten(mus),
@@ -205,15 +210,53 @@ def _spam_warmup(t: jax.Array, reset_interval: Any, warmup_steps: Any):
   return jnp.where(c < warmup_steps, warm, 1.0).astype(_F32)
 
 
-def _clip_to_moment(
+def _spikes(
   g: jax.Array, nu: jax.Array, threshold: Any, clip_on: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-  """SPAM's spike clipping: each coordinate with ``g^2 > threshold nu`` is
-  set to ``sign(g) sqrt(threshold nu)``. Returns ``(g, number clipped)``.
-  """
+  """``(where g^2 > threshold nu, threshold nu)``, in their dtypes."""
   limit = jnp.asarray(threshold).astype(nu.dtype) * nu
-  spike = clip_on & (g * g > limit)
-  return jnp.where(spike, jnp.sign(g) * jnp.sqrt(limit), g), _norms.count(spike)
+  return clip_on & (g * g > limit), limit
+
+
+def _clip_to_moment(
+  g: jax.Array, nu: jax.Array, threshold: Any, clip_on: jax.Array
+) -> jax.Array:
+  """SPAM's spike clipping: each coordinate with ``g^2 > threshold nu`` is
+  set to ``sign(g) sqrt(threshold nu)``.
+  """
+  spike, limit = _spikes(g, nu, threshold, clip_on)
+  return jnp.where(spike, jnp.sign(g) * jnp.sqrt(limit), g)
+
+
+def _count_spikes(
+  leaves: list[jax.Array],
+  nus: list[jax.Array],
+  reset: jax.Array,
+  threshold: Any,
+  clip_on: jax.Array,
+) -> jax.Array:
+  """The number of coordinates :func:`_clip_to_moment` clips in all leaves
+  (float32) against the second moments ``nus`` zeroed where ``reset``, from
+  stacked parts of same-sized leaves (a few reductions, not one per leaf:
+  compile time on many-leaf trees). Leaves are stacked only with leaves of
+  the same dtypes, and the test is made in those dtypes: the count is of
+  exactly the coordinates clipped. The moments are stacked as stored and
+  zeroed in their parts, so that each leaf's zeroed moment stays fused into
+  its own update.
+  """
+  n = len(leaves)
+  if not n:
+    return jnp.zeros((), _F32)
+  keys = [(np.dtype(g.dtype), np.dtype(nu.dtype)) for g, nu in zip(leaves, nus)]
+  layout = _norms.UnitLayout(leaves, [None] * n, keys)
+  total = jnp.zeros((), _F32)
+  for (_, _, (g_dtype, nu_dtype)), g, nu in zip(
+    layout.parts, layout.pack(leaves), layout.pack(nus)
+  ):
+    nu = jnp.where(reset, jnp.zeros((), nu_dtype), nu.astype(nu_dtype))
+    spike, _ = _spikes(g.astype(g_dtype), nu, threshold, clip_on)
+    total = total + _norms.count(spike)
+  return total
 
 
 def _check_spam_clip(who, threshold, b2, reset_interval, grad_accu_steps):
@@ -327,13 +370,14 @@ def clip_spikes(
     _, reset, clip_on, resets = _spam_clock(
       state.count, reset_interval, grad_accu_steps, threshold_now
     )
-    out, nus, clipped = [], [], jnp.zeros((), _F32)
-    for g, nu in zip(leaves, treedef.flatten_up_to(state.nu)):
+    out, nus = [], []
+    nu_leaves = treedef.flatten_up_to(state.nu)
+    for g, nu in zip(leaves, nu_leaves):
       nu = jnp.where(reset, jnp.zeros_like(nu), nu)
-      g, n = _clip_to_moment(g, nu, threshold_now, clip_on)
+      g = _clip_to_moment(g, nu, threshold_now, clip_on)
       out.append(g)
       nus.append(b2 * nu + (1 - b2) * g * g)
-      clipped = clipped + n
+    clipped = _count_spikes(leaves, nu_leaves, reset, threshold_now, clip_on)
     return treedef.unflatten(out), ClipSpikesState(
       count=optax.safe_int32_increment(state.count),
       nu=treedef.unflatten(nus),
@@ -407,16 +451,13 @@ def _scale_by_spam(
     step = jnp.sqrt(_one_minus_power(b2, t)) / _one_minus_power(b1, t)
     factor = step * scale
 
-    def clip(g, nu):
-      return _clip_to_moment(g, nu, threshold_now, clip_on)
-
     def direction(mu, nu, dtype):
       del dtype
       d = mu / (jnp.sqrt(nu) + eps)
       return d * factor.astype(d.dtype)
 
     out, mu, nu, clipped = _adam_with_resets(
-      leaves, treedef, state, reset, b1, b2, direction, clip
+      leaves, treedef, state, reset, b1, b2, direction, (threshold_now, clip_on)
     )
     return out, SpamState(
       count=optax.safe_int32_increment(state.count),
@@ -647,22 +688,25 @@ def clip_spikes_adaptive(
     leaves, treedef = _float_leaves(updates, who)
     k = _ema_step_count(state.count + 1, interval)
     correction = _one_minus_power(gamma3, k)
-    out, emas, clipped = [], [], jnp.zeros((), _F32)
-    for g, ema in zip(leaves, treedef.flatten_up_to(state.max_ema)):
-      largest = _norms.largest_magnitude(g).astype(_F32)
-      ema = gamma3 * ema + (1 - gamma3) * largest
-      limit = ema / correction
+    # The per-leaf scalars as vectors (compile time on many-leaf trees:
+    # see scale_by_norm_ema).
+    layout, largest = _leaf_norm_vector(leaves, math.inf)
+    ema = _vector_of(treedef.flatten_up_to(state.max_ema))
+    ema = gamma3 * ema + (1 - gamma3) * largest
+    limit = ema / correction
+    # limit / largest < 1 where anything is clipped: no tiny reciprocal.
+    factor = limit / jnp.where(largest > 0, largest, 1.0)
+    rows = _norms.take_each(jnp.stack([limit, factor], axis=1))
+    out = []
+    for g, row in zip(leaves, rows):
       wide = _norms.accumulation_dtype(g.dtype)
-      spike = _norms.magnitude(g, wide) > limit
-      # limit / largest < 1 where anything is clipped: no tiny reciprocal.
-      factor = (limit / jnp.where(largest > 0, largest, 1.0)).astype(wide)
-      shrunk = (g.astype(wide) * factor).astype(g.dtype)
+      spike = _norms.magnitude(g, wide) > row[0]
+      shrunk = (g.astype(wide) * row[1].astype(wide)).astype(g.dtype)
       out.append(jnp.where(spike, shrunk, g))
-      emas.append(ema.astype(_F32))
-      clipped = clipped + _norms.count(spike)
+    clipped = _count_above_each(layout, leaves, limit)
     return treedef.unflatten(out), ClipSpikesAdaptiveState(
       count=optax.safe_int32_increment(state.count),
-      max_ema=treedef.unflatten(emas),
+      max_ema=treedef.unflatten(_scalars_of(ema.astype(_F32))),
       clipped=clipped,
       clip_fraction=_share(clipped, leaves),
     )
@@ -767,24 +811,21 @@ def scale_by_norm_ema(
     g1 = _at(gamma1, state.count)
     correction1 = _one_minus_power(g1, k)
     correction2 = _one_minus_power(gamma2, k)
-    norms = [n.reshape(()).astype(_F32) for n in _norms.unit_norms(leaves)]
-    out, mus, nus, before, after = [], [], [], [], []
-    mu_leaves = treedef.flatten_up_to(state.mu)
-    nu_leaves = treedef.flatten_up_to(state.nu)
-    for g, n, mu, nu in zip(leaves, norms, mu_leaves, nu_leaves):
-      mu = g1 * mu + (1 - g1) * n
-      nu = gamma2 * nu + (1 - gamma2) * jnp.minimum(n * n, largest)
-      target = (mu / correction1) / (jnp.sqrt(nu / correction2) + eps)
-      positive = n > 0
-      factor = jnp.where(positive, target / jnp.where(positive, n, 1.0), 1.0)
-      wide = _norms.accumulation_dtype(g.dtype)
-      out.append((g.astype(wide) * factor.astype(wide)).astype(g.dtype))
-      mus.append(mu.astype(_F32))
-      nus.append(nu.astype(_F32))
-      before.append(n)
-      after.append(jnp.where(positive, target, 0.0))
-    norm = _global(before)
-    scaled = _global(after)
+    # One vector of the leaves' norms and EMAs, whatever the number of
+    # leaves: a few kernels, not a few per leaf (compile time on many-leaf
+    # trees: 5.9x adam's on 300 small leaves when computed leaf by leaf).
+    layout, n = _leaf_norm_vector(leaves)
+    mu = _vector_of(treedef.flatten_up_to(state.mu))
+    nu = _vector_of(treedef.flatten_up_to(state.nu))
+    mu = g1 * mu + (1 - g1) * n
+    nu = gamma2 * nu + (1 - gamma2) * jnp.minimum(n * n, largest)
+    target = (mu / correction1) / (jnp.sqrt(nu / correction2) + eps)
+    positive = n > 0
+    factor = jnp.where(positive, target / jnp.where(positive, n, 1.0), 1.0)
+    out = _scale_leafwise(layout, leaves, factor)
+    norm = _global([n])
+    scaled = _global([jnp.where(positive, target, 0.0)])
+    mus, nus = _scalars_of(mu.astype(_F32)), _scalars_of(nu.astype(_F32))
     return treedef.unflatten(out), ScaleByNormEmaState(
       count=optax.safe_int32_increment(state.count),
       mu=treedef.unflatten(mus),
@@ -795,6 +836,68 @@ def scale_by_norm_ema(
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
+
+
+def _leaf_norm_vector(
+  leaves: list[jax.Array],
+  ord: float = 2.0,  # pylint: disable=redefined-builtin
+) -> tuple[Optional[_norms.UnitLayout], jax.Array]:
+  """The ``ord``-norm of each leaf (``inf``: its largest magnitude), a
+  float32 vector, and the layout it was computed on (small leaves stacked:
+  see _norms.UnitLayout; None for no leaves).
+  """
+  if not leaves:
+    return None, jnp.zeros((0,), _F32)
+  layout, per_part = _norms.unit_norms_packed(leaves, ord)
+  acc = _norms.tree_accumulation_dtype(leaves)
+  norms = layout.leaf_vector_scaled(per_part, acc).as_float().astype(_F32)
+  return layout, norms
+
+
+def _count_above_each(layout, leaves, limit: Any) -> jax.Array:
+  """The number of elements with ``|x| > limit[i]`` in each leaf ``i``, summed
+  (float32), from ``layout``'s parts (small leaves counted in their stacked
+  parts: a few reductions, not one per leaf).
+  """
+  total = jnp.zeros((), _F32)
+  if layout is None:
+    return total
+  for (kind, what, _), part in zip(layout.parts, layout.pack(leaves)):
+    if kind == "leaf":
+      wide = _norms.accumulation_dtype(part.dtype)
+      total = total + _norms.count(_norms.magnitude(part, wide) > limit[what])
+      continue
+    # Whole leaves as units: one row a leaf.
+    rows = jnp.take(limit, np.asarray([i for i, _, _ in what]), axis=0)
+    above = _norms.magnitude(part) > rows.astype(part.dtype)[:, None]
+    total = total + _norms.count(above)
+  return total
+
+
+def _scale_leafwise(layout, leaves, factor: jax.Array) -> list[jax.Array]:
+  """Each leaf times its entry of the float32 vector ``factor`` (small
+  leaves scaled in their stacked parts: see UnitLayout.scale_leafwise).
+  """
+  if layout is None:
+    return []
+  # In memory: each part's scaling would compute it again otherwise.
+  scale = _norms._materialized_scaled(_norms.as_scaled(factor))  # noqa: SLF001
+  return layout.scale_leafwise(leaves, scale)
+
+
+def _vector_of(scalars: list[jax.Array]) -> jax.Array:
+  """Per-leaf float32 scalars of a state as one vector."""
+  if not scalars:
+    return jnp.zeros((0,), _F32)
+  return jnp.stack([jnp.asarray(v, _F32).reshape(()) for v in scalars])
+
+
+def _scalars_of(v: Any) -> list[jax.Array]:
+  """:func:`_vector_of`'s inverse, by _norms.take_each (kernels shared by
+  all entries, not one slice kernel per leaf: 0.6 s against 3.3 s to
+  compile for 300 leaves).
+  """
+  return [x.reshape(()) for x in _norms.take_each(jnp.asarray(v))]
 
 
 def _global(norms: list[jax.Array]) -> jax.Array:

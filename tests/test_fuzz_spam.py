@@ -4,6 +4,9 @@ Both optimizers match the float64 NumPy transcriptions of the authors'
 classes (tests/np_spam_refs.py) step for step, for any reset schedule,
 warm-up, clipping threshold, decay rates and gradient sequence with spikes
 -- Stable-SPAM in the paper's reset order (see :func:`optaxclip.stable_spam`).
+Its per-leaf parts give each leaf its own statistics on trees whose small
+leaves are stacked for them (compile time), in every dtype, a non-finite
+leaf kept to itself.
 
 The hyperparameters are traced: each optimizer runs in one program, compiled
 once (module level), whatever an example draws. The decay rates are drawn
@@ -20,6 +23,7 @@ import jax
 import numpy as np
 import optax
 
+import fuzz_strategies as fz
 import np_spam_refs
 import optaxclip
 
@@ -215,3 +219,138 @@ def test_stable_spam_matches_the_reference_in_the_paper_order(
     _params(), lr=LR, eps=1e-8, rebind=False, dtype=np.float64, **hyper
   )
   _check(ours, clipped, *_reference_updates(ref, run, weight_decay))
+
+
+# --- Stable-SPAM's per-leaf parts on stacked leaves -------------------------
+
+G3, G1, G2, EPS = 0.75, 0.5, 0.875, 1e-8  # exact in float32
+PARTS_STEPS = 3
+
+# Under ci the tree's layout is this one (one program to compile): leaves
+# of one size and accumulation dtype stacked together (float32, bfloat16,
+# float16 of 5 and of 6 elements, two scalars), an empty leaf, a float64
+# leaf under x64. Other profiles (release) draw layouts freely.
+PARTS_LAYOUT = (
+  ((5,), "float32"),
+  ((5,), "bfloat16"),
+  ((2, 3), "float32"),
+  ((5,), "float16"),
+  ((6,), "float32"),
+  ((), "float32"),
+  ((0,), "float32"),
+  ((), "float32"),
+  ((4, 4), "float64"),
+)
+
+
+def _parts_program(steps):
+  tx = optax.chain(
+    optaxclip.clip_spikes_adaptive(G3),
+    optaxclip.scale_by_norm_ema(G1, G2, eps=EPS),
+  )
+  state = tx.init(steps[0])
+  outs, clipped = [], []
+  for g in steps:
+    u, state = tx.update(g, state)
+    outs.append(u)
+    clipped.append(state[0].clipped)
+  return outs, clipped
+
+
+_PARTS = fz.FastJit(_parts_program)
+
+
+@st.composite
+def _parts_runs(draw):
+  """PARTS_STEPS trees of one layout; at most one leaf holds NaN or inf."""
+  layout = draw(
+    fz.ci_or(
+      st.just(PARTS_LAYOUT),
+      st.lists(
+        st.tuples(fz.shapes(), st.sampled_from(fz.REAL)), min_size=1, max_size=9
+      ),
+    )
+  )
+  bad = draw(st.sampled_from([None, *range(len(layout))]))
+  steps = []
+  for _ in range(PARTS_STEPS):
+    steps.append(
+      [
+        draw(fz.arrays(dtype, shape, nonfinite=i == bad, magnitudes="ordinary"))
+        for i, (shape, dtype) in enumerate(layout)
+      ]
+    )
+  return steps
+
+
+def _parts_oracle(steps):
+  """Per step and leaf, in float64 from the leaves as stored: the output,
+  and the elements clipped at least (strictly above the limit) and at most
+  (within 1e-5 of it, where float32 may judge either way); each leaf's
+  outputs are None from the step it first holds a NaN or inf.
+  """
+  n_leaves = len(steps[0])
+  ema, mu, nu = np.zeros(n_leaves), np.zeros(n_leaves), np.zeros(n_leaves)
+  bad = np.zeros(n_leaves, bool)
+  out, counts = [], []
+  for t, step in enumerate(steps, start=1):
+    outs, low, high = [], 0, 0
+    for i, g in enumerate(step):
+      x = np.asarray(g, np.float64)
+      bad[i] |= not np.all(np.isfinite(x))
+      if bad[i]:
+        outs.append(None)
+        continue
+      a = np.abs(x)
+      largest = float(np.max(a)) if a.size else 0.0
+      ema[i] = G3 * ema[i] + (1 - G3) * largest
+      limit = ema[i] / (1 - G3**t)
+      factor = limit / largest if largest > 0 else limit
+      ties = np.abs(a - limit) <= 1e-5 * limit
+      strict = (a > limit) & ~ties
+      low, high = low + int(strict.sum()), high + int((strict | ties).sum())
+      # A tie may be clipped or not: both outputs are accepted below.
+      kept = np.where(strict, x * factor, x)
+      both = np.where(ties, x * factor, kept)
+      results = []
+      for y in (kept, both):
+        y = y.astype(g.dtype).astype(np.float64)  # the chain's leaf dtype
+        n = float(np.sqrt(np.sum(y * y)))
+        m = G1 * mu[i] + (1 - G1) * n
+        v = G2 * nu[i] + (1 - G2) * n * n
+        target = (m / (1 - G1**t)) / (np.sqrt(v / (1 - G2**t)) + EPS)
+        results.append((y * (target / n if n > 0 else 1.0), m, v))
+      mu[i], nu[i] = results[0][1], results[0][2]
+      outs.append((results[0][0], results[1][0], ties.any()))
+    out.append(outs)
+    counts.append((low, high))
+  return out, counts
+
+
+@fz.examples(8)
+@hypothesis.given(steps=_parts_runs())
+def test_stable_spam_parts_per_leaf_on_stacked_leaves(steps):
+  with fz.x64([str(x.dtype) for x in steps[0]]):
+    outs, clipped = _PARTS(
+      [[jax.device_put(x) for x in step] for step in steps]
+    )
+    want, counts = _parts_oracle(steps)
+    for t in range(PARTS_STEPS):
+      low, high = counts[t]
+      # A leaf with a NaN or inf clips nothing (its limit is NaN or inf).
+      assert low <= float(clipped[t]) <= high, (t, low, high)
+      for i, w in enumerate(want[t]):
+        if w is None:
+          continue
+        raw = np.asarray(outs[t][i])
+        assert raw.dtype == steps[t][i].dtype
+        assert raw.shape == steps[t][i].shape
+        got = raw.astype(np.float64)
+        tol = 8 * fz.round_tol(steps[t][i].dtype) + 1e-5
+        atol = 4 * fz.flush_atol(steps[t][i].dtype)
+        scale = max(np.max(np.abs(w[0]), initial=0.0), atol)
+        close = [
+          np.max(np.abs(got - c), initial=0.0) <= tol * scale for c in w[:2]
+        ]
+        # A tie judged differently changes the norm of the whole leaf.
+        assert close[0] or (w[2] and close[1]), (t, i)
