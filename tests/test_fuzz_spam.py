@@ -354,3 +354,72 @@ def test_stable_spam_parts_per_leaf_on_stacked_leaves(steps):
         ]
         # A tie judged differently changes the norm of the whole leaf.
         assert close[0] or (w[2] and close[1]), (t, i)
+
+
+# --- clip_spikes on stacked leaves equals clip_spikes leaf by leaf ----------
+
+# Leaves of one size stacked for the count (also a bfloat16 gradient whose
+# moment is float32: stacked apart), scalars, an empty leaf.
+SPIKES_LAYOUT = (
+  ((5,), "float32", "float32"),
+  ((5,), "float32", "float32"),
+  ((5,), "bfloat16", "bfloat16"),
+  ((5,), "bfloat16", "float32"),
+  ((2, 3), "float16", "float16"),
+  ((6,), "float16", "float16"),
+  ((), "float32", "float32"),
+  ((0,), "float32", "float32"),
+)
+SPIKES_STEPS = 4  # reset_interval 4: clipping against a zero moment at 1 and 4
+
+
+def _spikes_program(steps, params):
+  def run(steps_, params_):
+    tx = optaxclip.clip_spikes(3.0, b2=0.5, reset_interval=4, grad_accu_steps=1)
+    state = tx.init(params_)
+    outs, counts = [], []
+    for g in steps_:
+      u, state = tx.update(g, state)
+      outs.append(u)
+      counts.append(state.clipped)
+    return outs, counts
+
+  whole = run(steps, params)
+  alone = [
+    run([[step[i]] for step in steps], [params[i]]) for i in range(len(params))
+  ]
+  return whole, alone
+
+
+_SPIKES = fz.FastJit(_spikes_program)
+
+
+@fz.examples(6)
+@hypothesis.given(
+  values=st.lists(
+    st.integers(0, 2**32 - 1), min_size=SPIKES_STEPS, max_size=SPIKES_STEPS
+  ),
+  spread=st.sampled_from([1.0, 10.0, 1e3]),
+)
+def test_clip_spikes_counts_stacked_leaves_as_each_leaf_alone(values, spread):
+  steps = []
+  for seed in values:
+    rng = np.random.default_rng(seed)
+    steps.append(
+      [
+        (rng.normal(size=s) * spread ** rng.random(size=s)).astype(fz.DTYPES[g])
+        for s, g, _ in SPIKES_LAYOUT
+      ]
+    )
+  params = [np.zeros(s, fz.DTYPES[p]) for s, _, p in SPIKES_LAYOUT]
+  (outs, counts), alone = _SPIKES(
+    [[jax.device_put(x) for x in step] for step in steps],
+    [jax.device_put(p) for p in params],
+  )
+  for t in range(SPIKES_STEPS):
+    total = sum(float(a[1][t]) for a in alone)
+    assert float(counts[t]) == total, (t, float(counts[t]), total)
+    for i, a in enumerate(alone):
+      np.testing.assert_array_equal(np.asarray(outs[t][i]), a[0][t][0])
+  # Clipping did happen (the first step clips every nonzero element).
+  assert float(counts[0]) > 0
