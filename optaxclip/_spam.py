@@ -73,6 +73,17 @@ def _one_minus_power(base: Any, n: jax.Array) -> jax.Array:
   return -jnp.expm1(n.astype(_F32) * _log(base))
 
 
+def _over(v: jax.Array, c: jax.Array) -> jax.Array:
+  """``v / c`` for a vector ``v`` and a scalar ``c``, each entry correctly
+  rounded. XLA compiles a division by a broadcast scalar as a product with
+  its reciprocal, up to an ulp off, so that a leaf's per-leaf statistic
+  would change with the number of leaves beside it in the vector; the
+  divisor, hidden behind an ``optimization_barrier``, is divided by entry by
+  entry.
+  """
+  return v / jax.lax.optimization_barrier(jnp.broadcast_to(c, v.shape))
+
+
 def _check_learning_rate(who: str, learning_rate: Any) -> None:
   if not callable(learning_rate):
     _checks.check_number("learning_rate", learning_rate, who=who, low=0.0)
@@ -706,17 +717,19 @@ def clip_spikes_adaptive(
     layout, largest = _leaf_norm_vector(leaves, math.inf)
     ema = _vector_of(treedef.flatten_up_to(state.max_ema))
     ema = gamma3 * ema + (1 - gamma3) * largest
-    limit = ema / correction
+    limit = _over(ema, correction)
     # limit / largest < 1 where anything is clipped: no tiny reciprocal.
     factor = limit / jnp.where(largest > 0, largest, 1.0)
     rows = _norms.take_each(jnp.stack([limit, factor], axis=1))
+    clipped, own = _count_above_stacked(layout, leaves, limit)
     out = []
-    for g, row in zip(leaves, rows):
+    for i, (g, row) in enumerate(zip(leaves, rows)):
       wide = _norms.accumulation_dtype(g.dtype)
       spike = _norms.magnitude(g, wide) > row[0]
+      if i in own:
+        clipped = clipped + _norms.count(spike)
       shrunk = (g.astype(wide) * row[1].astype(wide)).astype(g.dtype)
       out.append(jnp.where(spike, shrunk, g))
-    clipped = _count_above_each(layout, leaves, limit)
     return treedef.unflatten(out), ClipSpikesAdaptiveState(
       count=optax.safe_int32_increment(state.count),
       max_ema=treedef.unflatten(_scalars_of(ema.astype(_F32))),
@@ -832,7 +845,7 @@ def scale_by_norm_ema(
     nu = _vector_of(treedef.flatten_up_to(state.nu))
     mu = g1 * mu + (1 - g1) * n
     nu = gamma2 * nu + (1 - gamma2) * jnp.minimum(n * n, largest)
-    target = (mu / correction1) / (jnp.sqrt(nu / correction2) + eps)
+    target = _over(mu, correction1) / (jnp.sqrt(_over(nu, correction2)) + eps)
     positive = n > 0
     factor = jnp.where(positive, target / jnp.where(positive, n, 1.0), 1.0)
     out = _scale_leafwise(layout, leaves, factor)
@@ -867,24 +880,28 @@ def _leaf_norm_vector(
   return layout, norms
 
 
-def _count_above_each(layout, leaves, limit: Any) -> jax.Array:
-  """The number of elements with ``|x| > limit[i]`` in each leaf ``i``, summed
-  (float32), from ``layout``'s parts (small leaves counted in their stacked
-  parts: a few reductions, not one per leaf).
+def _count_above_stacked(layout, leaves, limit: Any) -> tuple[jax.Array, set]:
+  """The number of elements with ``|x| > limit[i]`` in each stacked small
+  leaf ``i``, summed (float32), counted in ``layout``'s stacked parts (a few
+  reductions, not one per leaf), and the leaves that are parts of their own,
+  left for the caller to count next to its clip, which computes the same
+  test (a pass of its own here read a large leaf again: see _spike_counter).
   """
   total = jnp.zeros((), _F32)
   if layout is None:
-    return total
-  for (kind, what, _), part in zip(layout.parts, layout.pack(leaves)):
-    if kind == "leaf":
-      wide = _norms.accumulation_dtype(part.dtype)
-      total = total + _norms.count(_norms.magnitude(part, wide) > limit[what])
-      continue
+    return total, set()
+  own = {what for kind, what, _ in layout.parts if kind == "leaf"}
+  stacked = [j for j, (kind, _, _) in enumerate(layout.parts) if kind != "leaf"]
+  if not stacked:
+    return total, own
+  parts = layout.pack(leaves)
+  for j in stacked:
     # Whole leaves as units: one row a leaf.
-    rows = jnp.take(limit, np.asarray([i for i, _, _ in what]), axis=0)
-    above = _norms.magnitude(part) > rows.astype(part.dtype)[:, None]
-    total = total + _norms.count(above)
-  return total
+    rows = np.asarray([i for i, _, _ in layout.parts[j][1]])
+    part = parts[j]
+    limits = jnp.take(limit, rows, axis=0).astype(part.dtype)[:, None]
+    total = total + _norms.count(_norms.magnitude(part) > limits)
+  return total, own
 
 
 def _scale_leafwise(layout, leaves, factor: jax.Array) -> list[jax.Array]:

@@ -373,9 +373,14 @@ SPIKES_LAYOUT = (
 SPIKES_STEPS = 4  # reset_interval 4: clipping against a zero moment at 1 and 4
 
 
-def _spikes_program(steps, params):
+def _spikes_program(steps, params, make=None):
   def run(steps_, params_):
-    tx = optaxclip.clip_spikes(3.0, b2=0.5, reset_interval=4, grad_accu_steps=1)
+    if make is None:
+      tx = optaxclip.clip_spikes(
+        3.0, b2=0.5, reset_interval=4, grad_accu_steps=1
+      )
+    else:
+      tx = make()
     state = tx.init(params_)
     outs, counts = [], []
     for g in steps_:
@@ -392,16 +397,16 @@ def _spikes_program(steps, params):
 
 
 _SPIKES = fz.FastJit(_spikes_program)
-
-
-@fz.examples(6)
-@hypothesis.given(
-  values=st.lists(
-    st.integers(0, 2**32 - 1), min_size=SPIKES_STEPS, max_size=SPIKES_STEPS
-  ),
-  spread=st.sampled_from([1.0, 10.0, 1e3]),
+# A decay that lets a spike through its EMA's limit: the leaves' largest
+# magnitudes vary by ``spread`` from step to step.
+_ADAPTIVE = fz.FastJit(
+  functools.partial(
+    _spikes_program, make=lambda: optaxclip.clip_spikes_adaptive(0.5)
+  )
 )
-def test_clip_spikes_counts_stacked_leaves_as_each_leaf_alone(values, spread):
+
+
+def _spike_steps(values, spread):
   steps = []
   for seed in values:
     rng = np.random.default_rng(seed)
@@ -412,14 +417,47 @@ def test_clip_spikes_counts_stacked_leaves_as_each_leaf_alone(values, spread):
       ]
     )
   params = [np.zeros(s, fz.DTYPES[p]) for s, _, p in SPIKES_LAYOUT]
-  (outs, counts), alone = _SPIKES(
+  return (
     [[jax.device_put(x) for x in step] for step in steps],
     [jax.device_put(p) for p in params],
   )
+
+
+def _check_as_each_leaf_alone(outs, counts, alone):
   for t in range(SPIKES_STEPS):
     total = sum(float(a[1][t]) for a in alone)
     assert float(counts[t]) == total, (t, float(counts[t]), total)
     for i, a in enumerate(alone):
       np.testing.assert_array_equal(np.asarray(outs[t][i]), a[0][t][0])
+
+
+@fz.examples(6)
+@hypothesis.given(
+  values=st.lists(
+    st.integers(0, 2**32 - 1), min_size=SPIKES_STEPS, max_size=SPIKES_STEPS
+  ),
+  spread=st.sampled_from([1.0, 10.0, 1e3]),
+)
+def test_clip_spikes_counts_stacked_leaves_as_each_leaf_alone(values, spread):
+  (outs, counts), alone = _SPIKES(*_spike_steps(values, spread))
+  _check_as_each_leaf_alone(outs, counts, alone)
   # Clipping did happen (the first step clips every nonzero element).
   assert float(counts[0]) > 0
+
+
+@fz.examples(6)
+@hypothesis.given(
+  values=st.lists(
+    st.integers(0, 2**32 - 1), min_size=SPIKES_STEPS, max_size=SPIKES_STEPS
+  ),
+  spread=st.sampled_from([1.0, 10.0, 1e3]),
+)
+def test_clip_spikes_adaptive_counts_stacked_leaves_as_each_leaf_alone(
+  values, spread
+):
+  """Leaves of their own part (the scalar, the empty leaf, a bfloat16
+  gradient of its own dtype pair...) are counted next to their clip, the
+  stacked ones in their parts: the sum is each leaf's count alone.
+  """
+  (outs, counts), alone = _ADAPTIVE(*_spike_steps(values, spread))
+  _check_as_each_leaf_alone(outs, counts, alone)
