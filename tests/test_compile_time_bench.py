@@ -35,3 +35,13 @@ def test_measures_each_clipper_and_tabulates_ratios():
   assert set(rows) == {"adam", "clip_norm"}
   assert re.search(r"\d+\.\d\d \(1\.00x\)", rows["adam"])
   assert re.search(r"\| (yes|no) \|$", rows["clip_norm"])
+
+
+def test_whole_optimizers_are_compiled_as_they_are():
+  ct = _module()
+  assert {"guard(adam)", "guard(adam, scope=leaf)", "stable_spam"} <= set(
+    ct.OPTIMIZERS
+  )
+  seconds = ct.measure(["guard(adam, scope=leaf)"], 3, rounds=1)
+  assert list(seconds) == ["adam", "guard(adam, scope=leaf)"]
+  assert all(len(s) == 1 and min(s) > 0 for s in seconds.values())

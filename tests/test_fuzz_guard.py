@@ -166,3 +166,35 @@ def test_a_lasting_new_level_passes_within_bounded_steps(
   # through for good.
   assert max(runs) <= 2 * (PATIENCE + 1), runs
   assert runs[-WARMUP - 2 :] == [0] * (WARMUP + 2), runs
+
+
+# guard(scope="leaf") judging nothing (no spike test, no max_norm, non-finite
+# values let through) steps through the same masked program as when it skips
+# leaves: it must then be inner itself, bit for bit, NaN and -0.0 included.
+_PASS = optaxclip.guard(
+  optax.adam(0.1), skip_nonfinite=False, spike_z=None, scope="leaf"
+)
+_PASS_UPDATE = fz.FastJit(lambda g, s, p: _PASS.update(g, s, p))
+_ADAM_UPDATE = fz.FastJit(lambda g, s, p: optax.adam(0.1).update(g, s, p))
+
+
+@hypothesis.given(
+  stream=st.lists(st.tuples(scales, scales, st.booleans()), max_size=8)
+)
+def test_leaf_scope_that_skips_nothing_is_inner_bit_for_bit(stream):
+  state = _PASS.init(PARAMS)
+  adam_state = optax.adam(0.1).init(PARAMS)
+  for scale_a, scale_b, negative in stream:
+    g = gradient(scale_a, scale_b)
+    if negative:  # -0.0 where a scale is 0
+      g = jax.tree.map(lambda x: jax.device_put(-np.asarray(x)), g)
+    out, state = _PASS_UPDATE(g, state, PARAMS)
+    want, adam_state = _ADAM_UPDATE(g, adam_state, PARAMS)
+    assert int(state.skipped_leaves) == 0
+    for got, ref in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+      assert np.array_equal(np.signbit(got), np.signbit(ref))
+    for got, ref in zip(
+      jax.tree.leaves(state.inner_state), jax.tree.leaves(adam_state)
+    ):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
