@@ -73,7 +73,7 @@ def _one_minus_power(base: Any, n: jax.Array) -> jax.Array:
   return -jnp.expm1(n.astype(_F32) * _log(base))
 
 
-def _over(v: jax.Array, c: jax.Array) -> jax.Array:
+def _over(v: Any, c: Any) -> jax.Array:
   """``v / c`` for a vector ``v`` and a scalar ``c``, each entry correctly
   rounded. XLA compiles a division by a broadcast scalar as a product with
   its reciprocal, up to an ulp off, so that a leaf's per-leaf statistic

@@ -174,7 +174,7 @@ def test_a_lasting_new_level_passes_within_bounded_steps(
 _PASS = optaxclip.guard(
   optax.adam(0.1), skip_nonfinite=False, spike_z=None, scope="leaf"
 )
-_PASS_UPDATE = fz.FastJit(lambda g, s, p: _PASS.update(g, s, p))
+_PASS_UPDATE = fz.FastJit(_PASS.update)
 _ADAM_UPDATE = fz.FastJit(lambda g, s, p: optax.adam(0.1).update(g, s, p))
 
 
