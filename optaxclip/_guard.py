@@ -267,17 +267,6 @@ def _splits(state: Any, paths: list, where: str = "") -> None:
     _splits(child, paths, where + jax.tree_util.keystr(tuple(path)))
 
 
-def _select(k: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-  """``a`` where the scalar ``k`` holds, else ``b``. By lax, not
-  ``jnp.where``: that is a nested jit per call, to trace and lower for each
-  of a tree's leaves and state slots (a fifth of guard(scope="leaf")'s
-  compile time on 300 small leaves).
-  """
-  if a.dtype != b.dtype or a.shape != b.shape:
-    return jnp.where(k, a, b)
-  return jax.lax.select(jax.lax.broadcast(k, a.shape), a, b)
-
-
 def _split(new: Any, old: Any, keep: list, paths: list, keep_rest) -> Any:
   """``new``, but with ``old``'s slot of every leaf whose ``keep`` is true
   in the subtrees that mirror the parameters, and ``old``'s rest (scalars,
@@ -287,7 +276,7 @@ def _split(new: Any, old: Any, keep: list, paths: list, keep_rest) -> Any:
     leaves_new, treedef = jax.tree.flatten(new, is_leaf=_is_masked)
     leaves_old = jax.tree.leaves(old, is_leaf=_is_masked)
     out = [
-      n if _is_masked(n) else _select(k, o, n)
+      n if _is_masked(n) else _norms.select(k, o, n)
       for n, o, k in zip(leaves_new, leaves_old, keep)
     ]
     return jax.tree.unflatten(treedef, out)
@@ -851,13 +840,16 @@ def guard(
     # leaf must not reach the others through a global norm inside `inner`.
     g = jax.tree.unflatten(
       treedef,
-      [_select(k, jax.lax.full_like(x, 0), x) for x, k in zip(leaves, keep)],
+      [
+        _norms.select(k, jax.lax.full_like(x, 0), x)
+        for x, k in zip(leaves, keep)
+      ],
     )
     new_updates, new_inner = step(g)
     out = jax.tree.leaves(new_updates)
     new_updates = jax.tree.unflatten(
       jax.tree.structure(new_updates),
-      [_select(k, jax.lax.full_like(u, 0), u) for u, k in zip(out, keep)],
+      [_norms.select(k, jax.lax.full_like(u, 0), u) for u, k in zip(out, keep)],
     )
     # Every leaf skipped: the whole step is (inner's scalars do not move).
     new_inner = _split(new_inner, old_inner, keep, paths, jnp.all(skip))

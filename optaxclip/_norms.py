@@ -973,6 +973,18 @@ def _blocked_concat(xs: Sequence[jax.Array]) -> jax.Array:
 # --------------------------------------------------------------------------
 
 
+def select(k: Any, a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a`` where the scalar ``k`` holds, else ``b``. By lax, not
+  ``jnp.where``, which is a nested jit for each call: to trace and lower
+  for each of a tree's leaves and state slots (compile time on many-leaf
+  trees: guard(scope="leaf") on 300 small leaves 3.5x -> 2.9x adam's).
+  """
+  k = jnp.asarray(k)
+  if k.shape or k.dtype != bool or a.dtype != b.dtype or a.shape != b.shape:
+    return jnp.where(k, a, b)
+  return jax.lax.select(jax.lax.broadcast(k, a.shape), a, b)
+
+
 def take_each(v: jax.Array) -> list[jax.Array]:
   """``[v[0], v[1], ...]`` for an array ``v``, as separate arrays.
 

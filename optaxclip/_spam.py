@@ -164,8 +164,8 @@ def _adam_with_resets(
     clipped, own = _spike_counter(leaves, nu_leaves, reset, *spikes)
   for i, (g, mu, nu) in enumerate(zip(leaves, mu_leaves, nu_leaves)):
     dtype = mu.dtype
-    mu = jnp.where(reset, jnp.zeros_like(mu), mu)
-    nu = jnp.where(reset, jnp.zeros_like(nu), nu)
+    mu = _norms.select(reset, jax.lax.full_like(mu, 0), mu)
+    nu = _norms.select(reset, jax.lax.full_like(nu, 0), nu)
     if spikes is not None:
       if i in own:
         clipped = clipped + _norms.count(_spikes(g, nu, *spikes)[0])
@@ -394,7 +394,7 @@ def clip_spikes(
       leaves, nu_leaves, reset, threshold_now, clip_on
     )
     for i, (g, nu) in enumerate(zip(leaves, nu_leaves)):
-      nu = jnp.where(reset, jnp.zeros_like(nu), nu)
+      nu = _norms.select(reset, jax.lax.full_like(nu, 0), nu)
       if i in own:
         clipped = clipped + _norms.count(
           _spikes(g, nu, threshold_now, clip_on)[0]
