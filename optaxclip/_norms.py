@@ -2063,6 +2063,13 @@ def largest_and_count_parts(
       finite = largest_part(sample) < jnp.inf
       out.append((nan_max(a), n_over, int(part.size), finite))
       continue
+    if kind == "leaf" and _counts_in_one_pass(part):
+      top, bottom, n_over = _extremes_and_count(
+        _merge_dtype(part), jnp.asarray(limit, accumulation_dtype(part.dtype))
+      )
+      biggest = jnp.maximum(top, -bottom).astype(accumulation_dtype(part.dtype))
+      out.append((biggest, n_over, int(part.size), biggest < jnp.inf))
+      continue
     if kind == "leaf":
       biggest = largest_magnitude(part)
       finite = (
@@ -2077,6 +2084,56 @@ def largest_and_count_parts(
     biggest = jnp.maximum(top, -bottom)
     out.append((biggest, n_over, int(m.shape[1]), biggest < jnp.inf))
   return out
+
+
+def _counts_in_one_pass(x: jax.Array) -> bool:
+  """Whether :func:`_extremes_and_count` takes leaf ``x``: real, not empty,
+  on one device (a reduction the partitioner would not split: see
+  :func:`nan_extremes`), its count exact in int32.
+  """
+  return (
+    x.size > 0
+    and jnp.issubdtype(x.dtype, jnp.floating)
+    and x.size < 2**31
+    and not may_span_devices(x)
+  )
+
+
+def _extremes_and_count_fast(x, limit):
+  big = jnp.asarray(jnp.inf, x.dtype)
+  top, bottom, n_over = jax.lax.reduce(
+    (x, x, (~(jnp.abs(x) <= limit.astype(x.dtype))).astype(jnp.int32)),
+    (-big, big, jnp.zeros((), jnp.int32)),
+    lambda u, v: (
+      _nan_max_merge(u[0], v[0]),
+      _nan_min_merge(u[1], v[1]),
+      jax.lax.add(u[2], v[2]),
+    ),
+    tuple(range(x.ndim)),
+  )
+  return top, bottom, n_over.astype(jnp.float32)
+
+
+def _extremes_and_count_plain(x, limit):
+  return (
+    jnp.max(x),
+    jnp.min(x),
+    jnp.sum(~(jnp.abs(x) <= limit.astype(x.dtype)), dtype=jnp.float32),
+  )
+
+
+# A whole leaf's max, min and number of elements not within |x| <= limit
+# (a NaN counts), in one pass that keeps NaN (see nan_extremes): the count
+# is exact and comes with the read that the max needs anyway, where a count
+# of its own was a second pass (sampled in leaves of more than
+# EXACT_COUNT_SIZE elements, for its cost). Derivatives from the plain
+# formulas.
+_extremes_and_count = _with_plain_derivative(
+  _extremes_and_count_fast,
+  _extremes_and_count_plain,
+  n_args=2,
+  n_static=0,
+)
 
 
 def _row_extremes_and_count_plain(m, limit):

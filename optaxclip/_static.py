@@ -40,8 +40,9 @@ class ClipValueState(NamedTuple):
     clipped_norm: the largest magnitude after clipping (NaN when the update
       holds a NaN).
     clip_fraction: the share of elements clipped (every element of a leaf
-      made NaN counts); in leaves of more than 65536 elements, estimated
-      from every 257th element (see :func:`clip_value`).
+      made NaN counts); with ``stats="sampled"``, in leaves of more than
+      65536 elements, estimated from every 257th element (see
+      :func:`clip_value`).
     threshold: the ``max_delta`` this step used (a schedule's value at the
       step; before the first update, its value at step 0).
     count: updates so far (int32, saturating), the step at which a
@@ -239,19 +240,18 @@ def clip_value(
   the other leaves are clipped as usual (see the README, "Non-finite
   gradients").
 
-  Statistics: ``norm`` (``max |g|``) is exact. ``clip_fraction`` is exact
-  for leaves of up to 65536 elements; in larger leaves it is estimated from
-  every 257th element (at least one element counts as clipped when the
-  largest one was). An exact count there would be a reduction of a
-  comparison, which XLA on CPU does not vectorise: it made the step of
-  ``chain(clip_value, adam)`` cost 1.4x to 1.9x Adam's (benchmarks/floors.py).
-  The exact ``norm`` costs one read pass of the gradients (XLA:CPU fuses
-  no reduction into the clip's or Adam's element-wise loop), the floor of
-  ``adam + read`` (1.12x to 1.22x Adam's step): this step measures 1.3x to
-  1.4x on a loaded machine. Statistics from a sample alone reach 1.0x but
-  give up the exact ``norm`` and the leaf-wise non-finite policy, and an
-  exact count costs 1.9x to 3.7x (benchmarks/value_formulations.py;
-  FLOORS.md).
+  Statistics: ``norm`` (``max |g|``) and ``clip_fraction`` are exact. A
+  leaf of its own is read once for both, by one reduction that yields its
+  max, its min and its count of clipped elements (a count of its own was a
+  second pass, which XLA on CPU does not vectorise: before, larger leaves'
+  counts were estimated from a sample for its cost); small leaves are
+  stacked and reduced along their rows the same way. That read is the cost:
+  XLA:CPU fuses no reduction into the clip's or Adam's element-wise loop,
+  so the floor is ``adam + read`` (1.12x to 1.22x Adam's step), and this
+  step measured 1.4x to 1.7x (benchmarks/RESULTS.md, trees (a) to (c)).
+  Statistics from a sample alone reach 1.0x but give up the exact
+  ``norm``, the exact count and the leaf-wise non-finite policy
+  (benchmarks/value_formulations.py; FLOORS.md).
 
   ``stats="sampled"`` is that cheaper formulation, for when the step's cost
   matters more than exact statistics: the clip no longer waits for a pass

@@ -1,4 +1,5 @@
-"""Properties of ``clip_value(stats="sampled")`` (issue 10, item 10).
+"""Properties of ``clip_value(stats="sampled")`` (issue 10, item 10), and of
+the exact mode's count on leaves too large to be their own sample.
 
 Its update must be ``optax.clip``'s element by element, except that an inf
 element becomes NaN, for every tree (every dtype, the whole finite range,
@@ -166,3 +167,47 @@ def test_sampled_stats_clip_element_wise(tree, limit, finite):
       # still read inf in float32).
       nonfinite = not np.all(np.isfinite(mags))
       assert np.isnan(float(state.clipped_norm)) == nonfinite
+
+
+# --- the exact mode counts every clipped element of a large leaf ------------
+
+LARGE = 70_000  # above EXACT_COUNT_SIZE: stats="sampled" samples it
+
+
+def _run_exact(g, limit):
+  tx = optaxclip.clip_value(limit)
+  return tx.update(g, tx.init(g))[1]
+
+
+_RUN_EXACT = fz.FastJit(_run_exact)
+
+
+@fz.examples(10)
+@hypothesis.given(
+  seed=st.integers(0, 2**32 - 1),
+  outliers=st.integers(0, 40),
+  dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+)
+def test_exact_stats_count_every_clipped_element_of_a_large_leaf(
+  seed, outliers, dtype
+):
+  """A few elements above the limit anywhere in a leaf of 70000 (off the
+  sample's grid of every 257th element, where a sampled count misses them)
+  and in a small leaf beside it: ``clip_fraction`` is their exact share.
+  Before the count came with the read of the max (one pass), a large
+  leaf's count was estimated from the sample.
+  """
+  rng = np.random.default_rng(seed)
+  dt = fz.DTYPES[dtype]
+  big = rng.uniform(-0.5, 0.5, LARGE).astype(dt)
+  small = rng.uniform(-2.0, 2.0, 7).astype(np.float32)
+  where = rng.choice(LARGE, outliers, replace=False)
+  big[where] = (rng.choice([-1.0, 1.0], outliers) * 3.0).astype(dt)
+  state = _RUN_EXACT({"big": jax.device_put(big), "small": small}, 1.0)
+  want = (np.abs(big.astype(np.float64)) > 1.0).sum()
+  want += (np.abs(small.astype(np.float64)) > 1.0).sum()
+  fraction = float(state.clip_fraction)
+  assert round(fraction * (LARGE + 7)) == want, (fraction, want)
+  assert float(state.norm) == max(
+    np.abs(big.astype(np.float64)).max(), np.abs(small).max()
+  )
