@@ -7,7 +7,8 @@ renamed ``optaxclip_<commit>``) next to this checkout's, and times them in
 the same rounds:
 
 * ``step``: the step of ``chain(clipper, adam)`` over adam's on tree (a)
-  (64 x 400000 float32) or (b) (the transformer, ``--blocks`` of width 768),
+  (64 x 400000 float32), (b) (the transformer, ``--blocks`` of width 768)
+  or (c) (the transformer in bfloat16),
   with :func:`harness.time_variants` (median of per-round ratios);
 * ``compile``: the CPU seconds (this process, all threads) to trace, lower
   and XLA-compile ``chain(clipper, adam)`` on ``--leaves`` tiny leaves of
@@ -91,8 +92,9 @@ def run_step(args, versions) -> None:
     shapes = harness.many_leaves(64, 400_000)
   else:
     shapes = harness.transformer(args.blocks, 768, 8192, 1024)
-  params = harness.make_arrays(shapes, "float32", 1.0, 0)
-  grads = harness.make_arrays(shapes, "float32", harness.GRAD_SCALE, 1)
+  dtype = "bfloat16" if args.tree == "c" else "float32"
+  params = harness.make_arrays(shapes, dtype, 1.0, 0)
+  grads = harness.make_arrays(shapes, dtype, harness.GRAD_SCALE, 1)
   variants = {"adam": (harness.adam, False)}
   for label, module in versions.items():
     make = lambda m=module: eval(f"m.{args.clipper}", {"m": m})
@@ -157,8 +159,15 @@ def main() -> None:
   parser.add_argument(
     "--clipper", default="clip_unitwise(0.01)", help="a call on the package"
   )
-  parser.add_argument("--tree", choices=["a", "b"], default="b")
-  parser.add_argument("--blocks", type=int, default=12, help="tree (b) depth")
+  parser.add_argument(
+    "--tree",
+    choices=["a", "b", "c"],
+    default="b",
+    help="(a) 64 x 400000 float32, (b) the transformer, (c) it in bfloat16",
+  )
+  parser.add_argument(
+    "--blocks", type=int, default=12, help="trees (b) and (c): depth"
+  )
   parser.add_argument("--leaves", type=int, default=300, help="compile tree")
   parser.add_argument("--rounds", type=int, default=5)
   args = parser.parse_args()
