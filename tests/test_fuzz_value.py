@@ -191,9 +191,10 @@ _RUN_EXACT = fz.FastJit(_run_exact)
 def test_exact_stats_count_every_clipped_element_of_a_large_leaf(
   seed, outliers, dtype
 ):
-  """A few elements above the limit anywhere in a leaf of 70000 (off the
-  sample's grid of every 257th element, where a sampled count misses them)
-  and in a small leaf beside it: ``clip_fraction`` is their exact share.
+  """A few elements above the limit anywhere in a leaf of 70000 (mostly off
+  the sample's grid of every 257th element, where a sampled count misses
+  them) and in a small leaf beside it: ``clip_fraction`` is their exact
+  share.
   Before the count came with the read of the max (one pass), a large
   leaf's count was estimated from the sample.
   """
