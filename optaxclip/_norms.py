@@ -3064,4 +3064,27 @@ def _apply_multipliers(x: jax.Array, multipliers) -> jax.Array:
 
 
 def count(mask: jax.Array) -> jax.Array:
-  return jnp.sum(mask, dtype=jnp.float32)
+  """The number of true elements of the boolean ``mask``, a float32 scalar
+  (counted in int32: exact below 2**31 elements).
+
+  One reduction with two outputs, the count and whether any is true, both
+  used: XLA:CPU computes the mask inside it, in the pass over its operands.
+  A plain sum of the mask is split into a tree of reductions (or handed to
+  its YNNPACK fusion) that first writes the mask out in full: a leaf-sized
+  temporary and a second pass (clip_spikes_adaptive's count of a large
+  leaf: 351 MiB on benchmarks' transformer tree). A mask that may span
+  devices is summed plainly, a reduction the partitioner splits.
+  """
+  if mask.size == 0 or mask.size >= 2**31 or may_span_devices(mask):
+    return jnp.sum(mask, dtype=jnp.float32)
+  m = mask.astype(jnp.int32)
+  zero = jnp.zeros((), jnp.int32)
+  n, any_true = jax.lax.reduce(
+    (m, m),
+    (zero, zero),
+    lambda u, v: (jax.lax.add(u[0], v[0]), jax.lax.max(u[1], v[1])),
+    tuple(range(m.ndim)),
+  )
+  # n is 0 wherever no element is true: the select only keeps XLA from
+  # dropping the second output, and with it the fusion of the mask.
+  return jnp.where(any_true > 0, n, zero).astype(jnp.float32)

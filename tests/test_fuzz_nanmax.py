@@ -229,3 +229,41 @@ def test_max_based_clippers_reduce_no_plain_maximum(specs, name):
     tx = _MAX_BASED[name]()
     jaxpr = jax.make_jaxpr(tx.update)(tree, jax.eval_shape(tx.init, tree))
     assert _plain_extrema(jaxpr.jaxpr, []) == []
+
+
+# --- counts: exact, whatever the size, and the mask fused ------------------
+
+_COUNT = jax.jit(_norms.count)
+_COUNT_ROWS = jax.jit(jax.vmap(_norms.count))
+
+
+@fz.examples(12)
+@hypothesis.given(
+  shape=fz.ci_or(
+    st.sampled_from([(0,), (1,), (4096,), (70_000,), (3, 40_000)]),
+    st.lists(st.integers(0, 300), min_size=1, max_size=3),
+  ),
+  density=st.sampled_from([0.0, 1e-4, 0.3, 1.0]),
+  seed=st.integers(0, 2**32 - 1),
+)
+def test_count_is_exact_for_any_mask(shape, density, seed):
+  """``_norms.count`` (a two-output reduction, so that XLA:CPU fuses the
+  mask into it) equals NumPy's count for masks of any size and density,
+  all false and all true included, and row by row under vmap.
+  """
+  mask = np.random.default_rng(seed).random(shape) < density
+  assert float(_COUNT(mask)) == np.count_nonzero(mask)
+  if mask.ndim == 2:
+    rows = np.asarray(_COUNT_ROWS(mask))
+    np.testing.assert_array_equal(rows, mask.sum(axis=1))
+
+
+def test_count_writes_no_leaf_sized_mask():
+  """The compiled count of a comparison over a large leaf has no temporary
+  of the leaf's size (a plain sum wrote the mask out in full).
+  """
+  x = jnp.zeros((1 << 20,), jnp.float32)
+  compiled = (
+    jax.jit(lambda x: _norms.count(jnp.abs(x) > 0.5)).lower(x).compile()
+  )
+  assert compiled.memory_analysis().temp_size_in_bytes < 1 << 16
