@@ -3065,7 +3065,7 @@ def _apply_multipliers(x: jax.Array, multipliers) -> jax.Array:
 
 def count(mask: jax.Array) -> jax.Array:
   """The number of true elements of the boolean ``mask``, a float32 scalar
-  (counted in int32: exact below 2**31 elements).
+  (counted in int32, then converted: exact up to 2**24).
 
   One reduction with two outputs, the count and whether any is true, both
   used: XLA:CPU computes the mask inside it, in the pass over its operands.
