@@ -2124,7 +2124,8 @@ def _extremes_and_count_plain(x, limit):
 
 # A whole leaf's max, min and number of elements not within |x| <= limit
 # (a NaN counts), in one pass that keeps NaN (see nan_extremes): the count
-# is exact and comes with the read that the max needs anyway, where a count
+# (int32, returned as float32: exact up to 2**24, then to float32's
+# precision) comes with the read that the max needs anyway, where a count
 # of its own was a second pass (sampled in leaves of more than
 # EXACT_COUNT_SIZE elements, for its cost). Derivatives from the plain
 # formulas.

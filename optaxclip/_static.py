@@ -240,7 +240,8 @@ def clip_value(
   the other leaves are clipped as usual (see the README, "Non-finite
   gradients").
 
-  Statistics: ``norm`` (``max |g|``) and ``clip_fraction`` are exact. A
+  Statistics: ``norm`` (``max |g|``) and ``clip_fraction`` are exact (the
+  count of clipped elements to float32's precision, exact up to 2**24). A
   leaf of its own is read once for both, by one reduction that yields its
   max, its min and its count of clipped elements (a count of its own was a
   second pass, which XLA on CPU does not vectorise: before, larger leaves'
