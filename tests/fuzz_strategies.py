@@ -219,11 +219,17 @@ def flush_atol(dtype) -> float:
 
 def norm_flush_atol(dtype, size: int, p: float = 2.0) -> float:
   """How far flushing may move the p-norm of ``size`` elements: each may be
-  read as 0 (below the smallest normal), ``size**(1/p)`` times it in all
+  read as 0 (below the smallest normal; a complex one when both its parts
+  are, a modulus up to sqrt(2) times that), ``size**(1/p)`` times it in all
   (``sqrt(size)`` for L2, ``size`` for L1, one for the max).
+
+  Found by the release profile: a complex64 leaf whose parts were all
+  subnormal, moduli up to 1.3e-38 (above the smallest normal, 1.18e-38),
+  read as zeros by XLA:CPU, had its clip counted against a bound of one
+  smallest normal.
   """
   n = max(int(size), 1)
-  return flush_atol(dtype) * (1.0 if math.isinf(p) else n ** (1.0 / p))
+  return element_flush_atol(dtype) * (1.0 if math.isinf(p) else n ** (1.0 / p))
 
 
 def element_flush_atol(dtype) -> float:
