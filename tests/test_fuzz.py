@@ -1582,8 +1582,13 @@ def _sharded_history_case(draw):
       magnitudes="ordinary",
     )
   )
+  # Off the configs' fixed bounds (max_norm and warmup_max_norm of 1.0): a
+  # norm drawn exactly on one is a tie that an ulp of summation order
+  # decides either way (found by the release profile: clip_zscore's norm of
+  # a tree scaled to 1.0 read 1.0000001 on one device and 1.0 on two, so
+  # that one clipped and the other did not).
   levels = draw(
-    st.lists(st.sampled_from((0.0, 1e-3, 1.0, 1e3)), min_size=3, max_size=8)
+    st.lists(st.sampled_from((0.0, 1e-3, 1.5, 1e3)), min_size=3, max_size=8)
   )
   return config, n, tree, levels
 
