@@ -2099,17 +2099,27 @@ def _counts_in_one_pass(x: jax.Array) -> bool:
   )
 
 
-def _extremes_and_count_fast(x, limit):
+def _extremes_and_count_reduce(x, limit, axes, count_dtype):
+  """Max, min (NaN-keeping) and the number of elements not within ``|x| <=
+  limit`` over ``axes``, in one ``lax.reduce`` of three outputs, the count
+  in ``count_dtype``.
+  """
   big = jnp.asarray(jnp.inf, x.dtype)
-  top, bottom, n_over = jax.lax.reduce(
-    (x, x, (~(jnp.abs(x) <= limit.astype(x.dtype))).astype(jnp.int32)),
-    (-big, big, jnp.zeros((), jnp.int32)),
+  return jax.lax.reduce(
+    (x, x, (~(jnp.abs(x) <= limit)).astype(count_dtype)),
+    (-big, big, jnp.zeros((), count_dtype)),
     lambda u, v: (
       _nan_max_merge(u[0], v[0]),
       _nan_min_merge(u[1], v[1]),
       jax.lax.add(u[2], v[2]),
     ),
-    tuple(range(x.ndim)),
+    axes,
+  )
+
+
+def _extremes_and_count_fast(x, limit):
+  top, bottom, n_over = _extremes_and_count_reduce(
+    x, limit.astype(x.dtype), tuple(range(x.ndim)), jnp.int32
   )
   return top, bottom, n_over.astype(jnp.float32)
 
@@ -2147,17 +2157,7 @@ def _row_extremes_and_count_plain(m, limit):
 def _row_extremes_and_count_fast(m, limit):
   # Counted in m's dtype (one float type in the reduction): exact, rows are
   # at most CHUNK_SIZE long.
-  big = jnp.asarray(jnp.inf, m.dtype)
-  top, bottom, n_over = jax.lax.reduce(
-    (m, m, (~(jnp.abs(m) <= limit)).astype(m.dtype)),
-    (-big, big, jnp.zeros((), m.dtype)),
-    lambda u, v: (
-      _nan_max_merge(u[0], v[0]),
-      _nan_min_merge(u[1], v[1]),
-      jax.lax.add(u[2], v[2]),
-    ),
-    (1,),
-  )
+  top, bottom, n_over = _extremes_and_count_reduce(m, limit, (1,), m.dtype)
   return (
     top[:, None],
     bottom[:, None],
