@@ -57,14 +57,18 @@ limit gives a zero factor whose derivative does not depend on the norm
 the sum's mantissa and exponent (``_root``), not as ``s ** (1/p - 1)``,
 whose next order flushes or overflows for sums far from 1: Hessian-vector
 products of float32 p-norms are checked against float64 finite differences
-on values from 1e-30 to 1e11 (tests/test_fuzz_edges.py). Known limit of
-float32 derivatives, left as it is: where the clipped update's inner
-product with the cotangent, or the power sum's own tangent, comes within
-a factor of four of the dtype's range, the cotangent overflows (the
-factor's mantissa is a quotient of mantissas in [0.5, 1): its derivative
-multiplies by up to 4). Seen with a limit near 3.4e38 on several values
-of that size, and with clip_unitwise(0.375) of two values of -3.4e38 (an
-update of two values of -1.3e38) whose params are the gradient. At the
+on values from 1e-30 to 1e19 (tests/test_fuzz_edges.py). A power sum is
+taken directly only where it and its derivatives stay well inside the
+range (at most ``max * eps``: :func:`_safe_max`), and the direct sum's
+derivative rule clamps the values at that bound, so that the masked-out
+derivative of an untrusted sum holds no inf (``inf * 0`` is NaN). Known
+limit of float32 derivatives, left as it is: where the clipped update's
+inner product with the cotangent comes within a factor of four of the
+dtype's range, the cotangent overflows (the factor's mantissa is a
+quotient of mantissas in [0.5, 1): its derivative multiplies by up to
+4). Seen with a limit near 3.4e38 on several values of that size, and
+with clip_unitwise(0.375) of two values of -3.4e38 (an update of two
+values of -1.3e38) whose params are the gradient. At the
 other end, values and limits within a few powers of two of the smallest
 normal number (1e-37 and below in float32): the factor's cotangent is of
 the size of the values times the update's cotangent, and its products
@@ -381,6 +385,29 @@ def _safe_min(dtype: Any) -> float:
   return float(info.tiny) / float(info.eps) ** 2
 
 
+def _safe_max(dtype: Any) -> float:
+  """Largest power sum for which the direct sum is trusted.
+
+  Not the dtype's largest value: the sum's own derivatives (``p sum |x|**(p
+  - 1) dx`` and the next order's) are of its size times the tangent's ratio
+  to the values, and overflowed where a sum near float32's largest value
+  (four values of 1e19) was taken directly (found by the release fuzz
+  profile: clip_unitwise's Hessian-vector product was NaN). The exact
+  recompute differentiates the values scaled by a power of two. A factor
+  ``1 / eps`` of headroom: float32 norms above about 6e15 are recomputed.
+  """
+  info = jnp.finfo(dtype)
+  return float(info.max) * float(info.eps)
+
+
+def _trusted_sum(v: jax.Array) -> jax.Array:
+  """Whether a direct power sum is trusted: neither so small that lost
+  (underflowed) terms may matter, nor so large that it or its derivatives
+  overflow (NaN, inf: never).
+  """
+  return (v >= _safe_min(v.dtype)) & (v <= _safe_max(v.dtype))
+
+
 def _reduce_axes(x: jax.Array, axes: Optional[tuple[int, ...]]):
   return tuple(range(x.ndim)) if axes is None else axes
 
@@ -654,8 +681,7 @@ def nan_max(
   return top
 
 
-def _power_sum(x: jax.Array, p: float, axes, dtype) -> jax.Array:
-  """``sum |x|**p`` over ``axes`` (keepdims) in ``dtype``: the fast path."""
+def _power_sum_fast(x, p, axes, dtype):
   # The barrier keeps XLA from merging this pass's upcast and square with the
   # optimizer's own (Adam squares the same gradient): merged, they are written
   # out in full, a gradient-sized temporary, instead of fused into the sum.
@@ -665,6 +691,33 @@ def _power_sum(x: jax.Array, p: float, axes, dtype) -> jax.Array:
   else:
     a = magnitude(x, dtype)
   return jnp.sum(_power(a, p), axis=_reduce_axes(x, axes), keepdims=True)
+
+
+def _power_sum_plain(x, p, axes, dtype):
+  # The magnitudes clamped just above the largest that a trusted sum holds
+  # (the identity there): an untrusted sum's derivative is masked out, but
+  # its intermediates, such as p (p - 1) |x|**(p - 2) dx at the second
+  # order, must stay finite (inf * 0 is NaN).
+  bound = _safe_max(dtype) ** (1.0 / p) * 1.0001
+  a = x.astype(dtype) if p == 2 and not jnp.iscomplexobj(x) else None
+  a = magnitude(x, dtype) if a is None else a
+  a = jnp.clip(a, -bound, bound)
+  return jnp.sum(_power(a, p), axis=_reduce_axes(x, axes), keepdims=True)
+
+
+_power_sum_custom = _with_plain_derivative(
+  _power_sum_fast, _power_sum_plain, n_args=4, n_static=3
+)
+
+
+def _power_sum(x: jax.Array, p: float, axes, dtype) -> jax.Array:
+  """``sum |x|**p`` over ``axes`` (keepdims) in ``dtype``: the fast path.
+
+  Its derivatives are finite for every finite ``x`` (where the sum is
+  beyond :func:`_safe_max`, they are not the sum's: the caller recomputes
+  such sums exactly, and masks this one out).
+  """
+  return _power_sum_custom(x, p, axes, dtype)
 
 
 def _scale_exponent(m: jax.Array) -> jax.Array:
@@ -1682,9 +1735,10 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   # The bound of the narrowest accumulation dtype serves all: a stricter
   # bound only sends more sums to the exact recompute.
   safe_min = max(_safe_min(s.dtype) for s in sums)
+  safe_max = min(_safe_max(s.dtype) for s in sums)
 
-  def good(v):
-    return jnp.isfinite(v) & (v >= safe_min)
+  def good(v):  # NaN and inf fail both comparisons
+    return (v >= safe_min) & (v <= safe_max)
 
   def zero(v):  # all zeros, or all squares underflowed
     return v == 0
@@ -1858,9 +1912,9 @@ def global_norm_scaled(
         _power_sum(arrays[i], p, None, dtype).reshape(()) for i in idx
       )
       total = total + _psum_sharded(local, f, axis_name)
-  # A sum at or above this bound cannot hide lost (underflowed) terms that
-  # matter; below it, or when it overflowed, recompute exactly.
-  trusted = jnp.isfinite(total) & (total >= _safe_min(dtype))
+  # Below the trusted range, lost (underflowed) terms may matter; above it,
+  # the sum or its derivatives may overflow: recompute exactly.
+  trusted = _trusted_sum(total)
 
   def direct(arrays_):
     del arrays_

@@ -120,7 +120,7 @@ def _clip_norm_f64(leaves, limit, ord_):
 
 @fz.examples(4)
 @hypothesis.given(
-  scale=st.sampled_from((1e-30, 1e-15, 1e-8, 1e8, 1e11)),
+  scale=st.sampled_from((1e-30, 1e-15, 1e-8, 1e8, 1e11, 1e19)),
   ord_=st.sampled_from((1.5, 3.0)),
   ratio=st.sampled_from((0.3, 3.0)),
   seed=st.integers(0, 2**16),
@@ -132,11 +132,14 @@ def _clip_norm_f64(leaves, limit, ord_):
 @hypothesis.example(scale=1e-8, ord_=3.0, ratio=0.3, seed=0)
 # On the exact recompute (the power sum below float32's range), unclipped.
 @hypothesis.example(scale=1e-30, ord_=1.5, ratio=3.0, seed=0)
+# On the exact recompute above the range: NaN, the derivative of the direct
+# sum (masked out, but its second order overflowed: inf * 0).
+@hypothesis.example(scale=1e19, ord_=3.0, ratio=0.3, seed=0)
 def test_hvp_of_a_clipped_p_norm_in_float32(scale, ord_, ratio, seed):
   """Hessian-vector products through clip_norm(ord=p) in float32 equal
   second finite differences of a float64 NumPy formula, at magnitudes where
-  the power sum ``sum |x|**p`` is far from 1 (1e-90 to 1e44: the direct
-  sum and the exact recompute).
+  the power sum ``sum |x|**p`` is far from 1 (1e-90 to 1e57: the direct
+  sum and the exact recompute, below and above float32's range).
   """
   rng = np.random.default_rng(seed)
   draw = lambda s: [(s * rng.normal(size=n)).astype(F32) for n in _HVP_LAYOUT]
