@@ -705,19 +705,37 @@ def _power_sum_plain(x, p, axes, dtype):
   return jnp.sum(_power(a, p), axis=_reduce_axes(x, axes), keepdims=True)
 
 
-_power_sum_custom = _with_plain_derivative(
-  _power_sum_fast, _power_sum_plain, n_args=4, n_static=3
+def _direct_sums_fast(xs, p, axes, dtypes):
+  return [_power_sum_fast(x, p, a, d) for x, a, d in zip(xs, axes, dtypes)]
+
+
+def _direct_sums_plain(xs, p, axes, dtypes):
+  return [_power_sum_plain(x, p, a, d) for x, a, d in zip(xs, axes, dtypes)]
+
+
+# One custom rule for all of a call's sums. (Lowered, the rule leaves the
+# program as it was: the same StableHLO, the same compile time on 300
+# leaves, within the noise.)
+_direct_sums_custom = _with_plain_derivative(
+  _direct_sums_fast, _direct_sums_plain, n_args=4, n_static=3
 )
 
 
-def _power_sum(x: jax.Array, p: float, axes, dtype) -> jax.Array:
-  """``sum |x|**p`` over ``axes`` (keepdims) in ``dtype``: the fast path.
+def _direct_sums(
+  xs: Sequence[jax.Array], p: float, axes: Sequence[Any], dtypes: Sequence[Any]
+) -> list[jax.Array]:
+  """``sum |x|**p`` of each array over its ``axes`` (keepdims) in its
+  ``dtypes`` entry: the fast path.
 
-  Its derivatives are finite for every finite ``x`` (where the sum is
+  Their derivatives are finite for every finite ``x`` (where a sum is
   beyond :func:`_safe_max`, they are not the sum's: the caller recomputes
   such sums exactly, and masks this one out).
   """
-  return _power_sum_custom(x, p, axes, dtype)
+  return list(
+    _direct_sums_custom(
+      list(xs), p, tuple(axes), tuple(np.dtype(d) for d in dtypes)
+    )
+  )
 
 
 def _scale_exponent(m: jax.Array) -> jax.Array:
@@ -1703,12 +1721,10 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   if math.isinf(p):
     return [as_scaled(m) for m in maxima(parts)]
 
-  sums = [
-    _psum_sharded(
-      _power_sum(x, p, ax, accumulation_dtype(x.dtype)), f, axis_name
-    )
-    for x, ax, f in zip(parts, axes, flags)
-  ]
+  direct = _direct_sums(
+    parts, p, axes, [accumulation_dtype(x.dtype) for x in parts]
+  )
+  sums = [_psum_sharded(s, f, axis_name) for s, f in zip(direct, flags)]
   # The sums of parts that do not span devices are concatenated, per dtype
   # and shard_map typing, into one vector (a group): the checks, the roots
   # and the exact recompute's results are computed on it and sliced back
@@ -1906,11 +1922,10 @@ def global_norm_scaled(
     return as_scaled(biggest)
 
   total = jnp.zeros((), dtype)
+  direct = _direct_sums(arrays, p, [None] * len(arrays), [dtype] * len(arrays))
   for f, idx in groups.items():
     if idx:
-      local = sum(
-        _power_sum(arrays[i], p, None, dtype).reshape(()) for i in idx
-      )
+      local = sum(direct[i].reshape(()) for i in idx)
       total = total + _psum_sharded(local, f, axis_name)
   # Below the trusted range, lost (underflowed) terms may matter; above it,
   # the sum or its derivatives may overflow: recompute exactly.
@@ -2131,7 +2146,7 @@ def largest_and_count_parts(
       ) < jnp.inf
       out.append((biggest, count_above(part, limit), int(part.size), finite))
       continue
-    m = jax.lax.optimization_barrier(part)  # read once, as _power_sum
+    m = jax.lax.optimization_barrier(part)  # read once, as _power_sum_fast
     top, bottom, n_over = _row_extremes_and_count(
       m, jnp.asarray(limit, m.dtype)
     )
