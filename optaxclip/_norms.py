@@ -2984,7 +2984,8 @@ def smallest_clip_factor(
 
 
 def _materialized(v: jax.Array) -> jax.Array:
-  """``v`` (a small array), computed once into memory by XLA, bit for bit.
+  """``v``, computed once into memory by XLA, bit for bit (small arrays
+  mostly; a clipped leaf in :mod:`optaxclip._spam`).
 
   XLA:CPU fuses cheap element-wise producers into each of their consumers
   (and drops ``optimization_barrier``), but never a reduction: ``v`` is

@@ -162,14 +162,17 @@ def _adam_with_resets(
   clipped, own = jnp.zeros((), _F32), set()
   if spikes is not None:
     clipped, own = _spike_counter(leaves, nu_leaves, reset, *spikes)
+  stacked_count = clipped
   for i, (g, mu, nu) in enumerate(zip(leaves, mu_leaves, nu_leaves)):
     dtype = mu.dtype
     mu = _norms.select(reset, jax.lax.full_like(mu, 0), mu)
     nu = _norms.select(reset, jax.lax.full_like(nu, 0), nu)
     if spikes is not None:
+      after = stacked_count
       if i in own:
-        clipped = clipped + _norms.count(_spikes(g, nu, *spikes)[0])
-      g = _clip_to_moment(g, nu, *spikes)
+        after = _norms.count(_spikes(g, nu, *spikes)[0])
+        clipped = clipped + after
+      g, nu = _clipped_before_update(g, nu, after, spikes)
     if isinstance(b1, jax.Array):
       mu = b1.astype(dtype) * mu + (1 - b1).astype(dtype) * g
     else:
@@ -237,6 +240,23 @@ def _clip_to_moment(
   """
   spike, limit = _spikes(g, nu, threshold, clip_on)
   return jnp.where(spike, jnp.sign(g) * jnp.sqrt(limit), g)
+
+
+def _clipped_before_update(
+  g: jax.Array, nu: jax.Array, counted: jax.Array, spikes: tuple[Any, Any]
+) -> tuple[jax.Array, jax.Array]:
+  """``g`` clipped against ``nu`` (:func:`_clip_to_moment`), computed once
+  into memory, and ``nu`` plus ``0 * counted`` (the same values): the
+  moment's update then reads the clip and the count of its spikes
+  (``counted``), so that XLA orders every read of the old moment before
+  its in-place update. Otherwise, as XLA:CPU fuses the clip into each of
+  its consumers (the moment's update and the optimizer's), each read the
+  old moment again, and XLA copied every moment first to keep it (a
+  kernel, a read and a write per leaf: clip_spikes' step on the
+  transformer tree 3.8x -> 3.0x adam's without them).
+  """
+  g = _norms._materialized(_clip_to_moment(g, nu, *spikes))  # noqa: SLF001
+  return g, nu + (0 * counted).astype(nu.dtype)
 
 
 def _spike_counter(
@@ -393,13 +413,14 @@ def clip_spikes(
     clipped, own = _spike_counter(
       leaves, nu_leaves, reset, threshold_now, clip_on
     )
+    stacked_count = clipped
     for i, (g, nu) in enumerate(zip(leaves, nu_leaves)):
       nu = _norms.select(reset, jax.lax.full_like(nu, 0), nu)
+      after = stacked_count
       if i in own:
-        clipped = clipped + _norms.count(
-          _spikes(g, nu, threshold_now, clip_on)[0]
-        )
-      g = _clip_to_moment(g, nu, threshold_now, clip_on)
+        after = _norms.count(_spikes(g, nu, threshold_now, clip_on)[0])
+        clipped = clipped + after
+      g, nu = _clipped_before_update(g, nu, after, (threshold_now, clip_on))
       out.append(g)
       nus.append(b2 * nu + (1 - b2) * g * g)
     return treedef.unflatten(out), ClipSpikesState(

@@ -461,3 +461,63 @@ def test_clip_spikes_adaptive_counts_stacked_leaves_as_each_leaf_alone(
   """
   (outs, counts), alone = _ADAPTIVE(*_spike_steps(values, spread))
   _check_as_each_leaf_alone(outs, counts, alone)
+
+
+# --------------------------------------------------------------------------
+# The moments are updated in place, not copied first
+# --------------------------------------------------------------------------
+
+
+def _moment_copies(tx, tree) -> list[str]:
+  """The copies of arrays (not scalars) in the compiled, donated step."""
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  text = (
+    jax.jit(step, donate_argnums=(0, 1))
+    .lower(tree, tx.init(tree), tree)
+    .compile()
+    .as_text()
+  )
+  entry = text[text.index("ENTRY") :]
+  return [
+    line.strip()
+    for line in entry.splitlines()
+    if " copy(" in line and "[]" not in line.split(" copy(")[0]
+  ]
+
+
+_MAKERS = {
+  "clip_spikes": lambda: optax.chain(optaxclip.clip_spikes(), optax.adam(1e-3)),
+  "spam": lambda: optaxclip.spam(1e-3),
+  "stable_spam": lambda: optaxclip.stable_spam(1e-3),
+}
+
+
+@fz.examples(4)
+@hypothesis.given(
+  name=st.sampled_from(sorted(_MAKERS)),
+  shapes=st.lists(
+    st.sampled_from(((3, 4), (5,), (3, 4), (70000,), (2, 3, 4))),
+    min_size=1,
+    max_size=5,
+  ),
+  dtype=st.sampled_from(("float32", "bfloat16")),
+)
+def test_donated_moments_are_updated_in_place(name, shapes, dtype):
+  """The compiled, donated step of clip_spikes (chained before adam), spam
+  and stable_spam copies no array: every read of a stored moment (the
+  clip, the count of spikes, stacked or per leaf) comes before its
+  in-place update. Found by reading the compiled step: XLA fused the clip
+  into each consumer, each read the old moment again, and XLA copied every
+  moment of clip_spikes and spam first (clip_spikes' step on the
+  transformer tree 3.6x -> 2.8x adam's without the copies).
+  """
+  tree = {
+    f"leaf{i}": np.ones(shape, fz.DTYPES[dtype])
+    for i, shape in enumerate(shapes)
+  }
+  copies = _moment_copies(_MAKERS[name](), fz.to_jax(tree))
+  assert not copies, copies
