@@ -10,6 +10,8 @@ the same rounds:
   (64 x 400000 float32), (b) (the transformer, ``--blocks`` of width 768)
   or (c) (the transformer in bfloat16),
   with :func:`harness.time_variants` (median of per-round ratios);
+* ``whole``: the step of a whole optimizer (``--clipper "spam(1e-3)"``)
+  over adam's, each with its own state (:func:`run_whole`);
 * ``compile``: the CPU seconds (this process, all threads) to trace, lower
   and XLA-compile ``chain(clipper, adam)`` on ``--leaves`` tiny leaves of
   compile_time.py's 'mixed' tree, over adam's, rounds interleaved.
@@ -40,6 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -112,6 +115,74 @@ def run_step(args, versions) -> None:
     )
 
 
+def run_whole(args, versions) -> None:
+  """``whole``: ``--clipper`` is a whole optimizer (spam, stable_spam,
+  guard(...)), whose state holds no adam state for the harness to share:
+  each version keeps its own state, and each round times ``--steps``
+  donated steps of adam, then of each version in a new random order with
+  adam again after each; a ratio is over the mean of the adam runs around
+  it.
+  """
+  if args.tree == "a":
+    shapes = harness.many_leaves(64, 400_000)
+  else:
+    shapes = harness.transformer(args.blocks, 768, 8192, 1024)
+  dtype = "bfloat16" if args.tree == "c" else "float32"
+  params = harness.make_arrays(shapes, dtype, 1.0, 0)
+  grads = harness.make_arrays(shapes, dtype, harness.GRAD_SCALE, 1)
+  makers = {"adam": lambda: optax.adam(1e-3)}
+  for label, module in versions.items():
+    makers[label] = lambda m=module: eval(f"m.{args.clipper}", {"m": m})
+  runs = {}
+  for label, make in makers.items():
+    tx = make()
+
+    def step(p, s, g, tx=tx):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    p = jax.tree.map(jnp.copy, params)
+    p, s = jitted(p, tx.init(p), grads)  # compile
+    jax.block_until_ready(p)
+    temp = harness.temp_bytes(
+      jitted.lower(p, s, grads).compile()  # a cache hit
+    )
+    runs[label] = [jitted, p, s, temp]
+
+  def timed(label) -> float:
+    jitted, p, s, _ = runs[label]
+    start = time.perf_counter()
+    for _ in range(args.steps):
+      p, s = jitted(p, s, grads)
+    jax.block_until_ready((p, s))
+    runs[label][1:3] = [p, s]
+    return (time.perf_counter() - start) / args.steps
+
+  ratios = {label: [] for label in versions}
+  adam_ms = []
+  rng = np.random.default_rng(0)
+  for _ in range(args.rounds):
+    order = list(versions)
+    rng.shuffle(order)
+    before = timed("adam")
+    for label in order:
+      t = timed(label)
+      after = timed("adam")
+      ratios[label].append(t / ((before + after) / 2))
+      adam_ms.append(1e3 * after)
+      before = after
+  print(f"adam's step: {statistics.median(adam_ms):.1f} ms")
+  print("| version | step / adam (median, IQR) | temp MiB |")
+  print("|---|---|---|")
+  for label in versions:
+    q1, q3 = np.percentile(ratios[label], [25, 75])
+    print(
+      f"| {label} | {statistics.median(ratios[label]):.3f}x "
+      f"({q1:.2f}-{q3:.2f}) | {runs[label][3] / 2**20:.2f} |"
+    )
+
+
 def compile_seconds(make_tx, tree) -> float:
   tx = optax.chain(make_tx(), optax.adam(1e-3))
 
@@ -152,7 +223,7 @@ def run_compile(args, versions) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("what", choices=["step", "compile"])
+  parser.add_argument("what", choices=["step", "whole", "compile"])
   parser.add_argument(
     "--commits", nargs="+", default=[], help="commits to compare with '.'"
   )
@@ -170,6 +241,9 @@ def main() -> None:
   )
   parser.add_argument("--leaves", type=int, default=300, help="compile tree")
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument(
+    "--steps", type=int, default=5, help="whole: steps timed per run"
+  )
   args = parser.parse_args()
   print(f"load average at the start: {os.getloadavg()}")
   with tempfile.TemporaryDirectory() as where:
@@ -178,6 +252,8 @@ def main() -> None:
     }
     if args.what == "step":
       run_step(args, versions)
+    elif args.what == "whole":
+      run_whole(args, versions)
     else:
       run_compile(args, versions)
   print(f"load average at the end: {os.getloadavg()}")
