@@ -50,12 +50,19 @@ def element_clip(stats: str, wait: bool = False):
     out, total = [], jnp.zeros((), jnp.float32)
     for x in jax.tree.leaves(updates):
       a = jnp.abs(x)
-      count = jnp.zeros((), jnp.float32)
+      count = largest = jnp.zeros((), jnp.float32)
       if stats == "max":
         largest = jnp.max(a)
       elif stats == "max+where":
         largest = jnp.max(a)
         count = jnp.sum(jnp.where(a > MAX_DELTA, 1.0, 0.0))
+      elif stats == "where":  # the count alone, as a sum of a comparison
+        count = jnp.sum(jnp.where(a > MAX_DELTA, 1.0, 0.0))
+      elif stats == "sign":  # ... of max(sign(|g| - d), 0): NaN stays NaN
+        count = jnp.sum(jnp.maximum(jnp.sign(a - MAX_DELTA), 0.0))
+      elif stats == "clamped":  # ... of a clamped, scaled difference
+        steep = 2.0**25 / MAX_DELTA  # 1 at one float32 ulp above d
+        count = jnp.sum(jnp.clip((a - MAX_DELTA) * steep, 0.0, 1.0))
       elif stats == "two-output":
         largest, count = _norms.largest_and_count_above(x, MAX_DELTA)
       else:  # "sampled": every STRIDE-th element, per-element policy
@@ -80,6 +87,15 @@ VARIANTS = {
   "clip + max(abs(g))": harness.chained(lambda: element_clip("max")),
   "clip + max(abs(g)) + sum(where(abs(g) > d, 1, 0))": harness.chained(
     lambda: element_clip("max+where")
+  ),
+  "clip waiting for sum(where(abs(g) > d, 1, 0)) alone": harness.chained(
+    lambda: element_clip("where", wait=True)
+  ),
+  "clip waiting for sum(max(sign(abs(g) - d), 0)) alone": harness.chained(
+    lambda: element_clip("sign", wait=True)
+  ),
+  "clip waiting for sum(clip((abs(g) - d) * 2**25 / d, 0, 1)) alone": (
+    harness.chained(lambda: element_clip("clamped", wait=True))
   ),
   "clip + two-output reduce (max, count)": harness.chained(
     lambda: element_clip("two-output")
