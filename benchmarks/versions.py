@@ -90,7 +90,8 @@ def import_at(commit: str, where: pathlib.Path):
   return importlib.import_module(name)
 
 
-def run_step(args, versions) -> None:
+def step_tree(args):
+  """``(params, grads)`` of ``--tree`` (and ``--blocks``)."""
   if args.tree == "a":
     shapes = harness.many_leaves(64, 400_000)
   else:
@@ -98,6 +99,11 @@ def run_step(args, versions) -> None:
   dtype = "bfloat16" if args.tree == "c" else "float32"
   params = harness.make_arrays(shapes, dtype, 1.0, 0)
   grads = harness.make_arrays(shapes, dtype, harness.GRAD_SCALE, 1)
+  return params, grads
+
+
+def run_step(args, versions) -> None:
+  params, grads = step_tree(args)
   variants = {"adam": (harness.adam, False)}
   for label, module in versions.items():
     make = lambda m=module: eval(f"m.{args.clipper}", {"m": m})
@@ -123,13 +129,7 @@ def run_whole(args, versions) -> None:
   adam again after each; a ratio is over the mean of the adam runs around
   it.
   """
-  if args.tree == "a":
-    shapes = harness.many_leaves(64, 400_000)
-  else:
-    shapes = harness.transformer(args.blocks, 768, 8192, 1024)
-  dtype = "bfloat16" if args.tree == "c" else "float32"
-  params = harness.make_arrays(shapes, dtype, 1.0, 0)
-  grads = harness.make_arrays(shapes, dtype, harness.GRAD_SCALE, 1)
+  params, grads = step_tree(args)
   makers = {"adam": lambda: optax.adam(1e-3)}
   for label, module in versions.items():
     makers[label] = lambda m=module: eval(f"m.{args.clipper}", {"m": m})

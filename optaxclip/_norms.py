@@ -1721,10 +1721,10 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   if math.isinf(p):
     return [as_scaled(m) for m in maxima(parts)]
 
-  direct = _direct_sums(
+  powered = _direct_sums(
     parts, p, axes, [accumulation_dtype(x.dtype) for x in parts]
   )
-  sums = [_psum_sharded(s, f, axis_name) for s, f in zip(direct, flags)]
+  sums = [_psum_sharded(s, f, axis_name) for s, f in zip(powered, flags)]
   # The sums of parts that do not span devices are concatenated, per dtype
   # and shard_map typing, into one vector (a group): the checks, the roots
   # and the exact recompute's results are computed on it and sliced back
@@ -1922,10 +1922,10 @@ def global_norm_scaled(
     return as_scaled(biggest)
 
   total = jnp.zeros((), dtype)
-  direct = _direct_sums(arrays, p, [None] * len(arrays), [dtype] * len(arrays))
+  powered = _direct_sums(arrays, p, [None] * len(arrays), [dtype] * len(arrays))
   for f, idx in groups.items():
     if idx:
-      local = sum(direct[i].reshape(()) for i in idx)
+      local = sum(powered[i].reshape(()) for i in idx)
       total = total + _psum_sharded(local, f, axis_name)
   # Below the trusted range, lost (underflowed) terms may matter; above it,
   # the sum or its derivatives may overflow: recompute exactly.
