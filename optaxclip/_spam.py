@@ -253,7 +253,7 @@ def _clipped_before_update(
   its consumers (the moment's update and the optimizer's), each read the
   old moment again, and XLA copied every moment first to keep it (a
   kernel, a read and a write per leaf: clip_spikes' step on the
-  transformer tree 3.8x -> 3.0x adam's without them).
+  transformer tree 3.6x -> 2.8x adam's without them).
   """
   g = _norms._materialized(_clip_to_moment(g, nu, *spikes))  # noqa: SLF001
   return g, nu + (0 * counted).astype(nu.dtype)

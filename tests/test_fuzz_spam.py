@@ -506,6 +506,13 @@ _MAKERS = {
   ),
   dtype=st.sampled_from(("float32", "bfloat16")),
 )
+# Stacked small leaves beside a leaf of its own, for both that copied.
+@hypothesis.example(
+  name="clip_spikes", shapes=[(3, 4), (3, 4), (70000,)], dtype="float32"
+)
+@hypothesis.example(
+  name="spam", shapes=[(3, 4), (3, 4), (70000,)], dtype="bfloat16"
+)
 def test_donated_moments_are_updated_in_place(name, shapes, dtype):
   """The compiled, donated step of clip_spikes (chained before adam), spam
   and stable_spam copies no array: every read of a stored moment (the
