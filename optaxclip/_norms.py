@@ -681,27 +681,32 @@ def nan_max(
   return top
 
 
+def _summands(x, p, dtype):
+  """What ``sum |x|**p`` raises to the power p: ``x`` in ``dtype`` for an
+  even power of real values (no abs, nothing but x in the pass), else the
+  magnitudes.
+  """
+  if p == 2 and not jnp.iscomplexobj(x):
+    return x.astype(dtype)
+  return magnitude(x, dtype)
+
+
 def _power_sum_fast(x, p, axes, dtype):
   # The barrier keeps XLA from merging this pass's upcast and square with the
   # optimizer's own (Adam squares the same gradient): merged, they are written
   # out in full, a gradient-sized temporary, instead of fused into the sum.
   x = jax.lax.optimization_barrier(x)
-  if p == 2 and not jnp.iscomplexobj(x):
-    a = x.astype(dtype)  # even power: no abs, nothing but x in the pass
-  else:
-    a = magnitude(x, dtype)
+  a = _summands(x, p, dtype)
   return jnp.sum(_power(a, p), axis=_reduce_axes(x, axes), keepdims=True)
 
 
 def _power_sum_plain(x, p, axes, dtype):
-  # The magnitudes clamped just above the largest that a trusted sum holds
-  # (the identity there): an untrusted sum's derivative is masked out, but
-  # its intermediates, such as p (p - 1) |x|**(p - 2) dx at the second
-  # order, must stay finite (inf * 0 is NaN).
+  # The values clamped just above the largest that a trusted sum holds (the
+  # identity there): an untrusted sum's derivative is masked out, but its
+  # intermediates, such as p (p - 1) |x|**(p - 2) dx at the second order,
+  # must stay finite (inf * 0 is NaN).
   bound = _safe_max(dtype) ** (1.0 / p) * 1.0001
-  a = x.astype(dtype) if p == 2 and not jnp.iscomplexobj(x) else None
-  a = magnitude(x, dtype) if a is None else a
-  a = jnp.clip(a, -bound, bound)
+  a = jnp.clip(_summands(x, p, dtype), -bound, bound)
   return jnp.sum(_power(a, p), axis=_reduce_axes(x, axes), keepdims=True)
 
 

@@ -249,7 +249,8 @@ def clip_value(
   stacked and reduced along their rows the same way. That read is the cost:
   XLA:CPU fuses no reduction into the clip's or Adam's element-wise loop,
   so the floor is ``adam + read`` (1.12x to 1.22x Adam's step), and this
-  step measured 1.4x to 1.7x (benchmarks/RESULTS.md, trees (a) to (c)).
+  step measured 1.8x to 2.0x in the last full run (benchmarks/RESULTS.md,
+  trees (a) to (c); 1.4x to 1.7x on an earlier, slower host).
   Statistics from a sample alone reach 1.0x but give up the exact
   ``norm``, the exact count and the leaf-wise non-finite policy
   (benchmarks/value_formulations.py; FLOORS.md).
