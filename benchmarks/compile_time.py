@@ -10,7 +10,9 @@ of the optimizer itself.
 
 Variants run interleaved, in a shifted order each round, in one process (the
 machine is noisy and shared: load hits all of them alike); the table gives the
-median seconds and the median of per-round ratios to adam.
+median seconds and the median of per-round ratios to adam. Each compile starts
+from cold caches (``jax.clear_caches``), as after a restart: without it a
+later round reused the trace of optaxclip's shared jitted updates.
 
     python benchmarks/compile_time.py --leaves 300 1000 --rounds 1
     python benchmarks/compile_time.py --quick     # 30 leaves: checks it runs
@@ -103,8 +105,11 @@ CLOCK = {"clock": "wall"}
 
 def compile_seconds(make_clipper, params, grads) -> float:
   """Seconds to trace, lower and compile one step of chain(clipper, adam),
-  or of the optimizer itself for those of OPTIMIZERS.
+  or of the optimizer itself for those of OPTIMIZERS, from cold caches.
   """
+  # As after a restart: no trace kept from an earlier round (a factory of
+  # optaxclip shares its jitted update across instances).
+  jax.clear_caches()
   start = time.process_time()
   whole = any(make_clipper is make for make in OPTIMIZERS.values())
   lower, compile_, _ = harness.compile_seconds(

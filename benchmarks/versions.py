@@ -13,8 +13,10 @@ the same rounds:
 * ``whole``: the step of a whole optimizer (``--clipper "spam(1e-3)"``)
   over adam's, each with its own state (:func:`run_whole`);
 * ``compile``: the CPU seconds (this process, all threads) to trace, lower
-  and XLA-compile ``chain(clipper, adam)`` on ``--leaves`` tiny leaves of
-  compile_time.py's 'mixed' tree, over adam's, rounds interleaved.
+  and XLA-compile ``chain(clipper, adam)`` (with ``--whole``, the optimizer
+  itself: ``--clipper "guard(optax.adam(1e-3), scope='leaf')"``) on
+  ``--leaves`` tiny leaves of compile_time.py's 'mixed' tree, over adam's,
+  rounds interleaved, each from cold caches (``jax.clear_caches``).
 
     python benchmarks/versions.py step --tree b --commits 6d75cb1 \
         --clipper "clip_unitwise(0.01)" --rounds 7
@@ -102,12 +104,16 @@ def step_tree(args):
   return params, grads
 
 
+def _maker(module, clipper: str):
+  """A factory of ``module.<clipper>`` (``optax`` in scope for arguments)."""
+  return lambda: eval(f"m.{clipper}", {"m": module, "optax": optax})
+
+
 def run_step(args, versions) -> None:
   params, grads = step_tree(args)
   variants = {"adam": (harness.adam, False)}
   for label, module in versions.items():
-    make = lambda m=module: eval(f"m.{args.clipper}", {"m": m})
-    variants[label] = (harness.chained(make), False)
+    variants[label] = (harness.chained(_maker(module, args.clipper)), False)
   results = harness.time_variants(variants, params, grads, args.rounds, 40.0)
   print(f"adam's step: {statistics.median(results['adam'].ms):.1f} ms")
   print("| version | step / adam (median, IQR) | temp MiB |")
@@ -132,7 +138,7 @@ def run_whole(args, versions) -> None:
   params, grads = step_tree(args)
   makers = {"adam": lambda: optax.adam(1e-3)}
   for label, module in versions.items():
-    makers[label] = lambda m=module: eval(f"m.{args.clipper}", {"m": m})
+    makers[label] = _maker(module, args.clipper)
   runs = {}
   for label, make in makers.items():
     tx = make()
@@ -183,13 +189,19 @@ def run_whole(args, versions) -> None:
     )
 
 
-def compile_seconds(make_tx, tree) -> float:
-  tx = optax.chain(make_tx(), optax.adam(1e-3))
+def compile_seconds(make_tx, tree, whole: bool = False) -> float:
+  """CPU seconds to trace, lower and compile a step of ``chain(make_tx(),
+  adam)`` (of ``make_tx()`` itself with ``whole``), from cold caches.
+  """
+  tx = make_tx() if whole else optax.chain(make_tx(), optax.adam(1e-3))
 
   def step(p, s, g):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
+  # As after a restart: no trace kept from an earlier round (a factory of
+  # optaxclip shares its jitted update across instances).
+  jax.clear_caches()
   start = time.process_time()
   jax.jit(step, donate_argnums=(0, 1)).lower(
     tree, tx.init(tree), tree
@@ -199,15 +211,20 @@ def compile_seconds(make_tx, tree) -> float:
 
 def run_compile(args, versions) -> None:
   tree = compile_time.make_tree(args.leaves)
-  makers = {"adam": optax.identity}
+  makers = {
+    "adam": (lambda: optax.adam(1e-3)) if args.whole else optax.identity
+  }
   for label, module in versions.items():
-    makers[label] = lambda m=module: eval(f"m.{args.clipper}", {"m": m})
+    makers[label] = _maker(module, args.clipper)
   seconds = {label: [] for label in makers}
   ratios = {label: [] for label in makers}
   order = list(makers)
   for k in range(args.rounds):
     shifted = order[k % len(order) :] + order[: k % len(order)]
-    this = {label: compile_seconds(makers[label], tree) for label in shifted}
+    this = {
+      label: compile_seconds(makers[label], tree, args.whole)
+      for label in shifted
+    }
     for label, s in this.items():
       seconds[label].append(s)
       ratios[label].append(s / this["adam"])
@@ -240,6 +257,11 @@ def main() -> None:
     "--blocks", type=int, default=12, help="trees (b) and (c): depth"
   )
   parser.add_argument("--leaves", type=int, default=300, help="compile tree")
+  parser.add_argument(
+    "--whole",
+    action="store_true",
+    help="compile: --clipper is a whole optimizer (not chained before adam)",
+  )
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument(
     "--steps", type=int, default=5, help="whole: steps timed per run"
