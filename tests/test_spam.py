@@ -347,6 +347,48 @@ def test_zero_empty_none_and_bfloat16_leaves():
   assert tx.update({}, tx.init({}), {})[0] == {}
 
 
+def test_per_leaf_emas_are_vectors_in_leaf_order():
+  # clip_spikes_adaptive's max_ema and scale_by_norm_ema's mu and nu hold
+  # one float32 entry per leaf, in jax.tree.leaves order (None skipped).
+  grads = [
+    {"b": jnp.array([3.0, -4.0]), "a": jnp.array([-1.0]), "n": None},
+    {"b": jnp.array([6.0, 8.0]), "a": jnp.array([2.0]), "n": None},
+  ]
+  g3, g1, g2 = 0.5, 0.25, 0.75
+  clip = optaxclip.clip_spikes_adaptive(g3)
+  scale = optaxclip.scale_by_norm_ema(g1, g2)
+  c_state, s_state = clip.init(grads[0]), scale.init(grads[0])
+  t, m, v = np.zeros(2), np.zeros(2), np.zeros(2)
+  for g in grads:
+    _, c_state = clip.update(g, c_state)
+    _, s_state = scale.update(g, s_state)
+    # Leaf order: "a", then "b".
+    leaves = [np.asarray(g["a"], np.float64), np.asarray(g["b"], np.float64)]
+    largest = np.array([np.max(np.abs(x)) for x in leaves])
+    norms = np.array([np.linalg.norm(x) for x in leaves])
+    t = g3 * t + (1 - g3) * largest
+    m = g1 * m + (1 - g1) * norms
+    v = g2 * v + (1 - g2) * norms**2
+  for got, want in ((c_state.max_ema, t), (s_state.mu, m), (s_state.nu, v)):
+    assert got.dtype == jnp.float32 and got.shape == (2,)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
+def test_per_leaf_state_of_another_tree_is_an_error():
+  state = optaxclip.clip_spikes_adaptive().init({"a": jnp.ones(2)})
+  with pytest.raises(
+    ValueError,
+    match=r"^clip_spikes_adaptive: state\.max_ema must hold one entry per "
+    r"leaf of the updates \(2\); got shape \(1,\)\.",
+  ):
+    optaxclip.clip_spikes_adaptive().update(
+      {"a": jnp.ones(2), "b": jnp.ones(3)}, state
+    )
+  state = optaxclip.scale_by_norm_ema().init({"a": jnp.ones(2)})
+  with pytest.raises(ValueError, match=r"^scale_by_norm_ema: state\.mu must"):
+    optaxclip.scale_by_norm_ema().update({}, state)
+
+
 def test_inject_hyperparams_learning_rate():
   p = _as_tree(_params())
   tx = optax.inject_hyperparams(optaxclip.spam)(learning_rate=LR, **SPAM_KW)
