@@ -120,13 +120,15 @@ def _per_leaf(v: jax.Array, leaves: list, who: str, name: str) -> jax.Array:
   """State ``name``'s vector ``v`` (one entry per leaf), checked against the
   updates' ``leaves``, as float32.
   """
-  if v.shape != (len(leaves),):
+  shape = getattr(v, "shape", None)
+  if shape != (len(leaves),):
+    got = f"shape {shape}" if shape is not None else f"a {type(v).__name__}"
     raise ValueError(
       f"{who}: state.{name} must hold one entry per leaf of the updates "
-      f"({len(leaves)}); got shape {v.shape}. Call init with parameters of "
-      "the same structure as the updates."
+      f"({len(leaves)}); got {got}. Call init with parameters of the same "
+      "structure as the updates."
     )
-  return v.astype(_F32)
+  return jnp.asarray(v).astype(_F32)
 
 
 def _share(count: jax.Array, leaves: list[jax.Array]) -> jax.Array:

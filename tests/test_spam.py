@@ -387,6 +387,12 @@ def test_per_leaf_state_of_another_tree_is_an_error():
   state = optaxclip.scale_by_norm_ema().init({"a": jnp.ones(2)})
   with pytest.raises(ValueError, match=r"^scale_by_norm_ema: state\.mu must"):
     optaxclip.scale_by_norm_ema().update({}, state)
+  # A tree of scalars (the layout of earlier development versions).
+  old = state._replace(mu={"a": jnp.zeros(())})
+  with pytest.raises(
+    ValueError, match=r"^scale_by_norm_ema: state\.mu must .*; got a dict\."
+  ):
+    optaxclip.scale_by_norm_ema().update({"a": jnp.ones(2)}, old)
 
 
 def test_inject_hyperparams_learning_rate():
