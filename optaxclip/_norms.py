@@ -19,10 +19,11 @@ Three rules hold for every norm computed here:
   finite float32 values can exceed 3.4e38; ``1e-3 / 1.4e37`` is below
   2**-126) are carried as :class:`Scaled`, ``value * 2**exponent``, until
   they scale a leaf.
-* Derivatives of every order are finite everywhere: at a zero gradient and
-  exactly on a clipping threshold (meta-learning differentiates through
+* Derivatives of every order are finite, at a zero gradient and exactly on
+  a clipping threshold too (meta-learning differentiates through
   ``update``; Hessian-vector products through the optimizer need the second
-  order).
+  order); the known limits at both ends of float32's range are under
+  "Derivatives" below.
 
 Non-finite gradients (the policy of every clipper)
 --------------------------------------------------
@@ -69,16 +70,20 @@ quotient of mantissas in [0.5, 1): its derivative multiplies by up to
 4). Seen with a limit near 3.4e38 on several values of that size, and
 with clip_unitwise(0.375) of two values of -3.4e38 (an update of two
 values of -1.3e38) whose params are the gradient. At the
-other end, values and limits within a few powers of two of the smallest
-normal number (1e-37 and below in float32): the factor's cotangent is of
-the size of the values times the update's cotangent, and its products
-with numbers below 1 are flushed, so a gradient can miss the norm's own
-term (clip_global(1.45e-37) of ``[1, 2, -1.5] * 1e-37`` against the
-cotangent ``[1, 2, 3]``: 0.5385 where 0.5014 is right, in the first
-element) and a Hessian-vector product can be NaN (found by the release
-fuzz profile: clip_global with a limit of 1.45e-38 on values of 1e-38).
-Keeping it would need that cotangent carried at a normalised scale, an
-exact power-of-two multiplication more per element when scaling a leaf.
+other end, units whose values all lie within a few powers of two of the
+smallest normal number (1e-37 and below in float32), whatever the limit:
+a product inside the norm's derivative is flushed, so a gradient can
+miss the norm's own term (clip_global(1.45e-37) of ``[1, 2, -1.5] *
+1e-37`` against the cotangent ``[1, 2, 3]``: 0.5385 where 0.5014 is right,
+in the first element; the gradient of the L2 norm of six values of
+1.76e-38 reads 0 where 0.408 is right) and a Hessian-vector product can be
+NaN (found by the release fuzz profile: clip_global with a limit of
+1.45e-38 on values of 1e-38; clip_unitwise(2.35e-38, eps=1e-3) on values
+of 1.2e-38 that are also its params; clip_norm(inf) and clip_block_rms(0)
+on a leaf of six values of 1.76e-38). Not fixed: the derivative of
+``x / norm`` is of the size of 1 there, so a rule that carries it at that
+scale through the power-of-two scaling would keep it, but which product
+flushes has not been traced.
 
 ``axis_name`` support: inside ``shard_map`` or ``pmap``, the partial sums of
 leaves that are sharded over the named axis (or axes) are ``psum``-ed, and the

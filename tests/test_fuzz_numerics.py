@@ -145,6 +145,38 @@ NO_SHRINK = hypothesis.settings(
     ],
   )
 )
+# Found by the release profile: a tie at the limit (see _clip_fraction_band).
+# And the band taken in the oracle's wide dtype: unit norms of float64 leaves
+# above float64's range.
+@hypothesis.example(
+  (
+    "float64",
+    {
+      "a": np.array([6.74134926e307, -1.79769313e308, 6.74134926e307]),
+      "b": np.array([[0.0, 0.0, 1.38350581e19], [0.0, 0.0, 0.0]]),
+    },
+    {
+      "a": np.array([6.74134926e307, 0.0, 0.0]),
+      "b": np.array([[0.0, 0.0, 2.22507386e-308], [0.0, 0.0, 0.0]]),
+    },
+    [math.inf, math.inf, math.inf, 32767.99609375, math.inf, 0.0]
+    + [32767.99609375],
+  )
+)
+@hypothesis.example(
+  (
+    "float16",
+    {
+      "a": np.array([3.0, 0.0, 0.0], np.float16),
+      "b": np.array([[-6e-8, 6e-8, 6e-8], [6e-8, -6e-8, 6e-8]], np.float16),
+    },
+    {
+      "a": np.array([0.0, 5.96e-08, 6.104e-05], np.float16),
+      "b": np.array([[5.96e-08, 5.96e-08, 2.29e-05], [0, 0, 0]], np.float16),
+    },
+    [fz._ldexp32(0.5, 49), 0.0, 0.5, 3.0, math.inf, 0.0, 0.0],
+  )
+)
 def test_finite_input_clips_exactly_along_its_direction(case):
   dtype, g, w, limits = case
   results = _run(dtype, g, w, limits)
@@ -183,12 +215,35 @@ def test_finite_input_clips_exactly_along_its_direction(case):
       _assert_float32_statistic(
         float(getattr(state, name)), stats[name], f"{config!r} {name}"
       )
-    np.testing.assert_allclose(
-      float(state.clip_fraction),
-      stats["clip_fraction"],
-      atol=1e-6,
-      err_msg=f"{config!r} clip_fraction",
+    lo, hi = _clip_fraction_band(config, oracle, rtol)
+    frac = float(state.clip_fraction)
+    assert lo - 1e-6 <= frac <= hi + 1e-6, (
+      f"{config!r} clip_fraction {frac}, oracle {stats['clip_fraction']} "
+      f"(between {lo} and {hi} with ties)"
     )
+
+
+def _clip_fraction_band(config, oracle, rtol: float) -> tuple[float, float]:
+  """The share of units the oracle clips, counting a unit whose measure is
+  within ``rtol`` of its limit as either clipped or not: the clipper's
+  norm, accumulated in float32, cannot tell such a tie apart (found by the
+  release profile: a float16 tree of global norm 3 + 3.6e-15 against a
+  limit of 3 read 3.0, not clipped).
+  """
+  measures, limits = oracle.measures, oracle.limits
+  if config.name == "clip_global":
+    measures, limits = measures[:1], limits[:1]
+  lo = hi = units = 0
+  for m, lim in zip(measures, limits):
+    # In the oracle's own (wide) dtype: a float64 tree's norm may exceed
+    # float64's range.
+    m, lim = np.broadcast_arrays(np.asarray(m), np.asarray(lim))
+    if config.name == "clip_global":
+      m, lim = m.reshape(-1)[:1], lim.reshape(-1)[:1]
+    lo += int(np.sum(m > lim * (1 + rtol)))
+    hi += int(np.sum((m >= lim * (1 - rtol)) & ~((m == 0) & (lim == 0))))
+    units += m.size
+  return lo / max(units, 1), hi / max(units, 1)
 
 
 def _assert_float32_statistic(got: float, want: float, msg: str):
@@ -301,14 +356,49 @@ def _case32(a, b, limits):
     [0.375, 0.375, 0.0, 2.0194836766245472e-28, 2.0**102, 0.0, 0.375],
   )
 )
+# Found by the release profile, inside the documented limit at the bottom
+# of the range (value and gradient checked, not the Hessian-vector product):
+# clip_unitwise(2.35e-38, eps=1e-3) limits units of norm 1.2e-38 to 2.35e-41
+# (a NaN HVP); the same with one tiny leaf beside a normal one; and a leaf of
+# six values of 1.76e-38 under clip_norm(inf) and clip_block_rms(0).
+@hypothesis.example(
+  _case32(
+    [2.888895e-34, 1.401298e-45, 2.888895e-34],
+    [[1.7632415e-38] * 3, [1.7632415e-38] * 3],
+    [0.0, math.inf, math.inf, 0.0, math.inf, 0.0, 162013.90625],
+  )
+)
+@hypothesis.example(
+  _case32(
+    [1.1754944e-38, 1.1754944e-38, 0.0],
+    [[0.0, 0.0, 1.5], [0.0, 0.0, 0.0]],
+    [math.inf, math.inf, math.inf, 0.0, math.inf, math.inf]
+    + [float(np.ldexp(0.5, -125))],
+  )
+)
+@hypothesis.example(
+  _case32(
+    [1.1754944e-38, 1.4012985e-45, 1.4012985e-45],
+    [
+      [1.1754944e-38, -1.4012985e-45, 1.4012985e-45],
+      [1.4012985e-45, 1.4012985e-45, -1.4012985e-45],
+    ],
+    [7.834511776089958e29, 1048575.875, 0.0, 3298534883328.0, math.inf]
+    + [0.0, 2.3509884213848822e-38],
+  )
+)
 def test_derivatives_of_order_0_to_2_have_no_nan_on_finite_input(case):
   """Value, gradient and Hessian-vector product are free of NaN.
 
   Every static clipper (the gradient is also clip_unitwise's params), on
-  finite input of any magnitude. Known limit (see ``optaxclip._norms``,
+  finite input of any magnitude. Known limits (see ``optaxclip._norms``,
   "Derivatives"): where a norm-based clipper's update holds values whose
   magnitudes add up to a quarter of float32's largest value, the
-  derivatives may overflow; there only the value is checked.
+  derivatives may overflow; there only the value is checked. Where all
+  values of a unit of a norm-based clipper are within a few powers of two
+  of the smallest normal number (below 2**-120), whatever its limit, the
+  norm's derivatives are flushed; there the Hessian-vector product is not
+  checked.
   """
   _, g, _, limits = case
   v = np.concatenate([np.ravel(g[k]) for k in SHAPES]).astype(np.float32)
@@ -322,10 +412,47 @@ def test_derivatives_of_order_0_to_2_have_no_nan_on_finite_input(case):
     >= top / 4
     for config, (out, _) in zip(CONFIGS, _run("float32", g, g, limits))
   )
-  checked = (("value", value),) + (
-    () if near_top else (("grad", grad), ("hvp", hvp))
-  )
+  near_bottom = any(_has_a_tiny_unit(config, g) for config in CONFIGS)
+  checked = (("value", value),)
+  if not near_top:
+    checked += (("grad", grad),) + (() if near_bottom else (("hvp", hvp),))
   for name, x in checked:
+    assert not np.any(np.isnan(np.asarray(x))), name
+
+
+def _has_a_tiny_unit(config, g) -> bool:
+  """Whether ``config`` measures a unit of ``g`` whose nonzero values are
+  all below 2**-120 (the known limit of float32 derivatives at the bottom
+  of the range; see _norms, "Derivatives").
+  """
+  tiny = 2.0**-120
+  if config.name == "clip_value":
+    return False
+  a, b = (np.asarray(g[k], np.float64) for k in SHAPES)
+  if config.name == "clip_global":
+    units = [np.concatenate([a.ravel(), b.ravel()])]
+  elif config.name == "clip_unitwise":
+    # Its units are not all leaves (the kernel's rows or columns): any.
+    units = [a, b, *b, *b.T]
+  else:
+    units = [a, b]
+  return any(0 < np.max(np.abs(x)) < tiny for x in units)
+
+
+def test_hvp_of_zero_limits_on_tiny_values_has_no_nan():
+  # The first draw pinned above, a fixed bug (the factor's second
+  # derivative of a zero limit met 0 * inf), checked in full although its
+  # values lie in the known limit at the bottom of the range.
+  _, g, _, limits = _case32(
+    [0, 0, 1.1754944e-38],
+    [[1e-45, -1e-45, 3e-45], [-3e-45, 1e-45, 3e-45]],
+    [0, 7.8e29, 49152, 9.5e-7, 0, math.inf, 3],
+  )
+  v = np.concatenate([np.ravel(g[k]) for k in SHAPES]).astype(np.float32)
+  out = _derivative_runner()(
+    jnp.asarray(v), jnp.asarray(limits, jnp.float32), jnp.ones(9)
+  )
+  for name, x in zip(("value", "grad", "hvp"), out):
     assert not np.any(np.isnan(np.asarray(x))), name
 
 
