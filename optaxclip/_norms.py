@@ -80,10 +80,16 @@ in the first element; the gradient of the L2 norm of six values of
 NaN (found by the release fuzz profile: clip_global with a limit of
 1.45e-38 on values of 1e-38; clip_unitwise(2.35e-38, eps=1e-3) on values
 of 1.2e-38 that are also its params; clip_norm(inf) and clip_block_rms(0)
-on a leaf of six values of 1.76e-38). Not fixed: the derivative of
-``x / norm`` is of the size of 1 there, so a rule that carries it at that
-scale through the power-of-two scaling would keep it, but which product
-flushes has not been traced.
+on a leaf of six values of 1.76e-38). The flushed product: the exact
+norm is ``root(q) * 2**E`` with ``q`` the power sum of the values scaled
+by ``2**-E``, and reverse mode multiplies the cotangent by ``2**E *
+d root / dq`` first, below the smallest normal number once ``E`` is -125
+(``d norm / dq`` of ``q = 3.375``: 1.3e-38 at ``E = -124``, 0 at -125
+where 6.4e-39 is right), before the scaled values' derivative (times
+``2**-E``) would bring it back to the size of ``x / norm``. Not fixed:
+scaling tiny values up less (a larger ``E``) underflows the power sum of
+high orders instead, and a rule that cancels the two powers of two must
+hold in every path the norm takes into a clip factor (as :class:`Scaled`).
 
 ``axis_name`` support: inside ``shard_map`` or ``pmap``, the partial sums of
 leaves that are sharded over the named axis (or axes) are ``psum``-ed, and the
