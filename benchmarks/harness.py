@@ -287,6 +287,7 @@ def time_variants(
   log=log,
   seed: int = 0,
   compiler_options=None,
+  grads_of: Optional[dict[str, Any]] = None,
 ) -> dict[str, Result]:
   """Step time of each variant over ``adam``'s, between two adam steps.
 
@@ -304,6 +305,8 @@ def time_variants(
     log: where progress goes.
     seed: the seed of the per-round shuffles.
     compiler_options: XLA options for every variant's step.
+    grads_of: names to the gradients their steps apply instead of
+      ``grads`` (of the same structure and shapes).
 
   Returns:
     Per name (adam's with ratio 1 each round), the per-round ratios of its
@@ -314,10 +317,13 @@ def time_variants(
   shared = {"params": jax.tree.map(jnp.copy, params)}
   shared["adam"] = _take_adam(adam().init(shared["params"]))
 
+  def own_grads(name):
+    return (grads_of or {}).get(name, grads)
+
   def build(item):
     name, (make_tx, with_stats) = item
     return name, Stepper(
-      make_tx(), shared["params"], grads, with_stats, compiler_options
+      make_tx(), shared["params"], own_grads(name), with_stats, compiler_options
     )
 
   # Two at a time: XLA compiles outside the GIL, tracing does not.
@@ -329,7 +335,7 @@ def time_variants(
     for name, stepper in steppers.items()
   }
   runners = {
-    name: functools.partial(stepper.step, shared, grads)
+    name: functools.partial(stepper.step, shared, own_grads(name))
     for name, stepper in steppers.items()
   }
   for name, fn in (extra or {}).items():

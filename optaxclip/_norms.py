@@ -101,9 +101,12 @@ Performance notes (XLA on CPU, measured with ``benchmarks/run.py``): a plain
 it (a threshold, a scale) makes XLA write a broadcast of the scalar to memory,
 and a square (or bfloat16 upcast) of the raw gradient is merged with the
 optimizer's own and then written out in full. Hence the fast path squares the
-leaf behind an ``optimization_barrier`` with no other operand, and the exact
-recompute and ``clip_value``'s statistics use multi-output reductions, which
-need no scalar operand (their derivatives come from the plain formulas).
+leaf behind an ``optimization_barrier`` with no other operand, and
+``clip_value``'s statistics use multi-output reductions, which need no scalar
+operand (their derivatives come from the plain formulas). The exact
+recompute, which runs only on steps whose sums leave the trusted range, takes
+two passes that XLA vectorizes (the largest magnitude, then the values scaled
+by its power of two; see :func:`_scaled_sum`).
 Small leaves are concatenated (in chunks of at most ``CHUNK_SIZE`` elements)
 for the tree-wide norm, so that the compiled program does not grow with the
 number of leaves.
@@ -763,7 +766,25 @@ def _scale_exponent(m: jax.Array) -> jax.Array:
   return jax.lax.clamp(np.int32(lo), exponent(m), np.int32(hi))
 
 
-def _scaled_sum_plain(x, p, axes, dtype):
+def _scaled_sum(x: jax.Array, p: float, axes, dtype):
+  """``(q, E)`` with ``q = sum (|x| * 2**-E)**p`` over ``axes`` (keepdims).
+
+  ``2**E`` is the power of two of ``M = max |x|`` (int32 ``E``), so ``q`` is
+  neither overflowed nor underflowed, and the norm is ``q**(1/p) * 2**E``.
+  Two passes: ``M``, then the sum of the values scaled by ``2**-E``, exact
+  powers of two. An infinite element gives ``q = inf``, a NaN ``q = NaN``.
+  A complex leaf, whose modulus may exceed the range while both parts are
+  finite, is scaled by the power of two of its largest part first.
+
+  Not one pass with a two-output reduction whose merge rescales partial
+  sums by the ratio of their maxima (the earlier form): XLA:CPU does not
+  vectorize it, and it took 5x the two passes on 64 x 400k float32 (the
+  exact recompute's step was 3.3x the direct step's for clip_global, 4.1x
+  for clip_norm: benchmarks/exact_recompute.py); nor does XLA's
+  partitioner split it.
+  """
+  axes = _reduce_axes(x, axes)
+  dtype = np.dtype(dtype)
   if jnp.iscomplexobj(x):
     # A modulus may exceed the range while both parts are finite
     # (3.4e38 - 8e37j): M is the largest part, and the modulus is taken
@@ -776,81 +797,22 @@ def _scaled_sum_plain(x, p, axes, dtype):
         initial=0,
       )
     )
-    scale = pow2(-_scale_exponent(m), dtype)
-    a = magnitude(scale_parts(x, scale), dtype)
-    return jnp.sum(_power(a, p), axis=axes, keepdims=True), m
-  a = magnitude(x, dtype)
+    a = magnitude(scale_parts(x, pow2(-_scale_exponent(m), dtype)), dtype)
+    return jnp.sum(_power(a, p), axis=axes, keepdims=True), _scale_exponent(m)
   # M only picks an exact power-of-two scale: it has no derivative, and a
-  # NaN it misses (see nan_max) is in the sum.
-  m = jax.lax.stop_gradient(jnp.max(a, axis=axes, keepdims=True, initial=0))
-  scale = pow2(-_scale_exponent(m), dtype)
-  return jnp.sum(_power(a * scale, p), axis=axes, keepdims=True), m
-
-
-def _scaled_sum_fast(x, p, axes, dtype):
-  def merge(u, v):
-    # Element-wise divisions (no broadcast scalar): XLA keeps them divisions.
-    # One ratio, of the smaller to the larger (at most 1): the partial of
-    # the larger is not rescaled at all.
-    (m1, q1), (m2, q2) = u, v
-    # A NaN magnitude wins, so that M ends NaN whatever the reduction's
-    # order (were M inf, the inf / inf guard below would hide the NaN).
-    first = (m1 >= m2) | jnp.isnan(m1)
-    m = jnp.where(first, m1, m2)
-    small = jnp.where(first, m2, m1)
-    # The minimum changes no value (ratio <= 1); it keeps codegen from
-    # reassociating q * (small / m) into (q * small) / m, which overflows
-    # (XLA:CPU's element emitters, xla_cpu_use_fusion_emitters=false).
-    ratio = jnp.minimum(small / jnp.where(m > 0, m, 1), 1)
-    q_big, q_small = jnp.where(first, q1, q2), jnp.where(first, q2, q1)
-    return m, q_big + q_small * _power(ratio, p)
-
-  # Subnormal magnitudes as 0, whether or not the compiled code flushes
-  # them (XLA:CPU without LLVM optimisation, GPUs without ftz do not): a
-  # merge would divide by one, and 1 / 2**-149 overflows. (NaN stays NaN.)
-  a = magnitude(x, dtype)
-  a = jnp.where(a < jnp.finfo(dtype).tiny, 0, a)
-  zero = jnp.zeros((), dtype)
-  m, q = jax.lax.reduce((a, jnp.ones_like(a)), (zero, zero), merge, axes)
-  m, q = jnp.expand_dims(m, axes), jnp.expand_dims(q, axes)
-  # q = sum (|x| / M)**p; rescale it to the power-of-two scale of M.
-  mantissa = m * pow2(-_scale_exponent(m), dtype)
-  return q * _power(mantissa, p), m
-
-
-_scaled_sum_custom = _with_plain_derivative(
-  _scaled_sum_fast, _scaled_sum_plain, n_args=4, n_static=3
-)
-
-
-def _scaled_sum(x: jax.Array, p: float, axes, dtype):
-  """``(q, E)`` with ``q = sum (|x| * 2**-E)**p`` over ``axes`` (keepdims).
-
-  ``2**E`` is the power of two of ``M = max |x|`` (int32 ``E``), so ``q`` is
-  neither overflowed nor underflowed, and the norm is ``q**(1/p) * 2**E``.
-  One pass, with no scalar operand: each partial result carries its own
-  largest magnitude, and two partials are merged by rescaling to the larger.
-  An infinite element gives ``q = inf``, a NaN ``q = NaN``. A leaf that may
-  span devices takes two plain passes instead: XLA's partitioner does not
-  split a multi-output reduction, it would all-gather the leaf. So does a
-  complex leaf, whose modulus may exceed the range while both parts are
-  finite: it is scaled by the power of two of its largest part first.
-  """
-  axes = _reduce_axes(x, axes)
-  dtype = np.dtype(dtype)
-  if any(x.shape[d] == 0 for d in axes):
-    # Units of no elements: norm 0. (XLA:CPU returns NaN for the two-output
-    # reduction over an empty axis: not its initial values.)
-    zero = jnp.zeros(
-      tuple(1 if d in axes else n for d, n in enumerate(x.shape))
-    )
-    return zero.astype(dtype), _scale_exponent(zero.astype(dtype))
-  if may_span_devices(x) or jnp.iscomplexobj(x):
-    q, m = _scaled_sum_plain(x, p, axes, dtype)
-  else:
-    q, m = _scaled_sum_custom(x, p, axes, dtype)
-  q = jnp.where(m == jnp.inf, jnp.inf, q)  # inf / inf in the merge: NaN
-  return q, _scale_exponent(m)
+  # NaN it misses (see nan_max) is in the sum. It is taken in x's own dtype
+  # (exact), and the sum scales x itself: with |x| or a cast of x shared
+  # by the two reductions (or with any select in the sum), XLA:CPU wrote a
+  # leaf-sized temporary, or reduced both in a loop of its own, 4-5x slower
+  # than the two passes it vectorizes.
+  m = jax.lax.stop_gradient(
+    jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0)
+  ).astype(dtype)
+  e = _scale_exponent(m)
+  x = jax.lax.optimization_barrier(x)
+  y = jax.lax.convert_element_type(x, dtype) * pow2(-e, dtype)
+  powered = y * y if p == 2 else _power(jnp.abs(y), p)
+  return jnp.sum(powered, axis=axes, keepdims=True), e
 
 
 def _exact_rows(parts, axes, flags, members, p) -> dict[int, Scaled]:
@@ -858,9 +820,9 @@ def _exact_rows(parts, axes, flags, members, p) -> dict[int, Scaled]:
   are rows (2-D, real, on one device, reduced along axis 1), by index:
   their rows padded with zeros to the widest and reduced as one matrix. A
   zero adds nothing to a unit's largest magnitude or scaled sum, so each
-  unit's norm is what its part alone gives; the multi-output reduction is
-  one kernel to compile, not one per part's shape (it runs only in the
-  rare exact recompute). Parts are left out (computed on their own) when
+  unit's norm is what its part alone gives; its reductions are compiled
+  once, not once per part's shape (they run only in the rare exact
+  recompute). Parts are left out (computed on their own) when
   the padding would more than quadruple the elements or exceed
   ``CHUNK_SIZE``.
   """
@@ -1815,13 +1777,25 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
       jnp.where(ok, 0, exact_norm.exponent),
     )
 
+  def tops(parts_):
+    # Plain maxima (vectorized by XLA:CPU, where the NaN-keeping ones of
+    # largest_magnitude are not): read only where a sum is 0, which a NaN
+    # would have made NaN.
+    return [
+      _pmax(
+        jnp.max(magnitude(x), axis=ax, keepdims=True, initial=0),
+        f,
+      )
+      for x, ax, f in zip(parts_, axes, flags)
+    ]
+
   def fallback(parts_):
     # Zero sums are zero norms when their units' largest magnitude is 0 and
     # every other sum is trusted (one max pass); otherwise recompute.
     settled = _all_of(
       [
         good(v) | (zero(v) & (m == 0))
-        for v, m in zip(flat, grouped(maxima(parts_)))
+        for v, m in zip(flat, grouped(tops(parts_)))
       ]
     )
     return jax.lax.cond(settled, direct, exact, parts_)

@@ -1,5 +1,5 @@
-"""benchmarks/run.py --quick and floors.py run and write sane reports (so they
-never rot); run.py's command line.
+"""benchmarks/run.py --quick, floors.py and exact_recompute.py run and write
+sane reports (so they never rot); run.py's command line.
 
 Speed itself is not tested here (timings belong to benchmarks/RESULTS.md);
 this checks that every row is measured and every figure is a positive number.
@@ -191,3 +191,33 @@ def test_floors_runs_at_a_tiny_size():
   for cells in rows:
     _ratio(cells[1])
     assert float(cells[2]) >= 0, cells
+
+
+@pytest.mark.slow
+def test_exact_recompute_runs_at_a_tiny_size():
+  """Every variant measured, and the script's own check passed: each scale
+  sends the sums where the variant's name says.
+  """
+  stdout = run_script(
+    "benchmarks/exact_recompute.py",
+    "--rounds",
+    "2",
+    "--leaves",
+    "3",
+    "--size",
+    "1000",
+    cwd=ROOT,
+    timeout=300,
+  )
+  rows = [
+    _cells(line)
+    for line in stdout.splitlines()
+    if line.startswith("| ") and not line.startswith("| variant")
+  ]
+  script = _import("exact_recompute")
+  assert [cells[0] for cells in rows] == list(script.variants())
+  for cells in rows:
+    _ratio(cells[1])
+    _ratio(cells[2])
+  direct = [cells for cells in rows if ", direct " in cells[0]]
+  assert [_ratio(cells[2]) for cells in direct] == [1.0] * len(script.CLIPPERS)
