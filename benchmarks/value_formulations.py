@@ -63,6 +63,16 @@ def element_clip(stats: str, wait: bool = False):
       elif stats == "clamped":  # ... of a clamped, scaled difference
         steep = 2.0**25 / MAX_DELTA  # 1 at one float32 ulp above d
         count = jnp.sum(jnp.clip((a - MAX_DELTA) * steep, 0.0, 1.0))
+      elif stats == "fusable":
+        # Only ops XLA:CPU's YNNPACK reductions fuse (abs, sign, max, mul,
+        # sub, add; no compare or select), behind a barrier so that the two
+        # reductions stay apart: sign(max(|g| - d, 0)) is 1 above d, else 0,
+        # and sign(g) * 0 is NaN at a NaN alone (the count carries it).
+        largest = jnp.max(a)
+        b = jnp.abs(jax.lax.optimization_barrier(x))
+        count = jnp.sum(
+          jnp.sign(jnp.maximum(b - MAX_DELTA, 0.0)) + jnp.sign(b) * 0
+        )
       elif stats == "two-output":
         largest, count = _norms.largest_and_count_above(x, MAX_DELTA)
       else:  # "sampled": every STRIDE-th element, per-element policy
@@ -96,6 +106,9 @@ VARIANTS = {
   ),
   "clip waiting for sum(clip((abs(g) - d) * 2**25 / d, 0, 1)) alone": (
     harness.chained(lambda: element_clip("clamped", wait=True))
+  ),
+  "clip waiting for max(abs(g)) + sum(sign(max(abs(g) - d, 0)))": (
+    harness.chained(lambda: element_clip("fusable", wait=True))
   ),
   "clip + two-output reduce (max, count)": harness.chained(
     lambda: element_clip("two-output")

@@ -779,9 +779,9 @@ def _scaled_sum(x: jax.Array, p: float, axes, dtype):
   Not one pass with a two-output reduction whose merge rescales partial
   sums by the ratio of their maxima (the earlier form): XLA:CPU does not
   vectorize it, and it took 5x the two passes on 64 x 400k float32 (the
-  exact recompute's step was 3.3x the direct step's for clip_global, 4.1x
-  for clip_norm: benchmarks/exact_recompute.py); nor does XLA's
-  partitioner split it.
+  exact recompute's step was 2.4x the direct step's for clip_global, 3.0x
+  for clip_norm, against 1.4x and 1.6x now: benchmarks/exact_recompute.py);
+  nor does XLA's partitioner split it.
   """
   axes = _reduce_axes(x, axes)
   dtype = np.dtype(dtype)
