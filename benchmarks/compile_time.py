@@ -27,7 +27,6 @@ from collections.abc import Callable
 import pathlib
 import statistics
 import sys
-import time
 
 # This checkout's optaxclip and harness, not installed ones.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -105,19 +104,16 @@ CLOCK = {"clock": "wall"}
 
 def compile_seconds(make_clipper, params, grads) -> float:
   """Seconds to trace, lower and compile one step of chain(clipper, adam),
-  or of the optimizer itself for those of OPTIMIZERS, from cold caches.
+  or of the optimizer itself for those of OPTIMIZERS, from cold caches
+  (:func:`harness.cold_compile_seconds`, on ``CLOCK``'s clock).
   """
-  # As after a restart: no trace kept from an earlier round (a factory of
-  # optaxclip shares its jitted update across instances).
-  jax.clear_caches()
-  start = time.process_time()
   whole = any(make_clipper is make for make in OPTIMIZERS.values())
-  lower, compile_, _ = harness.compile_seconds(
-    make_clipper if whole else harness.chained(make_clipper), params, grads
+  return harness.cold_compile_seconds(
+    make_clipper if whole else harness.chained(make_clipper),
+    params,
+    grads,
+    clock=CLOCK["clock"],
   )
-  if CLOCK["clock"] == "cpu":
-    return time.process_time() - start
-  return lower + compile_
 
 
 def measure(

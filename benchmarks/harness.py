@@ -13,7 +13,8 @@
   the variants in a new random order) and records each variant's step over
   the mean of the two adam steps around it, so that load that comes and goes
   on a shared machine hits both sides of a ratio alike;
-* compile time: :func:`compile_seconds` (trace + lower, then XLA);
+* compile time: :func:`compile_seconds` (trace + lower, then XLA), and
+  :func:`cold_compile_seconds` (the same from cold caches);
 * :func:`torch_reference`: ``clip_grad_norm_`` + Adam over Adam in PyTorch,
   timed the same way, when torch is importable;
 * report helpers: :func:`machine_lines`, :func:`fmt_ratio`, :func:`fmt_mb`.
@@ -443,6 +444,27 @@ def compile_seconds(make_tx, params, grads) -> tuple[float, float, int]:
   compiled = lowered.compile()
   t2 = time.perf_counter()
   return t1 - t0, t2 - t1, temp_bytes(compiled)
+
+
+def cold_compile_seconds(make_tx, params, grads, clock: str = "wall") -> float:
+  """Seconds to trace, lower and compile one step of ``make_tx()`` (see
+  :func:`compile_seconds`) from cold caches, as after a restart: no trace
+  kept from an earlier compile (a factory of optaxclip shares its jitted
+  update across instances).
+
+  ``clock``: ``"wall"`` (trace, lower and compile on the clock) or
+  ``"cpu"`` (this process's CPU seconds, all threads, the optimizer's
+  ``init`` included: less sensitive to other processes on a loaded
+  machine).
+  """
+  if clock not in ("wall", "cpu"):
+    raise ValueError(f"clock must be 'wall' or 'cpu'; got {clock!r}")
+  jax.clear_caches()
+  start = time.process_time()
+  lower, compile_, _ = compile_seconds(make_tx, params, grads)
+  if clock == "cpu":
+    return time.process_time() - start
+  return lower + compile_
 
 
 # --------------------------------------------------------------------------

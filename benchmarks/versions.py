@@ -191,22 +191,11 @@ def run_whole(args, versions) -> None:
 
 def compile_seconds(make_tx, tree, whole: bool = False) -> float:
   """CPU seconds to trace, lower and compile a step of ``chain(make_tx(),
-  adam)`` (of ``make_tx()`` itself with ``whole``), from cold caches.
+  adam)`` (of ``make_tx()`` itself with ``whole``), from cold caches
+  (:func:`harness.cold_compile_seconds`).
   """
-  tx = make_tx() if whole else optax.chain(make_tx(), optax.adam(1e-3))
-
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  # As after a restart: no trace kept from an earlier round (a factory of
-  # optaxclip shares its jitted update across instances).
-  jax.clear_caches()
-  start = time.process_time()
-  jax.jit(step, donate_argnums=(0, 1)).lower(
-    tree, tx.init(tree), tree
-  ).compile()
-  return time.process_time() - start
+  make = make_tx if whole else harness.chained(make_tx)
+  return harness.cold_compile_seconds(make, tree, tree, clock="cpu")
 
 
 def run_compile(args, versions) -> None:
