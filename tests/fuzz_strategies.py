@@ -75,8 +75,10 @@ Float64 oracles (NumPy, no JAX)
   ``oracle_static(config, leaves, limit, params=None)`` -> ``Oracle`` with
   ``out`` (float64 / complex128 leaves: the clipped result), ``measures`` and
   ``limits`` (per unit, broadcastable to each leaf), ``factors`` (per unit),
-  ``stats`` (``norm``, ``clipped_norm``, ``clip_fraction``) and
-  ``unit_measure(leaves)`` (the measures of any tree, e.g. of the output).
+  ``stats`` (``norm``, ``clipped_norm``, ``clip_fraction``),
+  ``unit_measure(leaves)`` (the measures of any tree, e.g. of the output)
+  and ``clip_fraction_band(rtol, atols=None)`` (the clipped share, ties at
+  the limit counted either way).
   ``measure_tree(leaves, ord)``: the tree's global ord-norm in float64.
   ``flush_atol(dtype)``: the absolute tolerance XLA:CPU's flush of
   subnormals to zero needs (the dtype's smallest normal): values below it may
@@ -875,6 +877,33 @@ class Oracle:
   stats: dict
   unit_measure: Any
   order: float = 2.0  # p of the measure (inf for clip_value's magnitude)
+  one_unit: bool = False  # clip_global's: every leaf holds the tree's unit
+
+  def clip_fraction_band(self, rtol: float, atols=None) -> tuple[float, float]:
+    """The share of units this oracle clips, as ``(lo, hi)``: a unit whose
+    measure is within ``rtol`` (and its leaf's entry of ``atols``, e.g. a
+    flush tolerance) of its limit counts as either clipped or not. The
+    clipper's norm, accumulated in float32, cannot tell such a tie apart
+    (found by the release profile: a float16 tree of global norm
+    3 + 3.6e-15 against a limit of 3 read 3.0, not clipped). A zero
+    measure at a zero limit is not clipped.
+    """
+    measures, limits = self.measures, self.limits
+    if atols is None:
+      atols = [0.0] * len(measures)
+    if self.one_unit:
+      measures, limits, atols = measures[:1], limits[:1], atols[:1]
+    lo = hi = units = 0
+    for m, lim, atol in zip(measures, limits, atols):
+      # In the oracle's own (wide) dtype: a float64 tree's norm may exceed
+      # float64's range.
+      m, lim = np.broadcast_arrays(np.asarray(m), np.asarray(lim))
+      if self.one_unit:
+        m, lim = m.reshape(-1)[:1], lim.reshape(-1)[:1]
+      lo += int(np.sum(m > lim * (1 + rtol) + atol))
+      hi += int(np.sum((m >= lim * (1 - rtol)) & ~((m == 0) & (lim == 0))))
+      units += m.size
+    return lo / max(units, 1), hi / max(units, 1)
 
 
 def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
@@ -979,7 +1008,9 @@ def oracle_static(config: Config, tree_leaves, limit, params=None) -> Oracle:
         "clip_fraction": sum(int(np.sum(f < 1)) for f in factors)
         / max(units, 1),
       }
-  return Oracle(out, measures, lims, factors, stats, unit_measure, p)
+  return Oracle(
+    out, measures, lims, factors, stats, unit_measure, p, name == "clip_global"
+  )
 
 
 def oracle_per_example(tree_leaves, l2_clip, scope="global"):

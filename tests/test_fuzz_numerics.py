@@ -145,7 +145,8 @@ NO_SHRINK = hypothesis.settings(
     ],
   )
 )
-# Found by the release profile: a tie at the limit (see _clip_fraction_band).
+# Found by the release profile: a tie at the limit (see
+# Oracle.clip_fraction_band in fuzz_strategies.py).
 # And the band taken in the oracle's wide dtype: unit norms of float64 leaves
 # above float64's range.
 @hypothesis.example(
@@ -215,35 +216,12 @@ def test_finite_input_clips_exactly_along_its_direction(case):
       _assert_float32_statistic(
         float(getattr(state, name)), stats[name], f"{config!r} {name}"
       )
-    lo, hi = _clip_fraction_band(config, oracle, rtol)
+    lo, hi = oracle.clip_fraction_band(rtol)
     frac = float(state.clip_fraction)
     assert lo - 1e-6 <= frac <= hi + 1e-6, (
       f"{config!r} clip_fraction {frac}, oracle {stats['clip_fraction']} "
       f"(between {lo} and {hi} with ties)"
     )
-
-
-def _clip_fraction_band(config, oracle, rtol: float) -> tuple[float, float]:
-  """The share of units the oracle clips, counting a unit whose measure is
-  within ``rtol`` of its limit as either clipped or not: the clipper's
-  norm, accumulated in float32, cannot tell such a tie apart (found by the
-  release profile: a float16 tree of global norm 3 + 3.6e-15 against a
-  limit of 3 read 3.0, not clipped).
-  """
-  measures, limits = oracle.measures, oracle.limits
-  if config.name == "clip_global":
-    measures, limits = measures[:1], limits[:1]
-  lo = hi = units = 0
-  for m, lim in zip(measures, limits):
-    # In the oracle's own (wide) dtype: a float64 tree's norm may exceed
-    # float64's range.
-    m, lim = np.broadcast_arrays(np.asarray(m), np.asarray(lim))
-    if config.name == "clip_global":
-      m, lim = m.reshape(-1)[:1], lim.reshape(-1)[:1]
-    lo += int(np.sum(m > lim * (1 + rtol)))
-    hi += int(np.sum((m >= lim * (1 - rtol)) & ~((m == 0) & (lim == 0))))
-    units += m.size
-  return lo / max(units, 1), hi / max(units, 1)
 
 
 def _assert_float32_statistic(got: float, want: float, msg: str):
