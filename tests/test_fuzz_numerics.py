@@ -476,7 +476,14 @@ def test_exact_power_sum_matches_the_oracle_whatever_the_compiler(x, p):
 def _check_exact_power_sum(x, p):
   q, e = _exact_sum_runner(p)(jnp.asarray(x))
   a = np.abs(_flushed(x, "float32"))
-  want = np.sum((a * 2.0 ** -float(np.ravel(e)[0])) ** p)
+  e = float(np.ravel(e)[0])
+  # The scale is the power of two of the largest magnitude M (M * 2**-E in
+  # [0.5, 4), below 0.5 only where 2**-E would not be normal).
+  top = float(np.max(a, initial=0.0))
+  if top > 0:
+    ratio = top * 2.0**-e
+    assert ratio < 4 and (ratio >= 0.5 or top < 2.0**-100), (top, e)
+  want = np.sum((a * 2.0**-e) ** p)
   np.testing.assert_allclose(float(np.ravel(q)[0]), want, rtol=1e-5, atol=0)
 
 
@@ -530,6 +537,10 @@ def test_exact_power_sum_keeps_nan_over_inf(x, p):
   """The non-finite policy in the exact recompute: any NaN element gives a
   NaN sum, else any infinite one an infinite sum.
   """
+  _check_nan_over_inf(x, p)
+
+
+def _check_nan_over_inf(x, p):
   for run in (_exact_sum_runner(p), _exact_sum_runner(p).jitted):
     q, _ = run(jnp.asarray(x))
     q = float(np.ravel(q)[0])
@@ -539,6 +550,53 @@ def test_exact_power_sum_keeps_nan_over_inf(x, p):
       assert q == np.inf, (x, q)
     else:
       assert np.isfinite(q), (x, q)
+
+
+@st.composite
+def _long_vectors(draw, nonfinite=False):
+  """A float32 vector of 4096 to 40000 elements (where XLA:CPU's
+  reductions are vectorized, and its plain max drops a NaN): a background
+  of normal values at a drawn power of two (from the subnormal range to
+  the top), with eight drawn values (extreme magnitudes, or NaN / inf) at
+  drawn places.
+  """
+  n = draw(st.sampled_from((4096, 4099, 40000)))
+  seed = draw(st.integers(0, 2**16))
+  scale = draw(st.sampled_from((-149, -130, -126, -60, 0, 60, 100, 126, 127)))
+  rng = np.random.default_rng(seed)
+  x = np.ldexp(rng.uniform(-1.0, 1.0, n), scale).astype(F32)
+  special = draw(fz.arrays("float32", (8,), nonfinite, magnitudes="extreme"))
+  places = draw(
+    st.lists(st.integers(0, n - 1), min_size=8, max_size=8, unique=True)
+  )
+  x[places] = special
+  return x
+
+
+@fz.examples(8, NO_SHRINK)
+@hypothesis.given(x=_long_vectors(), p=st.sampled_from((1.0, 2.0, 3.0)))
+# The largest magnitude negative, far above the largest value: a scale
+# taken from max(x) instead of max |x| overflows the scaled values.
+@hypothesis.example(
+  x=np.where(np.arange(4096) == 5, -3e38, 1e-20).astype(F32), p=2.0
+)
+def test_exact_power_sum_of_long_vectors_matches_the_oracle(x, p):
+  """The exact recompute's two passes (the largest magnitude, then the sum
+  scaled by its power of two) on vectors XLA:CPU vectorizes, with values
+  over the whole range, against float64.
+  """
+  _check_exact_power_sum(x, p)
+
+
+@fz.examples(8, NO_SHRINK)
+@hypothesis.given(
+  x=_long_vectors(nonfinite=True), p=st.sampled_from((1.0, 2.0))
+)
+def test_exact_power_sum_of_long_vectors_keeps_nan_over_inf(x, p):
+  """The non-finite policy on long vectors, whose plain maximum may drop a
+  NaN: a NaN anywhere gives a NaN sum, else an inf an infinite one.
+  """
+  _check_nan_over_inf(x, p)
 
 
 def _unitwise_update(g, params, clipping):
