@@ -122,28 +122,9 @@ VARIANTS = {
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument(
-    "--rounds", type=int, default=11, help="timing rounds (default: 11)"
-  )
-  parser.add_argument(
-    "--leaves",
-    type=int,
-    default=64,
-    help="float32 leaves in the tree (default: 64)",
-  )
-  parser.add_argument(
-    "--size",
-    type=int,
-    default=400_000,
-    help="elements per leaf (default: 400000)",
-  )
+  harness.add_tree_a_arguments(parser, rounds=11)
   args = parser.parse_args(argv)
-  for name in ("rounds", "leaves", "size"):
-    if getattr(args, name) < 1:
-      parser.error(f"--{name} must be at least 1; got {getattr(args, name)}")
-  shapes = harness.many_leaves(args.leaves, args.size)
-  params = harness.make_arrays(shapes, jnp.float32, 0.02, seed=0)
-  grads = harness.make_arrays(shapes, jnp.float32, harness.GRAD_SCALE, seed=1)
+  params, grads = harness.tree_a(parser, args)
   variants = {"adam": (harness.adam, False)}
   variants.update({name: (make, False) for name, make in VARIANTS.items()})
   results = harness.time_variants(

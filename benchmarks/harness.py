@@ -3,7 +3,8 @@
 ``run.py`` (the report) and ``floors.py`` (the ablations) build on it:
 
 * trees: :func:`many_leaves`, :func:`transformer` (shapes), turned into
-  arrays by :func:`make_arrays`;
+  arrays by :func:`make_arrays`; tree (a) from a script's command line
+  (:func:`add_tree_a_arguments`, :func:`tree_a`);
 * floors: :func:`read_only` (one float32 sum-of-squares pass over the
   gradients, not used) and :func:`scale_only` (every leaf times a factor from
   the state), each chained before adam by :func:`chained`;
@@ -112,6 +113,45 @@ def make_arrays(shapes, dtype, scale: float, seed: int, ones_for=None):
         (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
       )
   return jax.tree.unflatten(treedef, out)
+
+
+def add_tree_a_arguments(parser, rounds: int) -> None:
+  """``--rounds`` (default ``rounds``), ``--leaves`` and ``--size``: the
+  command line of a script timed on tree (a) of run.py (64 float32
+  leaves of 400k by default). :func:`tree_a` checks and builds it.
+  """
+  parser.add_argument(
+    "--rounds",
+    type=int,
+    default=rounds,
+    help=f"timing rounds (default: {rounds})",
+  )
+  parser.add_argument(
+    "--leaves",
+    type=int,
+    default=64,
+    help="float32 leaves in the tree (default: 64)",
+  )
+  parser.add_argument(
+    "--size",
+    type=int,
+    default=400_000,
+    help="elements per leaf (default: 400000)",
+  )
+
+
+def tree_a(parser, args) -> tuple[Any, Any]:
+  """``(params, grads)`` of the tree :func:`add_tree_a_arguments` asks
+  for (params N(0, 0.02), gradients N(0, GRAD_SCALE)); a count below 1 is
+  the parser's error.
+  """
+  for name in ("rounds", "leaves", "size"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name} must be at least 1; got {getattr(args, name)}")
+  shapes = many_leaves(args.leaves, args.size)
+  params = make_arrays(shapes, jnp.float32, 0.02, seed=0)
+  grads = make_arrays(shapes, jnp.float32, GRAD_SCALE, seed=1)
+  return params, grads
 
 
 def count_params(tree) -> int:

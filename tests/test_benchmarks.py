@@ -168,10 +168,12 @@ def test_help_says_how_long_a_run_takes(capsys):
   assert f"about {run.QUICK_SECONDS} s" in text
 
 
-@pytest.mark.slow
-def test_floors_runs_at_a_tiny_size():
+def _rows_at_a_tiny_size(script: str) -> list[list[str]]:
+  """The table rows that ``benchmarks/<script>`` prints for 2 rounds on 3
+  leaves of 1000 (tree (a)'s command line, harness.add_tree_a_arguments).
+  """
   stdout = run_script(
-    "benchmarks/floors.py",
+    f"benchmarks/{script}",
     "--rounds",
     "2",
     "--leaves",
@@ -181,11 +183,16 @@ def test_floors_runs_at_a_tiny_size():
     cwd=ROOT,
     timeout=300,
   )
-  rows = [
+  return [
     _cells(line)
     for line in stdout.splitlines()
     if line.startswith("| ") and not line.startswith("| variant")
   ]
+
+
+@pytest.mark.slow
+def test_floors_runs_at_a_tiny_size():
+  rows = _rows_at_a_tiny_size("floors.py")
   floors = _import("floors")
   assert [cells[0] for cells in rows] == list(floors.VARIANTS)
   for cells in rows:
@@ -198,22 +205,7 @@ def test_exact_recompute_runs_at_a_tiny_size():
   """Every variant measured, and the script's own check passed: each scale
   sends the sums where the variant's name says.
   """
-  stdout = run_script(
-    "benchmarks/exact_recompute.py",
-    "--rounds",
-    "2",
-    "--leaves",
-    "3",
-    "--size",
-    "1000",
-    cwd=ROOT,
-    timeout=300,
-  )
-  rows = [
-    _cells(line)
-    for line in stdout.splitlines()
-    if line.startswith("| ") and not line.startswith("| variant")
-  ]
+  rows = _rows_at_a_tiny_size("exact_recompute.py")
   script = _import("exact_recompute")
   assert [cells[0] for cells in rows] == list(script.variants())
   for cells in rows:
