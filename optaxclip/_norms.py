@@ -106,7 +106,12 @@ leaf behind an ``optimization_barrier`` with no other operand, and
 operand (their derivatives come from the plain formulas). The exact
 recompute, which runs only on steps whose sums leave the trusted range, takes
 two passes that XLA vectorizes (the largest magnitude, then the values scaled
-by its power of two; see :func:`_scaled_sum`).
+by its power of two; see :func:`_scaled_sum`). With jaxlib 0.10, XLA:CPU
+hands a reduction to its YNNPACK kernels when the operand is element-wise
+arithmetic they take (abs, sign, convert, add, multiply, max and the like)
+and no comparison or select, whose result it computes into memory first
+(benchmarks/FLOORS.md); a scale that an earlier reduction computed, as in
+that second pass, stays a one-element operand.
 Small leaves are concatenated (in chunks of at most ``CHUNK_SIZE`` elements)
 for the tree-wide norm, so that the compiled program does not grow with the
 number of leaves.
