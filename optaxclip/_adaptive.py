@@ -1239,8 +1239,12 @@ def clip_relative(
     total = measured.total
     # Each leaf's share of the global limit, norm_i / total * limit: the
     # share (<= 1) from clip_scale, with no tiny factor to flush to zero
-    # (limit / total is subnormal for a total above ~1e38 in float32).
-    share = _norms.clip_scale(total, norms).as_float()
+    # (limit / total is subnormal for a total above ~1e38 in float32), and
+    # from the exact norms: a finite tree's total may exceed the dtype's
+    # range (inf as a float, and inf / inf is NaN).
+    share = _norms.clip_scale(
+      _norms.combine_norms_scaled([measured.scaled]), measured.scaled
+    ).as_float()
     warm_limit = jnp.where(
       total > warmup_max_norm_now, share * warmup_max_norm_now, jnp.inf
     )

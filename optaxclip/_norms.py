@@ -1693,16 +1693,16 @@ def part_norms(
 def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   """Unit norms of each part (keepdims); the body of unit_norms."""
 
-  def maxima(parts_):
+  def maxima(parts_) -> list[Scaled]:
     return [
-      _pmax(largest_magnitude(x, ax, keepdims=True), f)
+      largest_modulus(x, ax, f, keepdims=True)
       for x, ax, f in zip(parts_, axes, flags)
     ]
 
   if not parts:
     return []
   if math.isinf(p):
-    return [as_scaled(m) for m in maxima(parts)]
+    return maxima(parts)
 
   powered = _direct_sums(
     parts, p, axes, [accumulation_dtype(x.dtype) for x in parts]
@@ -1906,6 +1906,17 @@ def global_norm_scaled(
     groups.setdefault(f, []).append(i)
 
   if math.isinf(p):
+    if any(jnp.iscomplexobj(a) for a in arrays):
+      # A complex modulus may exceed the range: see largest_modulus.
+      return _largest_of(
+        [as_scaled(jnp.zeros((), dtype))]
+        + [
+          largest_modulus(arrays[i], None, f)
+          for f, idx in groups.items()
+          for i in idx
+        ],
+        dtype,
+      )
     biggest = jnp.zeros((), dtype)
     for f, idx in groups.items():
       if idx:
@@ -2037,6 +2048,59 @@ def scale_parts(x: jax.Array, scale: jax.Array) -> jax.Array:
   return jax.lax.complex(
     x.real.astype(real) * scale, x.imag.astype(real) * scale
   )
+
+
+def largest_modulus(
+  x: jax.Array,
+  axes: Optional[tuple[int, ...]] = None,
+  names: tuple[str, ...] = (),
+  *,
+  keepdims: bool = False,
+) -> Scaled:
+  """:func:`largest_magnitude` over ``axes`` (all by default), ``pmax``-ed
+  over the mapped axes ``names``, as :class:`Scaled`.
+
+  A complex modulus may exceed the range while both parts are finite
+  (-2.7e37 + 3.4e38j): a complex ``x`` is scaled by the power of two of
+  its units' largest part first (the same on every device), as
+  :func:`modulus` does element by element, so that the largest modulus of
+  finite values is finite. NaN and inf stay as largest_magnitude gives
+  them.
+  """
+  if not jnp.iscomplexobj(x):
+    return as_scaled(
+      _pmax(largest_magnitude(x, axes, keepdims=keepdims), names)
+    )
+  part = _pmax(
+    jnp.maximum(
+      largest_magnitude(x.real, axes, keepdims=True),
+      largest_magnitude(x.imag, axes, keepdims=True),
+    ),
+    names,
+  )
+  e = _scale_exponent(part)
+  top = _pmax(
+    largest_magnitude(
+      scale_parts(x, pow2(-e, part.dtype)), axes, keepdims=True
+    ),
+    names,
+  )
+  if not keepdims:
+    dims = _reduce_axes(x, axes)
+    top, e = jnp.squeeze(top, dims), jnp.squeeze(e, dims)
+  return Scaled(top, e)
+
+
+def _largest_of(maxima: Sequence[Scaled], dtype) -> Scaled:
+  """The largest of scalar :class:`Scaled` numbers, in ``dtype`` (NaN if one
+  is NaN): each rescaled to the largest exponent by a power of two.
+  """
+  top = functools.reduce(jnp.maximum, [m.exponent for m in maxima])
+  value = functools.reduce(
+    jnp.maximum,
+    [ldexp(m.value.astype(dtype), m.exponent - top) for m in maxima],
+  )
+  return Scaled(value, top)
 
 
 def largest_part(x: jax.Array) -> jax.Array:

@@ -820,7 +820,10 @@ def scale_by_norm_ema(
   correction uses this step's value. ``k`` counts steps from 1, or, with
   ``reset_interval``, restarts as in Stable-SPAM's reference (see
   :func:`clip_spikes_adaptive`). ``n^2`` is capped at float32's largest
-  value, so that a huge finite gradient cannot leave ``v`` infinite.
+  value, so that a huge finite gradient cannot leave ``v`` infinite, and so
+  is ``n`` itself where a finite leaf's norm exceeds float32's range; the
+  leaf is then divided by its exact norm (the reference, dividing by an
+  overflowed float32 norm, returns NaN there).
 
   Args:
     gamma1: the decay of the norm's EMA, in [0, 1), or a schedule.
@@ -880,14 +883,27 @@ def scale_by_norm_ema(
     # The EMAs are stored as vectors too: a scalar per leaf in the state
     # took a kernel per leaf and field to write back (2.75x -> 2.04x adam's
     # compile time on 300 small leaves).
-    layout, n = _leaf_norm_vector(leaves)
+    layout, exact = _leaf_norm_scaled(leaves)
+    n = exact.as_float().astype(_F32)
     mu = _per_leaf(state.mu, leaves, who, "mu")
     nu = _per_leaf(state.nu, leaves, who, "nu")
-    mu = g1 * mu + (1 - g1) * n
-    nu = gamma2 * nu + (1 - gamma2) * jnp.minimum(n * n, largest)
+    # A finite leaf whose norm exceeds float32's range enters the EMAs as
+    # float32's largest value (inf would stay in them, and inf / inf is
+    # NaN); the leaf itself is divided by its exact norm below.
+    finite = jnp.isfinite(exact.value)
+    n_ema = jnp.where(finite, jnp.minimum(n, largest), n)
+    mu = g1 * mu + (1 - g1) * n_ema
+    nu = gamma2 * nu + (1 - gamma2) * jnp.minimum(n_ema * n_ema, largest)
     target = _over(mu, correction1) / (jnp.sqrt(_over(nu, correction2)) + eps)
     positive = n > 0
-    factor = jnp.where(positive, target / jnp.where(positive, n, 1.0), 1.0)
+    # target / norm with the norm's power of two apart (exact, no overflow);
+    # NaN for a leaf holding a NaN or an inf (the non-finite policy).
+    m, e = _norms._normalized(exact)  # noqa: SLF001
+    value = jnp.where(positive, target / jnp.where(positive, m, 1.0), 1.0)
+    factor = _norms.Scaled(
+      jnp.where(finite, value, jnp.nan).astype(_F32),
+      jnp.where(positive, -e, 0),
+    )
     out = _scale_leafwise(layout, leaves, factor)
     norm = _global([n])
     scaled = _global([jnp.where(positive, target, 0.0)])
@@ -908,15 +924,26 @@ def _leaf_norm_vector(
   ord: float = 2.0,  # pylint: disable=redefined-builtin
 ) -> tuple[Optional[_norms.UnitLayout], jax.Array]:
   """The ``ord``-norm of each leaf (``inf``: its largest magnitude), a
-  float32 vector, and the layout it was computed on (small leaves stacked:
-  see _norms.UnitLayout; None for no leaves).
+  float32 vector (inf beyond its range), and the layout it was computed on
+  (small leaves stacked: see _norms.UnitLayout; None for no leaves).
   """
-  if not leaves:
-    return None, jnp.zeros((0,), _F32)
-  layout, per_part = _norms.unit_norms_packed(leaves, ord)
+  layout, norms = _leaf_norm_scaled(leaves, ord)
+  return layout, norms.as_float().astype(_F32)
+
+
+def _leaf_norm_scaled(
+  leaves: list[jax.Array],
+  ord: float = 2.0,  # pylint: disable=redefined-builtin
+) -> tuple[Optional[_norms.UnitLayout], _norms.Scaled]:
+  """As :func:`_leaf_norm_vector`, the norms exact (:class:`_norms.Scaled`,
+  in the tree's accumulation dtype): a finite leaf's norm may exceed the
+  dtype's range.
+  """
   acc = _norms.tree_accumulation_dtype(leaves)
-  norms = layout.leaf_vector_scaled(per_part, acc).as_float().astype(_F32)
-  return layout, norms
+  if not leaves:
+    return None, _norms.as_scaled(jnp.zeros((0,), acc))
+  layout, per_part = _norms.unit_norms_packed(leaves, ord)
+  return layout, layout.leaf_vector_scaled(per_part, acc)
 
 
 def _count_above_stacked(layout, leaves, limit: Any) -> tuple[jax.Array, set]:
@@ -943,9 +970,12 @@ def _count_above_stacked(layout, leaves, limit: Any) -> tuple[jax.Array, set]:
   return total, own
 
 
-def _scale_leafwise(layout, leaves, factor: jax.Array) -> list[jax.Array]:
-  """Each leaf times its entry of the float32 vector ``factor`` (small
-  leaves scaled in their stacked parts: see UnitLayout.scale_leafwise).
+def _scale_leafwise(
+  layout, leaves, factor: Union[jax.Array, _norms.Scaled]
+) -> list[jax.Array]:
+  """Each leaf times its entry of the float32 vector ``factor`` (or a
+  :class:`_norms.Scaled` one; small leaves scaled in their stacked parts:
+  see UnitLayout.scale_leafwise).
   """
   if layout is None:
     return []

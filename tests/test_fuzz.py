@@ -496,6 +496,32 @@ def test_static_clippers_match_the_oracle(case):
     fz._ldexp32(0.5, -125),
   )
 )
+# Found by the release profile, fixed: the infinity norm of a complex leaf
+# whose modulus exceeds float32's range while both parts are finite read
+# inf, and the whole tree came out NaN (the p = inf paths took the plain
+# modulus; they scale by the largest part's power of two now).
+@hypothesis.example(
+  case=(
+    _static("clip_global", max_norm=1.0, ord="inf"),
+    {
+      "k0": np.tile(np.array([-6e-08, 6e-08], F16), 35000),
+      "k1": {
+        "k0": np.array(-6e-08, F16),
+        "k1": np.array(-2.7005377e37 + 3.4028235e38j, np.complex64),
+      },
+    },
+    None,
+    fz._ldexp32(0.5, -125),
+  )
+)
+@hypothesis.example(
+  case=(
+    _static("clip_norm", max_norm=1.0, ord="inf", axis=-1),
+    {"k0": np.array([[-2.7005377e37 + 3.4028235e38j, 1 + 1j]], np.complex64)},
+    None,
+    1.0,
+  )
+)
 def test_static_clippers_at_the_edges_of_the_range(case):
   """The same properties for values at the edges of each dtype's range
   (subnormals, smallest normals, 2**126 and above, the largest finite) and

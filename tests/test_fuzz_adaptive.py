@@ -294,3 +294,61 @@ def test_sharded_equals_one_device(name, norms):
       rtol=2e-5,
       err_msg=key,
     )
+
+
+# Finite trees whose norms exceed float32's range (found by the release
+# profile, fixed: clip_relative's warm-up share was inf / inf, and
+# scale_by_norm_ema divided its EMA target by an overflowed leaf norm, NaN).
+BEYOND = {
+  **CLIPPERS,
+  "relative_warmup": lambda: optaxclip.clip_relative(
+    warmup_steps=WARMUP, patience=PATIENCE, warmup_max_norm=1.0
+  ),
+  "guard": GUARD,
+  "guard_max_norm": lambda: optaxclip.guard(optax.sgd(1.0), max_norm=10.0),
+  "norm_ema": lambda: optaxclip.scale_by_norm_ema(reset_interval=None),
+  "spikes_adaptive": optaxclip.clip_spikes_adaptive,
+  "spam": lambda: optaxclip.spam(1e-3, warmup_steps=0),
+  "stable_spam": lambda: optaxclip.stable_spam(1e-3),
+}
+
+
+@functools.cache
+def beyond_transform(name):
+  tx = BEYOND[name]()
+  return tx, fz.FastJit(tx.update)
+
+
+def huge_tree(value):
+  """Two float32 leaves of finite elements at ``value``: at 3e38 the leaf
+  norms (4.2e38, 5.2e38) and the global one exceed float32's range.
+  """
+  return {
+    "a": jnp.asarray(np.array([value, -value], np.float32)),
+    "b": jnp.asarray(np.array([value, value, -value / 2], np.float32)),
+  }
+
+
+@fz.examples(25)
+@hypothesis.given(
+  name=st.sampled_from(sorted(BEYOND)),
+  values=st.lists(
+    st.sampled_from([1.0, 1e-3, 1e30, 2e38, 3e38, 3.4028235e38]),
+    min_size=1,
+    max_size=8,
+  ),
+)
+@hypothesis.example(name="relative_warmup", values=[1.0, 3e38])
+@hypothesis.example(name="norm_ema", values=[1.0, 3e38])
+def test_norms_beyond_the_range_give_no_nan(name, values):
+  """Finite input, whatever its norms: a finite update at every step, from
+  every adaptive clipper, guard and the SPAM family (their statistics may
+  read inf: a norm beyond the dtype's range).
+  """
+  tx, update = beyond_transform(name)
+  state = tx.init(huge_tree(1.0))
+  for i, value in enumerate(values):
+    g = huge_tree(value)
+    out, state = update(g, state, g)
+    for leaf in jax.tree.leaves(out):
+      assert np.all(np.isfinite(np.asarray(leaf))), (name, values, i, out)
