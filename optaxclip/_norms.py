@@ -802,8 +802,9 @@ def _scaled_sum(x: jax.Array, p: float, axes, dtype):
         initial=0,
       )
     )
-    a = magnitude(scale_parts(x, pow2(-_scale_exponent(m), dtype)), dtype)
-    return jnp.sum(_power(a, p), axis=axes, keepdims=True), _scale_exponent(m)
+    e = _scale_exponent(m)
+    a = magnitude(scale_parts(x, pow2(-e, dtype)), dtype)
+    return jnp.sum(_power(a, p), axis=axes, keepdims=True), e
   # M only picks an exact power-of-two scale: it has no derivative, and a
   # NaN it misses (see nan_max) is in the sum. It is taken in x's own dtype
   # (exact), and the sum scales x itself: with |x| or a cast of x shared
@@ -2071,13 +2072,7 @@ def largest_modulus(
     return as_scaled(
       _pmax(largest_magnitude(x, axes, keepdims=keepdims), names)
     )
-  part = _pmax(
-    jnp.maximum(
-      largest_magnitude(x.real, axes, keepdims=True),
-      largest_magnitude(x.imag, axes, keepdims=True),
-    ),
-    names,
-  )
+  part = _pmax(largest_part(x, axes, keepdims=True), names)
   e = _scale_exponent(part)
   top = _pmax(
     largest_magnitude(
@@ -2103,17 +2098,23 @@ def _largest_of(maxima: Sequence[Scaled], dtype) -> Scaled:
   return Scaled(value, top)
 
 
-def largest_part(x: jax.Array) -> jax.Array:
-  """:func:`largest_magnitude` of a real leaf; of a complex one, the largest
-  magnitude of its real and imaginary parts. Finite exactly when every
-  element is, where a complex modulus may exceed the range (3e38 + 3e38j).
+def largest_part(
+  x: jax.Array,
+  axes: Optional[tuple[int, ...]] = None,
+  *,
+  keepdims: bool = False,
+) -> jax.Array:
+  """:func:`largest_magnitude` of a real leaf over ``axes`` (all by
+  default); of a complex one, the largest magnitude of its real and
+  imaginary parts. Finite exactly when every element is, where a complex
+  modulus may exceed the range (3e38 + 3e38j).
   """
   if not jnp.iscomplexobj(x):
-    return largest_magnitude(x)
-  dtype = accumulation_dtype(x.dtype)
-  if x.size == 0:
-    return jnp.zeros((), dtype)
-  return jnp.maximum(largest_magnitude(x.real), largest_magnitude(x.imag))
+    return largest_magnitude(x, axes, keepdims=keepdims)
+  return jnp.maximum(
+    largest_magnitude(x.real, axes, keepdims=keepdims),
+    largest_magnitude(x.imag, axes, keepdims=keepdims),
+  )
 
 
 def modulus(x: jax.Array) -> Scaled:
