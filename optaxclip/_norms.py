@@ -1492,9 +1492,6 @@ class UnitLayout:
         _varying(parts[j], factors[j]),
       )
       by_dtype.setdefault(group, []).append(j)
-    dims = jax.lax.GatherDimensionNumbers(
-      offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,)
-    )
     for (dtype, *_), members in by_dtype.items():
       factor = Scaled(
         _flat_concat(
@@ -1518,15 +1515,33 @@ class UnitLayout:
         what = self.parts[j][1]
         size = math.prod(self.shapes[what[0][0]])
         for k, (i, _, _) in enumerate(what):
-          index = np.arange(k * size, (k + 1) * size, dtype=np.int32)
-          y = jax.lax.gather(
-            flat,
-            index.reshape(self.shapes[i] + (1,)),
-            dims,
-            (1,),
-            mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
-          )
+          y = take_run(flat, k * size, self.shapes[i])
           out[i] = jax.lax.convert_element_type(y, leaves[i].dtype)
+
+
+def take_run(flat: jax.Array, start: int, shape: tuple[int, ...]) -> jax.Array:
+  """``flat[start : start + prod(shape)]`` shaped ``shape``, taken by a
+  gather with a constant index array (a leaf's elements of a packed vector).
+
+  Not as a static slice: XLA folds the offset into the kernel as a constant,
+  a distinct kernel per leaf that XLA:CPU compiles with LLVM on its own. The
+  index array stays an operand, so the kernels of all leaves of one shape
+  are one.
+  """
+  size = math.prod(shape)
+  index = np.arange(start, start + size, dtype=np.int32)
+  return jax.lax.gather(
+    flat,
+    index.reshape(tuple(shape) + (1,)),
+    _TAKE_RUN_DIMS,
+    (1,),
+    mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+  )
+
+
+_TAKE_RUN_DIMS = jax.lax.GatherDimensionNumbers(
+  offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,)
+)
 
 
 def scale_each(

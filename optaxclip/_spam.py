@@ -29,6 +29,7 @@ import optax
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _norms
+from optaxclip import _packed
 from optaxclip import _schedules
 from optaxclip import _stats
 from optaxclip._typing import Scalar
@@ -146,6 +147,71 @@ def _ema_step_count(t: jax.Array, interval: Any) -> jax.Array:
   return jnp.where(t <= interval, t, (t - 1) % interval + 2)
 
 
+def _step_with_resets(
+  leaves: list[jax.Array],
+  moments: list[list[jax.Array]],
+  reset: jax.Array,
+  step: Callable[..., tuple[jax.Array, ...]],
+  spikes: Optional[tuple[Any, jax.Array]] = None,
+) -> tuple[list[list[jax.Array]], jax.Array]:
+  """Per leaf ``g`` with its moments (one list of leaves per moment, the
+  second moment ``nu`` last): the moments are zeroed where ``reset``; with
+  ``spikes = (threshold, clip_on)``, ``g`` is clipped against the zeroed
+  ``nu`` (:func:`_clip_to_moment`, counted); then ``step(g, *moments)``
+  gives the leaf's update and new moments, element-wise.
+
+  Small leaves are stepped in packed vectors (:class:`_packed.Packing`: a
+  few instructions per leaf, not a few dozen, for XLA to compile on a
+  many-leaf tree); the others one by one, their spikes counted stacked
+  (:func:`_spike_counter`) and clipped before the moments' update
+  (:func:`_clipped_before_update`).
+
+  Returns:
+    ``([updates, *moments], clipped)``: per-leaf lists, and the number of
+    coordinates clipped (float32, 0 without ``spikes``).
+  """
+  slots = [leaves, *moments]
+  out = [list(slot) for slot in slots]
+  clipped = jnp.zeros((), _F32)
+
+  def zeroed(v):
+    return _norms.select(reset, jax.lax.full_like(v, 0), v)
+
+  packing = _packed.Packing(slots)
+  stepped = [[] for _ in slots]
+  for g, *m in zip(*(packing.pack(slot) for slot in slots)):
+    m = [zeroed(v) for v in m]
+    if spikes is not None:
+      g, counted = _clip_and_count(g, m[-1], *spikes)
+      clipped = clipped + counted
+    # Computed once into memory (one kernel) for the leaves' gathers.
+    new = _norms._materialized_rows(step(g, *m))  # noqa: SLF001
+    for parts, v in zip(stepped, new):
+      parts.append(v)
+  for slot, parts, tree in zip(slots, stepped, out):
+    for i, v in packing.unpack(parts, slot).items():
+      tree[i] = v
+  own = packing.own
+  own_m = [[zeroed(slot[i]) for slot in moments] for i in own]
+  stacked, alone = clipped, set()
+  if spikes is not None:
+    stacked, alone = _spike_counter(
+      [leaves[i] for i in own], [moments[-1][i] for i in own], reset, *spikes
+    )
+    clipped = clipped + stacked
+  for k, i in enumerate(own):
+    g, m = leaves[i], own_m[k]
+    if spikes is not None:
+      counted = stacked
+      if k in alone:
+        counted = _norms.count(_spikes(g, m[-1], *spikes)[0])
+        clipped = clipped + counted
+      g, m[-1] = _clipped_before_update(g, m[-1], counted, spikes)
+    for tree, v in zip(out, step(g, *m)):
+      tree[i] = v
+  return out, clipped
+
+
 def _adam_with_resets(
   leaves: list[jax.Array],
   treedef: Any,
@@ -171,31 +237,21 @@ def _adam_with_resets(
     ``(updates, mu, nu, clipped)``: trees like ``treedef``'s, and the number
     of coordinates clipped (0 without ``spikes``).
   """
-  out, mus, nus = [], [], []
   mu_leaves = treedef.flatten_up_to(state.mu)
   nu_leaves = treedef.flatten_up_to(state.nu)
-  clipped, own = jnp.zeros((), _F32), set()
-  if spikes is not None:
-    clipped, own = _spike_counter(leaves, nu_leaves, reset, *spikes)
-  stacked_count = clipped
-  for i, (g, mu, nu) in enumerate(zip(leaves, mu_leaves, nu_leaves)):
+
+  def moments(g, mu, nu):
     dtype = mu.dtype
-    mu = _norms.select(reset, jax.lax.full_like(mu, 0), mu)
-    nu = _norms.select(reset, jax.lax.full_like(nu, 0), nu)
-    if spikes is not None:
-      after = stacked_count
-      if i in own:
-        after = _norms.count(_spikes(g, nu, *spikes)[0])
-        clipped = clipped + after
-      g, nu = _clipped_before_update(g, nu, after, spikes)
     if isinstance(b1, jax.Array):
       mu = b1.astype(dtype) * mu + (1 - b1).astype(dtype) * g
     else:
       mu = b1 * mu + (1 - b1) * g
     nu = b2 * nu + (1 - b2) * g * g
-    out.append(direction(mu, nu, dtype).astype(g.dtype))
-    mus.append(mu)
-    nus.append(nu)
+    return direction(mu, nu, dtype).astype(g.dtype), mu, nu
+
+  (out, mus, nus), clipped = _step_with_resets(
+    leaves, [mu_leaves, nu_leaves], reset, moments, spikes
+  )
   return (
     treedef.unflatten(out),
     treedef.unflatten(mus),
@@ -253,8 +309,15 @@ def _clip_to_moment(
   """SPAM's spike clipping: each coordinate with ``g^2 > threshold nu`` is
   set to ``sign(g) sqrt(threshold nu)``.
   """
+  return _clip_and_count(g, nu, threshold, clip_on)[0]
+
+
+def _clip_and_count(
+  g: jax.Array, nu: jax.Array, threshold: Any, clip_on: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """:func:`_clip_to_moment` and the number of coordinates it clips."""
   spike, limit = _spikes(g, nu, threshold, clip_on)
-  return jnp.where(spike, jnp.sign(g) * jnp.sqrt(limit), g)
+  return jnp.where(spike, jnp.sign(g) * jnp.sqrt(limit), g), _norms.count(spike)
 
 
 def _clipped_before_update(
@@ -423,21 +486,14 @@ def clip_spikes(
     _, reset, clip_on, resets = _spam_clock(
       state.count, reset_interval, grad_accu_steps, threshold_now
     )
-    out, nus = [], []
     nu_leaves = treedef.flatten_up_to(state.nu)
-    clipped, own = _spike_counter(
-      leaves, nu_leaves, reset, threshold_now, clip_on
+
+    def step(g, nu):
+      return g, b2 * nu + (1 - b2) * g * g
+
+    (out, nus), clipped = _step_with_resets(
+      leaves, [nu_leaves], reset, step, (threshold_now, clip_on)
     )
-    stacked_count = clipped
-    for i, (g, nu) in enumerate(zip(leaves, nu_leaves)):
-      nu = _norms.select(reset, jax.lax.full_like(nu, 0), nu)
-      after = stacked_count
-      if i in own:
-        after = _norms.count(_spikes(g, nu, threshold_now, clip_on)[0])
-        clipped = clipped + after
-      g, nu = _clipped_before_update(g, nu, after, (threshold_now, clip_on))
-      out.append(g)
-      nus.append(b2 * nu + (1 - b2) * g * g)
     return treedef.unflatten(out), ClipSpikesState(
       count=optax.safe_int32_increment(state.count),
       nu=treedef.unflatten(nus),
@@ -756,16 +812,19 @@ def clip_spikes_adaptive(
     limit = _over(ema, correction)
     # limit / largest < 1 where anything is clipped: no tiny reciprocal.
     factor = limit / jnp.where(largest > 0, largest, 1.0)
-    rows = _norms.take_each(jnp.stack([limit, factor], axis=1))
-    clipped, own = _count_above_stacked(layout, leaves, limit)
-    out = []
-    for i, (g, row) in enumerate(zip(leaves, rows)):
-      wide = _norms.accumulation_dtype(g.dtype)
-      spike = _norms.magnitude(g, wide) > row[0]
-      if i in own:
-        clipped = clipped + _norms.count(spike)
-      shrunk = (g.astype(wide) * row[1].astype(wide)).astype(g.dtype)
-      out.append(jnp.where(spike, shrunk, g))
+    out, clipped, own = _clip_in_stacked_parts(layout, leaves, limit, factor)
+    rest = [i for i, y in enumerate(out) if y is None]
+    if rest:
+      index = np.asarray(rest)
+      rows = _norms.take_each(jnp.stack([limit[index], factor[index]], axis=1))
+      for i, row in zip(rest, rows):
+        g = leaves[i]
+        wide = _norms.accumulation_dtype(g.dtype)
+        spike = _norms.magnitude(g, wide) > row[0]
+        if i in own:
+          clipped = clipped + _norms.count(spike)
+        shrunk = (g.astype(wide) * row[1].astype(wide)).astype(g.dtype)
+        out[i] = jnp.where(spike, shrunk, g)
     return treedef.unflatten(out), ClipSpikesAdaptiveState(
       count=optax.safe_int32_increment(state.count),
       max_ema=ema.astype(_F32),
@@ -946,28 +1005,47 @@ def _leaf_norm_scaled(
   return layout, layout.leaf_vector_scaled(per_part, acc)
 
 
-def _count_above_stacked(layout, leaves, limit: Any) -> tuple[jax.Array, set]:
-  """The number of elements with ``|x| > limit[i]`` in each stacked small
-  leaf ``i``, summed (float32), counted in ``layout``'s stacked parts (a few
-  reductions, not one per leaf), and the leaves that are parts of their own,
-  left for the caller to count next to its clip, which computes the same
-  test (a pass of its own here read a large leaf again: see _spike_counter).
+def _clip_in_stacked_parts(
+  layout, leaves, limit: jax.Array, factor: jax.Array
+) -> tuple[list[Optional[jax.Array]], jax.Array, set]:
+  """Stable-SPAM's clip (``x * factor[i]`` where ``|x| > limit[i]``) of
+  the small leaves in ``layout``'s stacked parts, done on the parts.
+
+  Every element of a stacked part is counted there (float32 sum). Leaves of
+  at most ``_packed.PACKED_SIZE`` elements are also clipped there, each
+  taking its elements back by :func:`_norms.take_run` (kernels shared by the
+  leaves of a shape; compile time on many-leaf trees); the others are None
+  in the list returned, for the caller to clip, with the leaves that are
+  parts of their own, which it also counts (returned as a set).
   """
+  out: list[Optional[jax.Array]] = [None] * len(leaves)
   total = jnp.zeros((), _F32)
   if layout is None:
-    return total, set()
+    return out, total, set()
   own = {what for kind, what, _ in layout.parts if kind == "leaf"}
   stacked = [j for j, (kind, _, _) in enumerate(layout.parts) if kind != "leaf"]
   if not stacked:
-    return total, own
+    return out, total, own
   parts = layout.pack(leaves)
   for j in stacked:
     # Whole leaves as units: one row a leaf.
-    rows = np.asarray([i for i, _, _ in layout.parts[j][1]])
+    members = [i for i, _, _ in layout.parts[j][1]]
+    rows = np.asarray(members)
     part = parts[j]
     limits = jnp.take(limit, rows, axis=0).astype(part.dtype)[:, None]
-    total = total + _norms.count(_norms.magnitude(part) > limits)
-  return total, own
+    spike = _norms.magnitude(part) > limits
+    total = total + _norms.count(spike)
+    if leaves[members[0]].size > _packed.PACKED_SIZE:
+      continue
+    factors = jnp.take(factor, rows, axis=0).astype(part.dtype)[:, None]
+    # In memory once, for the leaves' gathers.
+    flat = _norms._materialized(jnp.where(spike, part * factors, part))  # noqa: SLF001
+    flat = flat.reshape(-1)
+    size = leaves[members[0]].size
+    for k, i in enumerate(members):
+      y = _norms.take_run(flat, k * size, leaves[i].shape)
+      out[i] = jax.lax.convert_element_type(y, leaves[i].dtype)
+  return out, total, own
 
 
 def _scale_leafwise(
