@@ -1037,7 +1037,9 @@ def select(k: Any, a: jax.Array, b: jax.Array) -> jax.Array:
   k = jnp.asarray(k)
   if k.shape or k.dtype != bool or a.dtype != b.dtype or a.shape != b.shape:
     return jnp.where(k, a, b)
-  return jax.lax.select(jax.lax.broadcast(k, a.shape), a, b)
+  # The scalar itself, not broadcast: a broadcast has no sharding, and on an
+  # Explicit mesh it cannot select between sharded arrays.
+  return jax.lax.select(k, a, b)
 
 
 def take_each(v: jax.Array) -> list[jax.Array]:

@@ -28,10 +28,12 @@ import optax
 
 from optaxclip import _checks
 from optaxclip import _compiled
+from optaxclip import _functional
 from optaxclip import _norms
 from optaxclip import _packed
 from optaxclip import _schedules
 from optaxclip import _stats
+from optaxclip._typing import AxisName
 from optaxclip._typing import Scalar
 
 # A hyperparameter given as a number or as an optax schedule (step -> value),
@@ -106,6 +108,28 @@ def _check_interval(who: str, value: Any, *, allow_none: bool) -> Any:
   return value
 
 
+def _split_flags(
+  updates: Any, sharded: Any, who: str, axis_name: AxisName
+) -> Optional[list[tuple[str, ...]]]:
+  """Per leaf, the axes of ``axis_name`` it is split over (None without
+  ``axis_name``).
+  """
+  if not axis_name:
+    return None
+  return _functional.sharded_flags(updates, sharded, who, axis_name)
+
+
+def _psum_over(value: jax.Array, names: tuple[str, ...]) -> jax.Array:
+  return jax.lax.psum(value, names) if names else value
+
+
+def _global_size(leaves: list[jax.Array], flags) -> int:
+  """The number of elements of the whole (unsplit) leaves."""
+  if flags is None:
+    return sum(x.size for x in leaves)
+  return sum(x.size * _norms.axis_size(f) for x, f in zip(leaves, flags))
+
+
 def _float_leaves(updates: Any, who: str) -> tuple[list[jax.Array], Any]:
   leaves, treedef = jax.tree.flatten(updates)
   _checks.check_float_leaves(updates, f"{who}: updates")
@@ -132,8 +156,8 @@ def _per_leaf(v: jax.Array, leaves: list, who: str, name: str) -> jax.Array:
   return jnp.asarray(v).astype(_F32)
 
 
-def _share(count: jax.Array, leaves: list[jax.Array]) -> jax.Array:
-  size = sum(x.size for x in leaves)
+def _share(count: jax.Array, leaves: list[jax.Array], flags=None) -> jax.Array:
+  size = _global_size(leaves, flags)
   return (count / max(size, 1)).astype(_F32)
 
 
@@ -358,7 +382,11 @@ def _spike_counter(
   step on the transformer tree 3.9x -> 4.2x adam's).
   """
   n = len(leaves)
-  keys = [(np.dtype(g.dtype), np.dtype(nu.dtype)) for g, nu in zip(leaves, nus)]
+  # Inside shard_map, leaves that vary across devices apart from the others.
+  keys = [
+    (np.dtype(g.dtype), np.dtype(nu.dtype), _norms._varying(g, nu))  # noqa: SLF001
+    for g, nu in zip(leaves, nus)
+  ]
   layout = _norms.UnitLayout(leaves, [None] * n, keys)
   own = {what for kind, what, _ in layout.parts if kind == "leaf"}
   total = jnp.zeros((), _F32)
@@ -746,7 +774,11 @@ class ClipSpikesAdaptiveState(NamedTuple):
 
 @_compiled.compiled_once
 def clip_spikes_adaptive(
-  gamma3: Scalar = 0.999, *, reset_interval: Optional[Scalar] = None
+  gamma3: Scalar = 0.999,
+  *,
+  reset_interval: Optional[Scalar] = None,
+  axis_name: AxisName = None,
+  sharded: Any = True,
 ) -> optax.GradientTransformation:
   r"""Stable-SPAM's adaptive spike clipping (AdaClip), per leaf.
 
@@ -767,6 +799,12 @@ def clip_spikes_adaptive(
   Args:
     gamma3: the decay of the EMA, in [0, 1).
     reset_interval: None, or restart ``k`` as described (a positive int).
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves are split (as for :func:`clip_global`): each
+      leaf's statistic is of the whole leaf, the same on every device.
+    sharded: which leaves are split over ``axis_name``: a bool, a pytree
+      prefix of bools, tuples of axis names or ``PartitionSpec`` s, or a
+      callable ``(path, leaf) -> entry`` (as for :func:`clip_global`).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -790,6 +828,7 @@ def clip_spikes_adaptive(
   who = "clip_spikes_adaptive"
   _check_decay(who, "gamma3", gamma3)
   interval = _check_interval(who, reset_interval, allow_none=True)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
 
   def init_fn(params):
     return ClipSpikesAdaptiveState(
@@ -806,13 +845,16 @@ def clip_spikes_adaptive(
     correction = _one_minus_power(gamma3, k)
     # The per-leaf scalars as vectors (compile time on many-leaf trees:
     # see scale_by_norm_ema).
-    layout, largest = _leaf_norm_vector(leaves, math.inf)
+    flags = _split_flags(updates, sharded, who, axis_name)
+    layout, largest = _leaf_norm_vector(leaves, math.inf, flags, axis_name)
     ema = _per_leaf(state.max_ema, leaves, who, "max_ema")
     ema = gamma3 * ema + (1 - gamma3) * largest
     limit = _over(ema, correction)
     # limit / largest < 1 where anything is clipped: no tiny reciprocal.
     factor = limit / jnp.where(largest > 0, largest, 1.0)
-    out, clipped, own = _clip_in_stacked_parts(layout, leaves, limit, factor)
+    out, clipped, own = _clip_in_stacked_parts(
+      layout, leaves, limit, factor, axis_name
+    )
     rest = [i for i, y in enumerate(out) if y is None]
     if rest:
       index = np.asarray(rest)
@@ -822,14 +864,15 @@ def clip_spikes_adaptive(
         wide = _norms.accumulation_dtype(g.dtype)
         spike = _norms.magnitude(g, wide) > row[0]
         if i in own:
-          clipped = clipped + _norms.count(spike)
+          names = () if flags is None else flags[i]
+          clipped = clipped + _psum_over(_norms.count(spike), names)
         shrunk = (g.astype(wide) * row[1].astype(wide)).astype(g.dtype)
         out[i] = jnp.where(spike, shrunk, g)
     return treedef.unflatten(out), ClipSpikesAdaptiveState(
       count=optax.safe_int32_increment(state.count),
       max_ema=ema.astype(_F32),
       clipped=clipped,
-      clip_fraction=_share(clipped, leaves),
+      clip_fraction=_share(clipped, leaves, flags),
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
@@ -864,6 +907,8 @@ def scale_by_norm_ema(
   *,
   eps: Scalar = 1e-8,
   reset_interval: Optional[Scalar] = None,
+  axis_name: AxisName = None,
+  sharded: Any = True,
 ) -> optax.GradientTransformation:
   r"""Stable-SPAM's adaptive norm scaling (AdaGN), per leaf.
 
@@ -889,6 +934,12 @@ def scale_by_norm_ema(
     gamma2: the decay of the squared norm's EMA, in [0, 1).
     eps: added to ``sqrt(v_hat)`` (>= 0).
     reset_interval: None, or restart ``k`` as Stable-SPAM's reference does.
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves are split (as for :func:`clip_global`): each
+      leaf's statistic is of the whole leaf, the same on every device.
+    sharded: which leaves are split over ``axis_name``: a bool, a pytree
+      prefix of bools, tuples of axis names or ``PartitionSpec`` s, or a
+      callable ``(path, leaf) -> entry`` (as for :func:`clip_global`).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -917,6 +968,7 @@ def scale_by_norm_ema(
   _check_decay(who, "gamma2", gamma2)
   _checks.check_number("eps", eps, who=who, low=0.0)
   interval = _check_interval(who, reset_interval, allow_none=True)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
   largest = float(jnp.finfo(_F32).max)
 
   def init_fn(params):
@@ -942,7 +994,8 @@ def scale_by_norm_ema(
     # The EMAs are stored as vectors too: a scalar per leaf in the state
     # took a kernel per leaf and field to write back (2.75x -> 2.04x adam's
     # compile time on 300 small leaves).
-    layout, exact = _leaf_norm_scaled(leaves)
+    flags = _split_flags(updates, sharded, who, axis_name)
+    layout, exact = _leaf_norm_scaled(leaves, 2.0, flags, axis_name)
     n = exact.as_float().astype(_F32)
     mu = _per_leaf(state.mu, leaves, who, "mu")
     nu = _per_leaf(state.nu, leaves, who, "nu")
@@ -981,18 +1034,23 @@ def scale_by_norm_ema(
 def _leaf_norm_vector(
   leaves: list[jax.Array],
   ord: float = 2.0,  # pylint: disable=redefined-builtin
+  flags: Optional[list[tuple[str, ...]]] = None,
+  axis_name: AxisName = None,
 ) -> tuple[Optional[_norms.UnitLayout], jax.Array]:
   """The ``ord``-norm of each leaf (``inf``: its largest magnitude), a
   float32 vector (inf beyond its range), and the layout it was computed on
-  (small leaves stacked: see _norms.UnitLayout; None for no leaves).
+  (small leaves stacked: see _norms.UnitLayout; None for no leaves). With
+  ``axis_name``, of the whole leaves: leaf ``i`` split over ``flags[i]``.
   """
-  layout, norms = _leaf_norm_scaled(leaves, ord)
+  layout, norms = _leaf_norm_scaled(leaves, ord, flags, axis_name)
   return layout, norms.as_float().astype(_F32)
 
 
 def _leaf_norm_scaled(
   leaves: list[jax.Array],
   ord: float = 2.0,  # pylint: disable=redefined-builtin
+  flags: Optional[list[tuple[str, ...]]] = None,
+  axis_name: AxisName = None,
 ) -> tuple[Optional[_norms.UnitLayout], _norms.Scaled]:
   """As :func:`_leaf_norm_vector`, the norms exact (:class:`_norms.Scaled`,
   in the tree's accumulation dtype): a finite leaf's norm may exceed the
@@ -1001,12 +1059,14 @@ def _leaf_norm_scaled(
   acc = _norms.tree_accumulation_dtype(leaves)
   if not leaves:
     return None, _norms.as_scaled(jnp.zeros((0,), acc))
-  layout, per_part = _norms.unit_norms_packed(leaves, ord)
+  layout, per_part = _norms.unit_norms_packed(
+    leaves, ord, axis_name=axis_name, sharded=flags
+  )
   return layout, layout.leaf_vector_scaled(per_part, acc)
 
 
 def _clip_in_stacked_parts(
-  layout, leaves, limit: jax.Array, factor: jax.Array
+  layout, leaves, limit: jax.Array, factor: jax.Array, axis_name: AxisName
 ) -> tuple[list[Optional[jax.Array]], jax.Array, set]:
   """Stable-SPAM's clip (``x * factor[i]`` where ``|x| > limit[i]``) of
   the small leaves in ``layout``'s stacked parts, done on the parts.
@@ -1016,7 +1076,9 @@ def _clip_in_stacked_parts(
   taking its elements back by :func:`_norms.take_run` (kernels shared by the
   leaves of a shape; compile time on many-leaf trees); the others are None
   in the list returned, for the caller to clip, with the leaves that are
-  parts of their own, which it also counts (returned as a set).
+  parts of their own, which it also counts (returned as a set). With
+  ``axis_name``, a part's count is summed over the axes its leaves are split
+  over (the layout's keys: ``(axes, ...)``).
   """
   out: list[Optional[jax.Array]] = [None] * len(leaves)
   total = jnp.zeros((), _F32)
@@ -1034,7 +1096,8 @@ def _clip_in_stacked_parts(
     part = parts[j]
     limits = jnp.take(limit, rows, axis=0).astype(part.dtype)[:, None]
     spike = _norms.magnitude(part) > limits
-    total = total + _norms.count(spike)
+    names = layout.parts[j][2][0] if axis_name else ()
+    total = total + _psum_over(_norms.count(spike), names)
     if leaves[members[0]].size > _packed.PACKED_SIZE:
       continue
     factors = jnp.take(factor, rows, axis=0).astype(part.dtype)[:, None]
@@ -1175,6 +1238,8 @@ def stable_spam(
   total_steps: Optional[Scalar] = None,
   eta_min: Scalar = 0.5,
   reset_interval: Optional[Scalar] = 1000,
+  axis_name: AxisName = None,
+  sharded: Any = True,
 ) -> optax.GradientTransformation:
   r"""Stable-SPAM: adaptive spike clipping, norm scaling and Adam with
   moment resets.
@@ -1238,6 +1303,12 @@ def stable_spam(
     eta_min: the final ``s_t``, in [0, 1].
     reset_interval: reset Adam's moments every this many steps (a positive
       int), or None / 0 for never.
+    axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
+      which sharded leaves are split (as for :func:`clip_global`): each
+      leaf's largest magnitude and norm are of the whole leaf, the same on
+      every device (Adam's part is element-wise).
+    sharded: which leaves are split over ``axis_name`` (as for
+      :func:`clip_global`).
 
   Returns:
     An ``optax.GradientTransformation``; :func:`stats` reports
@@ -1276,14 +1347,19 @@ def stable_spam(
     _checks.check_steps(who, "total_steps", total_steps)
   _checks.check_number("eta_min", eta_min, who=who, low=0.0, high=1.0)
   interval = _check_interval(who, reset_interval, allow_none=True)
+  axis_name = _checks.check_sharding(who, axis_name, sharded)
   scale_at = _Cosine(total_steps, eta_min)
   return optax.chain(
-    clip_spikes_adaptive(gamma3, reset_interval=interval),
+    clip_spikes_adaptive(
+      gamma3, reset_interval=interval, axis_name=axis_name, sharded=sharded
+    ),
     scale_by_norm_ema(
       _Cosine(total_steps, eta_min, gamma1),
       gamma2,
       eps=eps,
       reset_interval=interval,
+      axis_name=axis_name,
+      sharded=sharded,
     ),
     _scale_by_stable_spam_adam(b1, b2, eps, scale_at, interval),
     optax.add_decayed_weights(cast(Any, weight_decay)),

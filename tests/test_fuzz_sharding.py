@@ -4,11 +4,14 @@ one device's numbers (issue 15, items 2 and 3).
 For random small trees, each leaf split over a random subset of the mesh's
 axes along random dimensions (1, 2 or 8 devices, 1-D and 2-D meshes), the
 updates and statistics of clip_global, clip_norm (whole leaves and
-``axis=0``), clip_block_rms and clip_unitwise with ``sharded`` given as the
-leaves' PartitionSpecs (or, where the form allows, as tuples of axis names)
-equal those of the same clipper on one device. Every example compiles two
-programs, so the examples are few (tests/fast_compile.py compiles them
-cheaply).
+``axis=0``), clip_block_rms, clip_unitwise and Stable-SPAM's per-leaf parts
+(clip_spikes_adaptive, scale_by_norm_ema, stable_spam: two steps, the second
+a spike) with ``sharded`` given as the leaves' PartitionSpecs (or, where the
+form allows, as tuples of axis names) equal those of the same clipper on one
+device; so do the updates of the element-wise clip_spikes and spam, without
+``axis_name`` (leaves that vary across devices beside replicated ones).
+Every example compiles two programs, so the examples are few
+(tests/fast_compile.py compiles them cheaply).
 """
 
 import functools
@@ -126,7 +129,26 @@ def _clippers(specs, axis_name):
     ),
     "clip_block_rms": lambda m: optaxclip.clip_block_rms(0.3, **kw(m, axes)),
     "clip_unitwise": lambda m: optaxclip.clip_unitwise(0.05, **kw(m, specs)),
+    # Stable-SPAM's per-leaf largest magnitude and norm, and all of it.
+    "clip_spikes_adaptive": lambda m: optaxclip.clip_spikes_adaptive(
+      0.5, **kw(m, specs)
+    ),
+    "scale_by_norm_ema": lambda m: optaxclip.scale_by_norm_ema(**kw(m, axes)),
+    "stable_spam": lambda m: optaxclip.stable_spam(0.1, **kw(m, specs)),
+    # Element-wise: no axis_name, each device clips its own coordinates;
+    # their counts are per device (not compared).
+    "clip_spikes": lambda m: optaxclip.clip_spikes(
+      2.0, b2=0.5, grad_accu_steps=1
+    ),
+    "spam": lambda m: optaxclip.spam(
+      0.1, threshold=2.0, b2=0.5, grad_accu_steps=1, warmup_steps=1
+    ),
   }
+
+
+# Clippers with state that moves: two steps, the second a spike (3x).
+TWO_STEPS = ("clip_spikes_adaptive", "scale_by_norm_ema", "stable_spam")
+LOCAL_STATS = ("clip_spikes", "spam")
 
 
 _COMPILED = {}
@@ -160,8 +182,15 @@ def test_sharded_clippers_equal_one_device(layout, data):
     out = {}
     for name, make in clippers.items():
       tx = make(mapped)
-      updates, state = tx.update(grads, tx.init(params), params)
-      out[name] = (updates, optaxclip.stats(state))
+      state = tx.init(params)
+      if name in TWO_STEPS or name in LOCAL_STATS:
+        _, state = tx.update(grads, state, params)
+        grads_now = jax.tree.map(lambda g: 3 * g, grads)
+      else:
+        grads_now = grads
+      updates, state = tx.update(grads_now, state, params)
+      stats = {} if name in LOCAL_STATS else optaxclip.stats(state)
+      out[name] = (updates, stats)
     return out
 
   out_specs = {name: (specs, P()) for name in clippers}

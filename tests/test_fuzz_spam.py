@@ -516,7 +516,7 @@ _WHOLE_PROGRAMS = {
 def test_whole_optimizers_step_packed_leaves_as_each_leaf_alone(
   name, values, spread
 ):
-  """spam and stable_spam on SPIKES_LAYOUT (the (5,) float32 pair and the
+  """The SPAM optimizers on SPIKES_LAYOUT (the (5,) float32 pair and the
   float16 leaves of 6 elements packed, the others alone): every update and,
   after the last step, every per-leaf entry of the state (moments, per-leaf
   vectors) equals that leaf's alone, through a reset: up to a few roundings

@@ -51,6 +51,16 @@ CLIPPERS = {
   "guard": lambda: optaxclip.guard(
     optaxclip.clip_global(2.0), spike_z=1.0, warmup_steps=1
   ),
+  # The SPAM family (whole optimizers chained before adam here too): on an
+  # Explicit mesh their selects of a state by a scalar raised a
+  # ShardingTypeError (the scalar was broadcast without a sharding).
+  "clip_spikes": lambda: optaxclip.clip_spikes(2.0, b2=0.5, grad_accu_steps=1),
+  "clip_spikes_adaptive": lambda: optaxclip.clip_spikes_adaptive(0.5),
+  "scale_by_norm_ema": optaxclip.scale_by_norm_ema,
+  "spam": lambda: optaxclip.spam(
+    1e-2, threshold=2.0, grad_accu_steps=1, warmup_steps=1, reset_interval=2
+  ),
+  "stable_spam": lambda: optaxclip.stable_spam(1e-2, reset_interval=2),
 }
 
 # A small FSDP-style layout: kernels split along one axis or the other, and a
@@ -385,6 +395,19 @@ ADAPTIVE_CASES = {
     loss_spike_z=3.0,
     **kw,
   ),
+  # Stable-SPAM's per-leaf largest magnitude and norm, and the whole of it.
+  "clip_spikes_adaptive": lambda **kw: optaxclip.clip_spikes_adaptive(
+    0.5, **kw
+  ),
+  "scale_by_norm_ema": optaxclip.scale_by_norm_ema,
+  "stable_spam": lambda **kw: optaxclip.stable_spam(0.1, **kw),
+}
+# What shows that each case acted on the spike (not vacuous).
+ADAPTIVE_ACTED = {
+  "guard": "guard/skipped",
+  "guard_leaf": "guard/skipped",
+  "stable_spam": "clip_spikes_adaptive/clip_fraction",
+  "scale_by_norm_ema": "scale_by_norm_ema/scale",
 }
 # Norm scales of the steps: warm-up, ordinary, a spike the clippers cut and
 # guard skips (global norm above 25), then ordinary again.
@@ -440,12 +463,9 @@ def _check_adaptive(got, want, leaf_view=lambda x: x):
   # Not vacuous: the spike was cut or skipped everywhere.
   for name in ADAPTIVE_CASES:
     stats = want[name][1]
-    acted = (
-      stats["guard/skipped"]
-      if name.startswith("guard")
-      else stats[f"{name.replace('_leaf', '')}/clip_fraction"]
-    )
-    assert np.max(acted) > 0, name
+    key = ADAPTIVE_ACTED.get(name, f"{name.replace('_leaf', '')}/clip_fraction")
+    acted = stats[key] - 1.0 if key.endswith("/scale") else stats[key]
+    assert np.max(np.abs(acted)) > 0, name
 
 
 @functools.cache
@@ -559,6 +579,9 @@ def test_adaptive_axis_name_is_checked():
     lambda: optaxclip.clip_percentile(axis_name=("a", 1)),
     lambda: optaxclip.clip_relative(axis_name=1.0),
     lambda: optaxclip.guard(optax.sgd(1.0), axis_name=2),
+    lambda: optaxclip.clip_spikes_adaptive(axis_name=2),
+    lambda: optaxclip.scale_by_norm_ema(axis_name=("a", 1)),
+    lambda: optaxclip.stable_spam(1e-3, axis_name=2.0),
   ):
     with pytest.raises(TypeError, match="axis_name"):
       make()
@@ -588,6 +611,11 @@ def test_sharded_is_checked_when_built(bad, error):
   ):
     with pytest.raises(error, match=f"{make.__name__}: sharded"):
       make(1.0, axis_name="d", sharded=bad)
+  for make in (optaxclip.clip_spikes_adaptive, optaxclip.scale_by_norm_ema):
+    with pytest.raises(error, match=f"{make.__name__}: sharded"):
+      make(axis_name="d", sharded=bad)
+  with pytest.raises(error, match="stable_spam: sharded"):
+    optaxclip.stable_spam(1e-3, axis_name="d", sharded=bad)
 
 
 # ------------------------------------------- per-leaf axes on a 2-D mesh
@@ -829,3 +857,67 @@ def test_sharded_prefix_survives_masked_and_frozen_dict():
   ):
     bad = inner(axis_name="d", sharded={"enc": True, "dec": {"k": True}})
     jax.eval_shape(lambda g: bad.update(g, bad.init(g)), g)
+
+
+def test_spike_clipping_inside_shard_map_is_per_coordinate():
+  """clip_spikes and spam clip each coordinate against its own moment: inside
+  shard_map (vma checked) on leaves split over the axis and replicated ones
+  (small ones packed together, large ones alone), each device's updates are
+  its part of one device's. Their counts (``clipped``) stay per device.
+  Before the packing kept varying and replicated leaves apart, the stacked
+  spike count made the replicated leaves' updates vary across devices and
+  shard_map refused the program.
+  """
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  rng = np.random.default_rng(3)
+  layout = {
+    "a": ((16, 8), P("d", None)),
+    "b": ((16, 8), P("d", None)),
+    "c": ((5,), P()),
+    "d": ((5,), P()),
+    "e": ((8, 8192), P("d", None)),
+    "f": ((5000,), P()),
+  }
+  specs = {k: s for k, (_, s) in layout.items()}
+  steps = [
+    {
+      k: (
+        rng.normal(size=shape) * 10.0 ** rng.integers(0, 3, size=shape)
+      ).astype(np.float32)
+      for k, (shape, _) in layout.items()
+    }
+    for _ in range(3)
+  ]
+  makers = {
+    "clip_spikes": lambda: optaxclip.clip_spikes(
+      2.0, b2=0.5, grad_accu_steps=1, reset_interval=2
+    ),
+    "spam": lambda: optaxclip.spam(
+      1e-2, threshold=2.0, b2=0.5, grad_accu_steps=1, warmup_steps=1
+    ),
+  }
+  for name, make in makers.items():
+
+    def run(steps_, make=make):
+      tx = make()
+      state = tx.init(steps_[0])
+      outs = []
+      for g in steps_:
+        u, state = tx.update(g, state, steps_[0])
+        outs.append(u)
+      return outs
+
+    want = jax.jit(run)(steps)
+    mapped = jax.shard_map(
+      run, mesh=mesh, in_specs=([specs] * 3,), out_specs=[specs] * 3
+    )
+    got = jax.jit(mapped)([put(g, mesh, specs) for g in steps])
+    for t in range(3):
+      for k in layout:
+        np.testing.assert_allclose(
+          np.asarray(got[t][k]),
+          np.asarray(want[t][k]),
+          rtol=TOL,
+          atol=0,
+          err_msg=f"{name}, step {t}, leaf {k}",
+        )
