@@ -119,9 +119,11 @@ number of leaves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+import contextlib
 import functools
 import math
+import threading
 from typing import Any, NamedTuple, Optional, Union
 import weakref
 
@@ -1249,6 +1251,9 @@ class UnitLayout:
     # raveled elements, concatenated as one vector and reshaped once (a
     # reshape per leaf is an instruction per leaf for XLA to process).
     unit = math.prod(self.shapes[what[0][0]][d] for d in self.axes[what[0][0]])
+    run = handed_run([leaves[i] for i, _, _ in what])
+    if run is not None:
+      return jax.lax.convert_element_type(run, dtype).reshape(-1, unit)
     flat = [
       jax.lax.convert_element_type(jnp.ravel(leaves[i]), dtype)
       for i, _, _ in what
@@ -1517,8 +1522,7 @@ class UnitLayout:
         what = self.parts[j][1]
         size = math.prod(self.shapes[what[0][0]])
         for k, (i, _, _) in enumerate(what):
-          y = take_run(flat, k * size, self.shapes[i])
-          out[i] = jax.lax.convert_element_type(y, leaves[i].dtype)
+          out[i] = take_leaf(flat, k * size, self.shapes[i], leaves[i].dtype)
 
 
 def take_run(flat: jax.Array, start: int, shape: tuple[int, ...]) -> jax.Array:
@@ -1544,6 +1548,63 @@ def take_run(flat: jax.Array, start: int, shape: tuple[int, ...]) -> jax.Array:
 _TAKE_RUN_DIMS = jax.lax.GatherDimensionNumbers(
   offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,)
 )
+
+
+# Leaves taken from packed vectors while a transformation of several stages
+# runs (see handing_over): id -> (leaf, vector, start).
+_handed = threading.local()
+
+
+@contextlib.contextmanager
+def handing_over() -> Iterator[None]:
+  """Within it, each leaf taken from a packed vector by :func:`take_leaf` is
+  remembered, and packing such leaves again, in order, takes a slice of that
+  vector (:func:`handed_run`) instead of concatenating them: a
+  transformation built of stages that each pack the small leaves (Stable-
+  SPAM's three) hands its packed vectors from one stage to the next, and the
+  gathers between them are left unused (compile time on many-leaf trees).
+  """
+  outer = getattr(_handed, "runs", None)
+  _handed.runs = {}
+  try:
+    yield
+  finally:
+    _handed.runs = outer
+
+
+def take_leaf(
+  flat: jax.Array, start: int, shape: tuple[int, ...], dtype: Any
+) -> jax.Array:
+  """:func:`take_run` as ``dtype`` (a leaf's own), remembered within
+  :func:`handing_over`.
+  """
+  leaf = jax.lax.convert_element_type(take_run(flat, start, shape), dtype)
+  runs = getattr(_handed, "runs", None)
+  if runs is not None:
+    runs[id(leaf)] = (leaf, flat, start)
+  return leaf
+
+
+def handed_run(members: Sequence[jax.Array]) -> Optional[jax.Array]:
+  """The members' elements, concatenated, as a slice of the packed vector
+  they were all taken from in this order by :func:`take_leaf` within
+  :func:`handing_over` (rounded to their dtype); None otherwise.
+  """
+  runs = getattr(_handed, "runs", None)
+  if not runs or not members:
+    return None
+  entries = [runs.get(id(x)) for x in members]
+  if any(e is None or e[0] is not x for e, x in zip(entries, members)):
+    return None
+  vector, start = entries[0][1], entries[0][2]
+  dtype = members[0].dtype
+  end = start
+  for x, (_, v, at) in zip(members, entries):
+    if v is not vector or at != end or x.dtype != dtype:
+      return None
+    end += x.size
+  run = jax.lax.slice_in_dim(vector, start, end)
+  return jax.lax.convert_element_type(run, dtype)
 
 
 def scale_each(

@@ -67,10 +67,14 @@ class Packing:
 
   def pack(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
     """Per part, its members of ``leaves`` concatenated into one vector."""
-    return [
-      _norms._blocked_concat([leaves[i] for i in part])  # noqa: SLF001
-      for part in self.parts
-    ]
+    out = []
+    for part in self.parts:
+      members = [leaves[i] for i in part]
+      run = _norms.handed_run(members)
+      out.append(
+        run if run is not None else _norms._blocked_concat(members)  # noqa: SLF001
+      )
+    return out
 
   def unpack(
     self, vectors: Sequence[jax.Array], like: Sequence[jax.Array]
@@ -82,8 +86,9 @@ class Packing:
     for part, vector in zip(self.parts, vectors):
       size = like[part[0]].size
       for k, i in enumerate(part):
-        y = _norms.take_run(vector, k * size, like[i].shape)
-        out[i] = jax.lax.convert_element_type(y, like[i].dtype)
+        out[i] = _norms.take_leaf(
+          vector, k * size, like[i].shape, like[i].dtype
+        )
     return out
 
 

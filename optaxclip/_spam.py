@@ -1106,8 +1106,9 @@ def _clip_in_stacked_parts(
     flat = flat.reshape(-1)
     size = leaves[members[0]].size
     for k, i in enumerate(members):
-      y = _norms.take_run(flat, k * size, leaves[i].shape)
-      out[i] = jax.lax.convert_element_type(y, leaves[i].dtype)
+      out[i] = _norms.take_leaf(
+        flat, k * size, leaves[i].shape, leaves[i].dtype
+      )
   return out, total, own
 
 
@@ -1349,7 +1350,7 @@ def stable_spam(
   interval = _check_interval(who, reset_interval, allow_none=True)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
   scale_at = _Cosine(total_steps, eta_min)
-  return optax.chain(
+  stages = (
     clip_spikes_adaptive(
       gamma3, reset_interval=interval, axis_name=axis_name, sharded=sharded
     ),
@@ -1364,4 +1365,20 @@ def stable_spam(
     _scale_by_stable_spam_adam(b1, b2, eps, scale_at, interval),
     optax.add_decayed_weights(cast(Any, weight_decay)),
     optax.scale_by_learning_rate(cast(Any, learning_rate)),
+  )
+  chained = optax.chain(*stages)
+  raw = [_compiled._raw_update(stage) for stage in stages]  # noqa: SLF001
+
+  def update_fn(updates, state, params=None):
+    # optax.chain's step, in one program (the stages' updates without their
+    # own jit), the stages handing their packed small leaves to the next.
+    new_state = []
+    with _norms.handing_over():
+      for stage_update, stage_state in zip(raw, state):
+        updates, stage_state = stage_update(updates, stage_state, params)
+        new_state.append(stage_state)
+    return updates, tuple(new_state)
+
+  return optax.GradientTransformation(
+    chained.init, _compiled.jit_update(update_fn)
   )
