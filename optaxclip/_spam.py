@@ -1073,8 +1073,8 @@ def _clip_in_stacked_parts(
 
   Every element of a stacked part is counted there (float32 sum). Leaves of
   at most ``_packed.PACKED_SIZE`` elements are also clipped there, each
-  taking its elements back by :func:`_norms.take_run` (kernels shared by the
-  leaves of a shape; compile time on many-leaf trees); the others are None
+  taking its elements back by :func:`_norms.take_leaf` (kernels shared by
+  the leaves of a shape; compile time on many-leaf trees); the others are None
   in the list returned, for the caller to clip, with the leaves that are
   parts of their own, which it also counts (returned as a set). With
   ``axis_name``, a part's count is summed over the axes its leaves are split
@@ -1285,10 +1285,12 @@ def stable_spam(
 
   Built as ``optax.chain`` of :func:`clip_spikes_adaptive`,
   :func:`scale_by_norm_ema`, the Adam part (state :class:`StableSpamState`),
-  ``optax.add_decayed_weights`` and ``optax.scale_by_learning_rate``. The
-  first two chain before any optimizer, e.g. ``optax.chain(
-  optaxclip.clip_spikes_adaptive(), optaxclip.scale_by_norm_ema(),
-  optax.adamw(1e-3))``.
+  ``optax.add_decayed_weights`` and ``optax.scale_by_learning_rate`` (its
+  state is the chain's tuple of theirs), run as one program in which the
+  small leaves that one stage packs into a vector are handed on packed to
+  the next (compile time on many-leaf trees). The first two chain before any
+  optimizer, e.g. ``optax.chain(optaxclip.clip_spikes_adaptive(),
+  optaxclip.scale_by_norm_ema(), optax.adamw(1e-3))``.
 
   Args:
     learning_rate: a number (>= 0) or an optax schedule ``step -> lr``.
