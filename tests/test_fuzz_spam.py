@@ -513,6 +513,9 @@ _WHOLE_PROGRAMS = {
   ),
   spread=st.sampled_from([1.0, 10.0, 1e3]),
 )
+# The release profile's case: an element 18 times smaller than its leaf's
+# largest, 1.1e-6 apart relative to itself.
+@hypothesis.example(name="spam", values=[0, 0, 8, 0], spread=1.0)
 def test_whole_optimizers_step_packed_leaves_as_each_leaf_alone(
   name, values, spread
 ):
@@ -520,18 +523,24 @@ def test_whole_optimizers_step_packed_leaves_as_each_leaf_alone(
   float16 leaves of 6 elements packed, the others alone): every update and,
   after the last step, every per-leaf entry of the state (moments, per-leaf
   vectors) equals that leaf's alone, through a reset: up to a few roundings
-  (XLA:CPU's vectorized division and square root on a packed vector may
-  round an element differently from the scalar code of a leaf alone).
+  of the leaf's largest element (XLA:CPU's vectorized division and square
+  root on a packed vector may round an element differently from the scalar
+  code of a leaf alone, and the moments carry it to the next steps).
   """
 
   def check(got, want):
+    # A few roundings of the leaf's largest element: an element near zero
+    # may differ by more than a few of its own (found by the release profile:
+    # 1.1e-6 relative on an element 18 times smaller than its leaf's largest).
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == want.dtype
+    want64 = want.astype(np.float64)
+    scale = np.max(np.abs(want64), initial=0.0)
     np.testing.assert_allclose(
       got.astype(np.float64),
-      want.astype(np.float64),
-      rtol=8 * fz.round_tol(want.dtype),
-      atol=fz.flush_atol(want.dtype),
+      want64,
+      rtol=0,
+      atol=8 * fz.round_tol(want.dtype) * scale + fz.flush_atol(want.dtype),
     )
 
   (outs, state), alone = _WHOLE_PROGRAMS[name](*_spike_steps(values, spread))
