@@ -1518,11 +1518,11 @@ class UnitLayout:
         ]
         start += size
         flat = _apply_multipliers(parts[j], multipliers).reshape(-1)
-        # The members of a part have one size: leaf k is the k-th run.
-        what = self.parts[j][1]
-        size = math.prod(self.shapes[what[0][0]])
-        for k, (i, _, _) in enumerate(what):
-          out[i] = take_leaf(flat, k * size, self.shapes[i], leaves[i].dtype)
+        members = [i for i, _, _ in self.parts[j][1]]
+        for i, y in zip(
+          members, take_leaves(flat, [leaves[i] for i in members])
+        ):
+          out[i] = y
 
 
 def take_run(flat: jax.Array, start: int, shape: tuple[int, ...]) -> jax.Array:
@@ -1583,6 +1583,16 @@ def take_leaf(
   if runs is not None:
     runs[id(leaf)] = (leaf, flat, start)
   return leaf
+
+
+def take_leaves(flat: jax.Array, like: Sequence[jax.Array]) -> list[jax.Array]:
+  """Leaves of one size packed one after the other in ``flat``, each taken
+  back shaped and typed like its entry of ``like`` (:func:`take_leaf`).
+  """
+  size = like[0].size if like else 0
+  return [
+    take_leaf(flat, k * size, x.shape, x.dtype) for k, x in enumerate(like)
+  ]
 
 
 def handed_run(members: Sequence[jax.Array]) -> Optional[jax.Array]:

@@ -84,11 +84,7 @@ class Packing:
     """
     out = {}
     for part, vector in zip(self.parts, vectors):
-      size = like[part[0]].size
-      for k, i in enumerate(part):
-        out[i] = _norms.take_leaf(
-          vector, k * size, like[i].shape, like[i].dtype
-        )
+      out.update(zip(part, _norms.take_leaves(vector, [like[i] for i in part])))
     return out
 
 

@@ -119,10 +119,6 @@ def _split_flags(
   return _functional.sharded_flags(updates, sharded, who, axis_name)
 
 
-def _psum_over(value: jax.Array, names: tuple[str, ...]) -> jax.Array:
-  return jax.lax.psum(value, names) if names else value
-
-
 def _global_size(leaves: list[jax.Array], flags) -> int:
   """The number of elements of the whole (unsplit) leaves."""
   if flags is None:
@@ -864,8 +860,10 @@ def clip_spikes_adaptive(
         wide = _norms.accumulation_dtype(g.dtype)
         spike = _norms.magnitude(g, wide) > row[0]
         if i in own:
-          names = () if flags is None else flags[i]
-          clipped = clipped + _psum_over(_norms.count(spike), names)
+          split = () if flags is None else flags[i]
+          clipped = clipped + _norms._psum_sharded(  # noqa: SLF001
+            _norms.count(spike), split, axis_name
+          )
         shrunk = (g.astype(wide) * row[1].astype(wide)).astype(g.dtype)
         out[i] = jnp.where(spike, shrunk, g)
     return treedef.unflatten(out), ClipSpikesAdaptiveState(
@@ -937,9 +935,8 @@ def scale_by_norm_ema(
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
       which sharded leaves are split (as for :func:`clip_global`): each
       leaf's statistic is of the whole leaf, the same on every device.
-    sharded: which leaves are split over ``axis_name``: a bool, a pytree
-      prefix of bools, tuples of axis names or ``PartitionSpec`` s, or a
-      callable ``(path, leaf) -> entry`` (as for :func:`clip_global`).
+    sharded: which leaves are split over ``axis_name`` (as for
+      :func:`clip_spikes_adaptive`).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -1096,19 +1093,18 @@ def _clip_in_stacked_parts(
     part = parts[j]
     limits = jnp.take(limit, rows, axis=0).astype(part.dtype)[:, None]
     spike = _norms.magnitude(part) > limits
-    names = layout.parts[j][2][0] if axis_name else ()
-    total = total + _psum_over(_norms.count(spike), names)
+    # The layout's keys are (split axes, ...).
+    total = total + _norms._psum_sharded(  # noqa: SLF001
+      _norms.count(spike), layout.parts[j][2][0], axis_name
+    )
     if leaves[members[0]].size > _packed.PACKED_SIZE:
       continue
     factors = jnp.take(factor, rows, axis=0).astype(part.dtype)[:, None]
     # In memory once, for the leaves' gathers.
     flat = _norms._materialized(jnp.where(spike, part * factors, part))  # noqa: SLF001
-    flat = flat.reshape(-1)
-    size = leaves[members[0]].size
-    for k, i in enumerate(members):
-      out[i] = _norms.take_leaf(
-        flat, k * size, leaves[i].shape, leaves[i].dtype
-      )
+    like = [leaves[i] for i in members]
+    for i, y in zip(members, _norms.take_leaves(flat.reshape(-1), like)):
+      out[i] = y
   return out, total, own
 
 
