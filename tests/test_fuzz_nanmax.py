@@ -22,9 +22,11 @@ import fuzz_strategies as fz
 import optaxclip
 from optaxclip import _norms
 
-# Under ci: a few shapes on both sides of 4096 elements (each compiles once
-# per axis choice); release draws them freely.
-CI_SHAPES = ((4095,), (4096,), (5000,), (3, 2048), (70, 80))
+# Under ci: a few shapes on both sides of 4096 elements, and of
+# _norms.SPLIT_EXTREMES_SIZE (8192: a float32 leaf reduced whole takes max
+# and min one at a time), each compiles once per axis choice; release draws
+# them freely.
+CI_SHAPES = ((4095,), (4096,), (5000,), (3, 2048), (70, 80), (8192,), (2, 9000))
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
@@ -93,6 +95,17 @@ def _reducers(axis, keepdims):
     ).astype(np.float16),
     None,
     False,
+  )
+)
+# A float32 leaf reduced whole, max and min one at a time over a flat view
+# (SPLIT_EXTREMES_SIZE): a NaN last in a (2, 9000) array, keepdims.
+@hypothesis.example(
+  case=(
+    np.concatenate([np.random.default_rng(1).uniform(-1, 1, 17999), [np.nan]])
+    .reshape(2, 9000)
+    .astype(np.float32),
+    None,
+    True,
   )
 )
 def test_nan_max_and_extremes_keep_nan(case):
