@@ -712,9 +712,9 @@ def nan_extremes(
   """``(max(x), min(x))`` over ``axis`` (all axes by default), each NaN
   wherever a NaN was reduced, in one pass (two single-output ones for a
   large float32 leaf reduced whole: see ``SPLIT_EXTREMES_SIZE``);
-  derivatives as
-  ``jnp.max`` and ``jnp.min`` have them. ``x`` real, the reduced axes not empty. See the
-  section's comment for why not ``jnp.max``.
+  derivatives as ``jnp.max`` and ``jnp.min`` have them. ``x`` real, the
+  reduced axes not empty. See the section's comment for why not
+  ``jnp.max``.
   """
   axes = _reduce_axes(x, axis)
   if not _drops_nan(x):
@@ -1142,6 +1142,23 @@ def take_each(v: jax.Array) -> list[jax.Array]:
   return out
 
 
+def chunked(members: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
+  """``members`` in order, cut into runs whose ``sizes`` (elements) add up
+  to at most ``CHUNK_SIZE`` (a member larger than that is a run alone): the
+  parts that :class:`UnitLayout`, ``_packed.Packing`` and the global norm's
+  pieces concatenate.
+  """
+  runs: list[list[Any]] = []
+  total = 0
+  for member, size in zip(members, sizes):
+    if not runs or total + size > CHUNK_SIZE:
+      runs.append([])
+      total = 0
+    runs[-1].append(member)
+    total += size
+  return runs
+
+
 class UnitLayout:
   """Where the units of many leaves lie: small leaves packed by unit size.
 
@@ -1205,15 +1222,14 @@ class UnitLayout:
         continue
       if kind == "stack":
         unit = math.prod(unit[d] for d in self.axes[members[0]])
-      chunk, rows = [], 0
-      for i in members:
-        n = math.prod(self.shapes[i]) // unit
-        if chunk and (rows + n) * unit > CHUNK_SIZE:
-          self.parts.append((kind, chunk, key))
-          chunk, rows = [], 0
-        chunk.append((i, rows, n))
-        rows += n
-      self.parts.append((kind, chunk, key))
+      sizes = [math.prod(self.shapes[i]) for i in members]
+      for chunk in chunked(members, sizes):
+        rows, entries = 0, []
+        for i in chunk:
+          n = math.prod(self.shapes[i]) // unit
+          entries.append((i, rows, n))
+          rows += n
+        self.parts.append((kind, entries, key))
 
   @property
   def keys(self) -> list[Any]:
@@ -1984,14 +2000,8 @@ def _pieces(leaves, flags) -> list[tuple[jax.Array, bool]]:
     else:
       pieces.append((x, f))
   for (f, _), xs in small.items():
-    chunk, size = [], 0
-    for x in xs:
-      if chunk and size + x.size > CHUNK_SIZE:
-        pieces.append((_flat_concat(chunk), f))
-        chunk, size = [], 0
-      chunk.append(x)
-      size += x.size
-    pieces.append((_flat_concat(chunk), f))
+    for chunk in chunked(xs, [x.size for x in xs]):
+      pieces.append((_flat_concat(chunk), f))
   return pieces
 
 

@@ -56,9 +56,7 @@ class Packing:
       groups.setdefault(key, []).append(i)
     self.parts: list[list[int]] = []
     for (size, *_), members in groups.items():
-      per_part = max(_norms.CHUNK_SIZE // size, 2)
-      for start in range(0, len(members), per_part):
-        chunk = members[start : start + per_part]
+      for chunk in _norms.chunked(members, [size] * len(members)):
         if len(chunk) > 1:
           self.parts.append(chunk)
         else:

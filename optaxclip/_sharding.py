@@ -22,12 +22,12 @@ with such entries (matched by key path, so a ``dict`` prefix fits
 from __future__ import annotations
 
 from collections.abc import Callable
-import math
 from typing import Any, NamedTuple, Optional
 
 import jax
 
 from optaxclip import _checks
+from optaxclip import _norms
 
 
 class LeafSharding(NamedTuple):
@@ -139,14 +139,6 @@ def other_axes(
   return tuple(n for n in sharding.axes if n not in summed)
 
 
-def size(names: tuple[str, ...]) -> int:
-  """The number of devices along the named mapped axes (1 for none)."""
-  sizes = getattr(jax.lax, "axis_size", None)
-  if sizes is None:  # an older jax: psum of a Python constant is concrete.
-    return int(jax.lax.psum(1, names)) if names else 1
-  return math.prod(int(sizes(n)) for n in names)
-
-
 def global_shape(x: Any, sharding: LeafSharding) -> Optional[tuple[int, ...]]:
   """The leaf's global shape, or ``None`` when its dimensions are unknown
   (split, with no PartitionSpec).
@@ -156,4 +148,6 @@ def global_shape(x: Any, sharding: LeafSharding) -> Optional[tuple[int, ...]]:
     return shape
   if sharding.dims is None:
     return None
-  return tuple(d * size(names) for d, names in zip(shape, sharding.dims))
+  return tuple(
+    d * _norms.axis_size(names) for d, names in zip(shape, sharding.dims)
+  )

@@ -493,7 +493,7 @@ def _per_unit_clip(leaves, layout, norms, limits, ord, smallest=0.0):  # pylint:
       _norms.count(_norms.is_scaled_down(f)), names, names
     )
   units = sum(
-    n.value.size * _sharding.size(names) for n, names in zip(norms, across)
+    n.value.size * _norms.axis_size(names) for n, names in zip(norms, across)
   )
   stats = (
     _stats.as_stat(_norms.combine_norms(norms, ord, across=across)),
@@ -838,7 +838,7 @@ def clip_block_rms(
     )
     roots = layout.pack_static(
       [
-        math.sqrt(max(x.size * _sharding.size(f), 1))
+        math.sqrt(max(x.size * _norms.axis_size(f), 1))
         for x, f in zip(leaves, flags)
       ]
     )
