@@ -456,7 +456,19 @@ def _psum_sharded(value, sharded, axis_name: AxisName):
 
 
 def _pmax(value, names: tuple[str, ...]):
-  return jax.lax.pmax(value, names) if names else value
+  """``lax.pmax`` over the mapped axes ``names``, NaN wherever a device's
+  value is NaN: XLA:CPU's all-reduce max drops a NaN, as its max reductions
+  do (see "Maxima that keep NaN"). The NaN flags go in the same all-reduce.
+  """
+  if not names:
+    return value
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    return jax.lax.pmax(value, names)
+  top, nan = jax.lax.pmax(
+    jnp.stack([value, jnp.isnan(value).astype(value.dtype)]), names
+  )
+  return jnp.where(nan > 0, jnp.nan, top).astype(value.dtype)
 
 
 def axis_size(axis_name: AxisName) -> int:
@@ -2574,7 +2586,7 @@ def _combine_norms_plain(norms, ord, across):  # pylint: disable=redefined-built
 
   if math.isinf(ord):
     return over_devices(
-      lambda n: nan_max(n.as_float(), initial=0), jnp.maximum, jax.lax.pmax
+      lambda n: nan_max(n.as_float(), initial=0), jnp.maximum, _pmax
     )
   # Each unit norm as m * 2**E (0.5 <= m < 1), all rescaled to the largest
   # E: exact powers of two, no division. Non-finite norms are added at the

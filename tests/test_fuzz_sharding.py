@@ -78,7 +78,21 @@ def palette_trees(draw, layout):
   for k, shape in LAYOUT_SHAPES.items():
     scale = draw(st.sampled_from([0.1, 1.0, 10.0]))
     tree[k] = (scale * rng.normal(size=shape)).astype(np.float32)
-  return mesh_name, tree, dict(specs)
+  return mesh_name, _with_special(draw, rng, tree), dict(specs)
+
+
+def _with_special(draw, rng, tree):
+  """``tree`` with, sometimes, one NaN or inf at a random element of a
+  random leaf: every device must come to the non-finite policy's result as
+  one device does (XLA:CPU's all-reduce max dropped a NaN held by one
+  device: ord=inf norms inside shard_map read finite).
+  """
+  special = draw(st.sampled_from([None, None, np.nan, np.inf, -np.inf]))
+  if special is not None:
+    key = draw(st.sampled_from(sorted(tree)))
+    flat = tree[key].reshape(-1)
+    flat[rng.integers(flat.size)] = special
+  return tree
 
 
 @st.composite
@@ -105,7 +119,7 @@ def sharded_trees(draw):
     scale = draw(st.sampled_from([0.1, 1.0, 10.0]))
     tree[f"w{i}"] = (scale * rng.normal(size=dims)).astype(np.float32)
     specs[f"w{i}"] = P(*entries)
-  return mesh_name, tree, specs
+  return mesh_name, _with_special(draw, rng, tree), specs
 
 
 def _names(spec):
@@ -123,6 +137,12 @@ def _clippers(specs, axis_name):
 
   return {
     "clip_global": lambda m: optaxclip.clip_global(1.0, **kw(m, axes)),
+    "clip_global_inf": lambda m: optaxclip.clip_global(
+      1.0, ord=math.inf, **kw(m, axes)
+    ),
+    "clip_norm_inf": lambda m: optaxclip.clip_norm(
+      0.5, ord=math.inf, **kw(m, specs)
+    ),
     "clip_norm": lambda m: optaxclip.clip_norm(0.5, **kw(m, specs)),
     "clip_norm_axis0": lambda m: optaxclip.clip_norm(
       0.5, axis=0, **kw(m, specs)

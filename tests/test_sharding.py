@@ -291,6 +291,45 @@ def test_axis_name_inside_shard_map_matches_one_device():
     assert not np.allclose(want[name][0]["w_in"], grads["w_in"]), name
 
 
+def test_max_norms_keep_one_devices_nan_inside_shard_map():
+  """A NaN on one device makes ord=inf norms NaN on every device, as on one
+  device (the non-finite policy: its leaf NaN, for clip_global the whole
+  tree). XLA:CPU's all-reduce max drops a NaN, so ``clip_global(ord=inf)``
+  and ``clip_norm(ord=inf)`` read the norm of the other devices' values and
+  clipped them as usual.
+  """
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  params, grads = _shard_tree(0), _shard_tree(1, 3.0)
+  grads["w_in"][5, 1] = np.nan  # on the third of eight devices
+  cases = {
+    "clip_global": lambda **kw: optaxclip.clip_global(0.5, ord=math.inf, **kw),
+    "clip_norm": lambda **kw: optaxclip.clip_norm(0.5, ord=math.inf, **kw),
+  }
+
+  def by_path(path, leaf):
+    del leaf
+    return path[0].key != "b"
+
+  def run(grads, params, mapped):
+    out = {}
+    for name, make in cases.items():
+      tx = make(axis_name="d", sharded=by_path) if mapped else make()
+      updates, state = tx.update(grads, tx.init(params), params)
+      out[name] = (updates, state.norm)
+    return out
+
+  out_specs = {name: (SHARD_SPECS, P()) for name in cases}
+  got, want = one_device_and_mapped(
+    run, mesh, SHARD_SPECS, out_specs, grads, params
+  )
+  assert_updates_close(got, want, grads, TOL)  # NaN where one device's are
+  for name in cases:
+    assert np.isnan(want[name][1]) and np.isnan(got[name][1]), name
+    # The NaN's leaf is NaN (clip_global: the whole tree).
+    assert np.isnan(got[name][0]["w_in"]).all(), name
+  assert np.isnan(got["clip_global"][0]["w_out"]).all()
+
+
 def test_replicated_leaves_are_counted_once():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
   b = np.full((3,), 4.0, np.float32)  # norm sqrt(48) on every device.
