@@ -439,6 +439,22 @@ def _names(axis_name: AxisName) -> tuple[str, ...]:
   return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
+def _on_every_device(pred: jax.Array, axis_name: AxisName) -> jax.Array:
+  """Whether the scalar ``pred`` holds on every device of the mapped axes
+  ``axis_name`` (``pred`` itself outside them).
+
+  The predicate of a ``lax.cond`` whose branches hold collectives must be
+  the same on every device: a device that skips a branch leaves the others
+  waiting in its all-reduce until XLA aborts the process (found: a NaN in
+  one device's units of ``clip_norm(axis=0)`` on a 2-D mesh, whose units
+  differ across one of the axes).
+  """
+  names = _names(axis_name)
+  if not names:
+    return pred
+  return jax.lax.pmin(pred.astype(jnp.int32), names) > 0
+
+
 def _split_axes(sharded, axis_name: AxisName) -> tuple[str, ...]:
   """One leaf's ``sharded`` entry as the names of ``axis_name`` it is split
   over: ``True`` all of them, ``False`` none, a tuple of names those.
@@ -1974,12 +1990,19 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
         for v, m in zip(flat, grouped(tops(parts_)))
       ]
     )
-    return jax.lax.cond(settled, direct, exact, parts_)
+    return jax.lax.cond(
+      _on_every_device(settled, axis_name), direct, exact, parts_
+    )
 
   # The checks are computed where they are used (inside the branch too):
-  # fused into their reductions (_all_of), not kept in memory.
+  # fused into their reductions (_all_of), not kept in memory. Units split
+  # across devices may differ (another device's NaN): every device takes
+  # the branch one of them needs.
   norms = jax.lax.cond(
-    _all_of([good(v) for v in flat]), direct, fallback, parts
+    _on_every_device(_all_of([good(v) for v in flat]), axis_name),
+    direct,
+    fallback,
+    parts,
   )
   out: list[Any] = [None] * len(parts)
   for m, n in zip(members, norms):

@@ -760,6 +760,47 @@ def test_per_leaf_axes_on_a_2d_mesh_match_one_device():
     ), name  # something is clipped
 
 
+@pytest.mark.slow
+def test_a_nan_in_one_devices_units_takes_every_device_to_one_branch():
+  """A NaN in units that one device holds: that device's unit sums leave
+  the trusted range, the others' do not. Each took its own branch of the
+  norms' recompute ``lax.cond``, whose collectives then waited for devices
+  that never came: ``clip_norm(axis=0)`` and ``clip_unitwise`` hung and
+  XLA aborted the process. Every device now takes the branch one needs, and
+  the updates equal one device's (NaN in the NaN's unit).
+  """
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2
+  )
+  cases = {
+    k: v
+    for k, v in _cases_2d().items()
+    if k in ("clip_norm_axis0/spec", "clip_unitwise/spec", "clip_norm/spec")
+  }
+  params, grads = _tree_2d(0), _tree_2d(1, 3.0)
+  grads["both_2d"][4, 1] = np.nan  # rows 4-7 on data 1, columns 0-1 on fsdp 0
+
+  def run(grads, params, mapped):
+    out = {}
+    for name, make in cases.items():
+      tx = make(mapped)
+      out[name] = tx.update(grads, tx.init(params), params)[0]
+    return out
+
+  got, want = one_device_and_mapped(
+    run, mesh, MESH_2D_SPECS, dict.fromkeys(cases, MESH_2D_SPECS), grads, params
+  )
+  for name in cases:
+    for key in grads:
+      np.testing.assert_allclose(
+        got[name][key], want[name][key], rtol=TOL, atol=TOL, err_msg=name
+      )
+    assert np.isnan(want[name]["both_2d"][:, 1]).all(), name
+  # Units along axis 0: only the NaN's column (clip_norm: the whole leaf).
+  for name in ("clip_norm_axis0/spec", "clip_unitwise/spec"):
+    assert not np.isnan(want[name]["both_2d"][:, 0]).any(), name
+
+
 def test_global_norm_with_leaves_on_different_axes():
   """One kernel split over both axes, one over fsdp only, a replicated bias:
   of the four single-bool settings none is right; per-leaf axes are.
