@@ -4,12 +4,14 @@ one device's numbers (issue 15, items 2 and 3).
 For random small trees, each leaf split over a random subset of the mesh's
 axes along random dimensions (1, 2 or 8 devices, 1-D and 2-D meshes), the
 updates and statistics of clip_global, clip_norm (whole leaves and
-``axis=0``), clip_block_rms, clip_unitwise and Stable-SPAM's per-leaf parts
+``axis=0``; both also with ``ord=inf``), clip_block_rms, clip_unitwise and
+Stable-SPAM's per-leaf parts
 (clip_spikes_adaptive, scale_by_norm_ema, stable_spam: two steps, the second
 a spike) with ``sharded`` given as the leaves' PartitionSpecs (or, where the
 form allows, as tuples of axis names) equal those of the same clipper on one
 device; so do the updates of the element-wise clip_spikes and spam, without
-``axis_name`` (leaves that vary across devices beside replicated ones).
+``axis_name`` (leaves that vary across devices beside replicated ones). A
+NaN or inf is sometimes put on one device (issue 10, item 5).
 Every example compiles two programs, so the examples are few
 (tests/fast_compile.py compiles them cheaply).
 """
@@ -84,8 +86,9 @@ def palette_trees(draw, layout):
 def _with_special(draw, rng, tree):
   """``tree`` with, sometimes, one NaN or inf at a random element of a
   random leaf: every device must come to the non-finite policy's result as
-  one device does (XLA:CPU's all-reduce max dropped a NaN held by one
-  device: ord=inf norms inside shard_map read finite).
+  one device does. It found two bugs: XLA:CPU's all-reduce max dropped a NaN
+  held by one device (ord=inf norms read finite), and devices that
+  disagreed on the unit norms' recompute branch hung the step.
   """
   special = draw(st.sampled_from([None, None, np.nan, np.inf, -np.inf]))
   if special is not None:
