@@ -656,9 +656,16 @@ _extremes_custom = _with_plain_derivative(
 )
 
 
+def _nan_keeping_reduce(x, axes, keepdims, merge, start):
+  """One single-output reduction of ``x`` over ``axes`` by ``merge`` (one of
+  the NaN-keeping merges above), starting from ``start``.
+  """
+  out = jax.lax.reduce(x, jnp.asarray(start, x.dtype), merge, axes)
+  return jnp.expand_dims(out, axes) if keepdims else out
+
+
 def _max_fast(x, axes, keepdims):
-  top = jax.lax.reduce(x, jnp.asarray(-jnp.inf, x.dtype), _nan_max_merge, axes)
-  return jnp.expand_dims(top, axes) if keepdims else top
+  return _nan_keeping_reduce(x, axes, keepdims, _nan_max_merge, -jnp.inf)
 
 
 def _max_plain(x, axes, keepdims):
@@ -670,27 +677,14 @@ _max_custom = _with_plain_derivative(
 )
 
 
-def _min_fast(x, axes, keepdims):
-  low = jax.lax.reduce(x, jnp.asarray(jnp.inf, x.dtype), _nan_min_merge, axes)
-  return jnp.expand_dims(low, axes) if keepdims else low
-
-
-def _min_plain(x, axes, keepdims):
-  return jnp.min(x, axis=axes, keepdims=keepdims)
-
-
-_min_custom = _with_plain_derivative(
-  _min_fast, _min_plain, n_args=3, n_static=2
-)
-
-
 def _whole_extremes_fast(x, keepdims):
   # A flat view behind a barrier: XLA:CPU vectorises a reduction of a
   # vector, not of all axes of a matrix (8 x (768, 3072) float32: 6 ms, as
   # a matrix 22 ms); the barrier keeps the reshape from being folded
   # back into the reductions.
   flat = jax.lax.optimization_barrier(x.reshape(-1))
-  top, bottom = _max_fast(flat, (0,), False), _min_fast(flat, (0,), False)
+  top = _max_fast(flat, (0,), False)
+  bottom = _nan_keeping_reduce(flat, (0,), False, _nan_min_merge, jnp.inf)
   if keepdims:
     top, bottom = top.reshape((1,) * x.ndim), bottom.reshape((1,) * x.ndim)
   return top, bottom
