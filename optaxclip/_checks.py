@@ -390,17 +390,28 @@ def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
   return [(jax.tree_util.keystr(path) or "<root>", leaf) for path, leaf in flat]
 
 
-def check_float_leaves(tree: Any, what: str = "updates") -> None:
-  """Raises TypeError naming the first leaf that is not a float or complex."""
+def check_float_leaves(
+  tree: Any, what: str = "updates", real: bool = False
+) -> None:
+  """Raises TypeError naming the first leaf that is not a float or complex
+  (with ``real``, not a real float).
+  """
   for path, leaf in leaves_with_paths(tree):
     dtype = getattr(leaf, "dtype", None)
     if dtype is None:
       dtype = np.asarray(leaf).dtype
     if not jnp.issubdtype(dtype, jnp.inexact):
       raise TypeError(
-        f"{what} leaf {path} must be float or complex (integer parameters "
-        "have no gradient: mask them out with optax.masked); got dtype "
-        f"{dtype}."
+        f"{what} leaf {path} must be float"
+        + ("" if real else " or complex")
+        + " (integer parameters have no gradient: mask them out with "
+        f"optax.masked); got dtype {dtype}."
+      )
+    if real and jnp.issubdtype(dtype, jnp.complexfloating):
+      raise TypeError(
+        f"{what} leaf {path} must be a real float (the SPAM family's "
+        "element-wise moments are defined for real gradients: mask complex "
+        f"leaves out with optax.masked); got dtype {dtype}."
       )
 
 

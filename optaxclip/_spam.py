@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optaxclip import _adaptive
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _functional
@@ -46,11 +47,13 @@ _F32 = jnp.float32
 # --- shared pieces ----------------------------------------------------------
 
 
-def _at(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:
+def _at(
+  value: ScalarOrSchedule, count: jax.Array, dtype: Any = _F32
+) -> jax.Array:
   """A number, or a schedule's value at ``count`` (unbounded: the
-  references take learning rates and gammas as they come), as float32.
+  references take learning rates and gammas as they come), in ``dtype``.
   """
-  return jnp.asarray(_schedules.value_at(value, count, low=None), _F32)
+  return jnp.asarray(_schedules.value_at(value, count, low=None), dtype)
 
 
 def _threshold_at(threshold: Any, count: jax.Array, who: str) -> jax.Array:
@@ -61,19 +64,21 @@ def _threshold_at(threshold: Any, count: jax.Array, who: str) -> jax.Array:
   return jnp.asarray(value, _F32)
 
 
-def _log(base: Any) -> jax.Array:
-  """``log(base)`` as float32, taken in float64 when ``base`` is a number:
+def _log(base: Any, dtype: Any = _F32) -> jax.Array:
+  """``log(base)`` in ``dtype``, taken in float64 when ``base`` is a number:
   ``1 - 0.999`` is 1.3e-5 off in float32, ``log(0.999)`` is exact to 6e-8.
   """
   if _checks.is_concrete_number(base):
     b = float(base)
-    return jnp.asarray(-np.inf if b == 0.0 else math.log(b), _F32)
-  return jnp.log(jnp.asarray(base).astype(_F32))
+    return jnp.asarray(-np.inf if b == 0.0 else math.log(b), dtype)
+  return jnp.log(jnp.asarray(base).astype(dtype))
 
 
-def _one_minus_power(base: Any, n: jax.Array) -> jax.Array:
-  """``1 - base**n`` (bias correction) for ``n >= 1``, accurate near 1."""
-  return -jnp.expm1(n.astype(_F32) * _log(base))
+def _one_minus_power(base: Any, n: jax.Array, dtype: Any = _F32) -> jax.Array:
+  """``1 - base**n`` (bias correction) for ``n >= 1``, accurate near 1;
+  in ``dtype``.
+  """
+  return -jnp.expm1(n.astype(dtype) * _log(base, dtype))
 
 
 def _over(v: Any, c: Any) -> jax.Array:
@@ -128,18 +133,22 @@ def _global_size(leaves: list[jax.Array], flags) -> int:
 
 def _float_leaves(updates: Any, who: str) -> tuple[list[jax.Array], Any]:
   leaves, treedef = jax.tree.flatten(updates)
-  _checks.check_float_leaves(updates, f"{who}: updates")
+  _checks.check_float_leaves(updates, f"{who}: updates", real=True)
   return [jnp.asarray(x) for x in leaves], treedef
 
 
 def _per_leaf_zeros(params: Any) -> jax.Array:
-  """A float32 vector of zeros, one entry per leaf of ``params``."""
-  return jnp.zeros((len(jax.tree.leaves(params)),), _F32)
+  """A vector of zeros, one entry per leaf of ``params``, in the statistics
+  dtype (float32; float64 when a leaf is float64).
+  """
+  _checks.check_float_leaves(params, "params", real=True)
+  dtype = _adaptive.stats_dtype(params)
+  return jnp.zeros((len(jax.tree.leaves(params)),), dtype)
 
 
 def _per_leaf(v: jax.Array, leaves: list, who: str, name: str) -> jax.Array:
   """State ``name``'s vector ``v`` (one entry per leaf), checked against the
-  updates' ``leaves``, as float32.
+  updates' ``leaves``, in its dtype (fixed at ``init``).
   """
   shape = getattr(v, "shape", None)
   if shape != (len(leaves),):
@@ -149,7 +158,7 @@ def _per_leaf(v: jax.Array, leaves: list, who: str, name: str) -> jax.Array:
       f"({len(leaves)}); got {got}. Call init with parameters of the same "
       "structure as the updates."
     )
-  return jnp.asarray(v).astype(_F32)
+  return jnp.asarray(v)
 
 
 def _share(count: jax.Array, leaves: list[jax.Array], flags=None) -> jax.Array:
@@ -327,7 +336,8 @@ def _clip_to_moment(
   g: jax.Array, nu: jax.Array, threshold: Any, clip_on: jax.Array
 ) -> jax.Array:
   """SPAM's spike clipping: each coordinate with ``g^2 > threshold nu`` is
-  set to ``sign(g) sqrt(threshold nu)``.
+  set to ``sign(g) sqrt(threshold nu)``; an infinite one to NaN (the
+  non-finite policy: the reference turns it into the finite limit).
   """
   return _clip_and_count(g, nu, threshold, clip_on)[0]
 
@@ -337,7 +347,9 @@ def _clip_and_count(
 ) -> tuple[jax.Array, jax.Array]:
   """:func:`_clip_to_moment` and the number of coordinates it clips."""
   spike, limit = _spikes(g, nu, threshold, clip_on)
-  return jnp.where(spike, jnp.sign(g) * jnp.sqrt(limit), g), _norms.count(spike)
+  # g - g: 0 where g is finite, NaN where it is infinite.
+  clipped = jnp.sign(g) * jnp.sqrt(limit) + (g - g)
+  return jnp.where(spike, clipped, g), _norms.count(spike)
 
 
 def _clipped_before_update(
@@ -446,7 +458,10 @@ def clip_spikes(
   is reset to zero on every step ``t`` (from 1) that is a multiple of
   ``reset_interval``, and clipping waits ``grad_accu_steps`` steps after
   each reset (``t mod reset_interval >= grad_accu_steps``), while ``nu``
-  fills again; as in the authors' code.
+  fills again; as in the authors' code. One difference (the non-finite
+  policy of every optaxclip clipper): an infinite coordinate that would be
+  clipped comes out NaN and is counted, where the reference turns it into
+  the finite ``sqrt(threshold nu)``, hiding it; a NaN stays NaN.
 
   It keeps its own second moment rather than reading an inner Adam's: the
   clip needs ``nu`` before this step's update, which an inner optimizer
@@ -670,7 +685,8 @@ def spam(
   1. if ``t`` is a multiple of ``reset_interval``, ``m`` and ``v`` are reset
      to zero;
   2. once ``t mod reset_interval >= grad_accu_steps``, each coordinate with
-     ``g^2 > threshold v`` is clipped to ``sign(g) sqrt(threshold v)``;
+     ``g^2 > threshold v`` is clipped to ``sign(g) sqrt(threshold v)``
+     (an infinite one to NaN, as in :func:`clip_spikes`);
   3. ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2) g^2``;
   4. ``p <- p - lr s_t sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps)``,
      with the bias correction counted from the first step, never restarted
@@ -756,14 +772,16 @@ class ClipSpikesAdaptiveState(NamedTuple):
 
   Attributes:
     count: updates so far (int32).
-    max_ema: per leaf, the EMA of its largest magnitude ``max |g|``: a
-      float32 vector with one entry per leaf, in ``jax.tree.leaves`` order.
+    max_ema: per leaf, the bias-corrected EMA of its largest magnitude,
+      ``T_hat`` (the limit of the last step): a vector with one entry per
+      leaf, in ``jax.tree.leaves`` order, float32 (float64 for float64
+      parameters).
     clipped: elements clipped this step (float32: exact up to 2**24).
     clip_fraction: the share of elements clipped this step.
   """
 
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
-  max_ema: jax.Array  # float32 (leaves,)
+  max_ema: jax.Array  # float32 or float64 (leaves,)
   clipped: jax.Array  # float32 scalar
   clip_fraction: jax.Array  # float32 scalar in [0, 1]
 
@@ -791,6 +809,19 @@ def clip_spikes_adaptive(
   itself is never reset, so for a while after each reset ``T_hat`` is
   inflated and little is clipped. :func:`stable_spam` passes its own
   ``reset_interval``; standalone, leave it None (the paper's formula).
+
+  Differences from the reference, for inputs it gets wrong: the state holds
+  ``T_hat`` itself, updated as a weighted sum of the last ``T_hat`` and
+  ``max|g|`` (the same numbers, rounding apart), not ``T``: the reference's
+  ``(1 - gamma3) max|g|`` underflows for ``max|g|`` below about 1e-35 in
+  float32 (``T_hat`` 0, then NaN); ``T_hat`` is capped at the dtype's
+  largest value. A leaf holding a NaN or an inf comes out NaN (every
+  element counted as clipped; the reference passes the leaf's finite
+  elements unclipped) and leaves its ``T_hat`` as it was (in the
+  reference, an inf or NaN ``T`` switches the leaf's clipping off for
+  good). The factor ``T_hat / max|g|`` is applied with ``max|g|``'s power
+  of two apart, so that it neither underflows nor has derivatives through
+  ``max|g|**2``. The statistic is float64 for float64 parameters.
 
   Args:
     gamma3: the decay of the EMA, in [0, 1).
@@ -837,43 +868,95 @@ def clip_spikes_adaptive(
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = _float_leaves(updates, who)
+    ema = _per_leaf(state.max_ema, leaves, who, "max_ema")
+    dtype = ema.dtype
+    # T_hat directly: T_hat = (gamma3 T + (1 - gamma3) max|g|) / c_k with
+    # T = T_hat' c_k' (the step before) is a weighted sum of T_hat' and
+    # max|g| with weights of order 1, so that no product by 1 - gamma3
+    # underflows (the reference's T, for max|g| below about 1e-35 in
+    # float32, did: T_hat was then 0 or NaN).
     k = _ema_step_count(state.count + 1, interval)
-    correction = _one_minus_power(gamma3, k)
+    k_before = _ema_step_count(state.count, interval)
+    correction = _one_minus_power(gamma3, k, dtype)
+    before = jnp.where(
+      k_before > 0, _one_minus_power(gamma3, jnp.maximum(k_before, 1), dtype), 0
+    )
+    # 1 - gamma3 as the step computes c_k (not folded by XLA's constant
+    # evaluator, whose expm1 may differ in the last bit): w_new is 1 on the
+    # first step.
+    first = _one_minus_power(gamma3, jnp.minimum(k, 1), dtype)
+    w_before = jnp.asarray(gamma3, dtype) * before / correction
+    w_new = first / correction
     # The per-leaf scalars as vectors (compile time on many-leaf trees:
     # see scale_by_norm_ema).
     flags = _split_flags(updates, sharded, who, axis_name)
-    layout, largest = _leaf_norm_vector(leaves, math.inf, flags, axis_name)
-    ema = _per_leaf(state.max_ema, leaves, who, "max_ema")
-    ema = gamma3 * ema + (1 - gamma3) * largest
-    limit = _over(ema, correction)
-    # limit / largest < 1 where anything is clipped: no tiny reciprocal.
-    factor = limit / jnp.where(largest > 0, largest, 1.0)
+    layout, largest = _leaf_norm_vector(
+      leaves, math.inf, flags, axis_name, dtype
+    )
+    # A leaf holding a NaN or an inf leaves its T_hat as it was, and comes
+    # out NaN (its limit NaN: every element a spike, times NaN).
+    finite = jnp.isfinite(largest)
+    fresh = jnp.minimum(
+      w_before * ema + w_new * jnp.where(finite, largest, 0),
+      jnp.finfo(dtype).max,
+    )
+    new_ema = jnp.where(finite, fresh, ema)
+    # From the new state, not the old: a donated state is then updated in
+    # place (the old one read only for the new one, not after it).
+    limit = jnp.where(finite, new_ema, jnp.nan)
+    # A spike x becomes (x 2**-E) (limit / (max|g| 2**-E)), 2**E the power
+    # of two of max|g|: no factor limit / max|g| that underflows, and
+    # derivatives without max|g|**2.
+    scale = _norms.pow2(-_leaf_exponent(largest), dtype)
+    ratio = jnp.minimum(limit, largest) / jnp.where(
+      largest > 0, largest * scale, 1
+    )
     out, clipped, own = _clip_in_stacked_parts(
-      layout, leaves, limit, factor, axis_name
+      layout, leaves, limit, scale, ratio, axis_name
     )
     rest = [i for i, y in enumerate(out) if y is None]
     if rest:
       index = np.asarray(rest)
-      rows = _norms.take_each(jnp.stack([limit[index], factor[index]], axis=1))
+      rows = _norms.take_each(
+        jnp.stack([limit[index], scale[index], ratio[index]], axis=1)
+      )
       for i, row in zip(rest, rows):
         g = leaves[i]
         wide = _norms.accumulation_dtype(g.dtype)
-        spike = _norms.magnitude(g, wide) > row[0]
+        spike = _above(_norms.magnitude(g, wide), row[0])
         if i in own:
           split = () if flags is None else flags[i]
           clipped = clipped + _norms._psum_sharded(  # noqa: SLF001
             _norms.count(spike), split, axis_name
           )
-        shrunk = (g.astype(wide) * row[1].astype(wide)).astype(g.dtype)
-        out[i] = jnp.where(spike, shrunk, g)
+        out[i] = jnp.where(spike, _shrunk(g, row[1], row[2]), g)
     return treedef.unflatten(out), ClipSpikesAdaptiveState(
       count=optax.safe_int32_increment(state.count),
-      max_ema=ema.astype(_F32),
+      max_ema=new_ema,
       clipped=clipped,
       clip_fraction=_share(clipped, leaves, flags),
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
+
+
+def _leaf_exponent(largest: jax.Array) -> jax.Array:
+  """``E`` with ``largest 2**-E`` of order 1 and ``2**-E`` normal."""
+  lo, hi = _norms._exp_range(largest.dtype)  # noqa: SLF001
+  return jax.lax.clamp(np.int32(lo), _norms.exponent(largest), np.int32(hi))
+
+
+def _above(magnitude: jax.Array, limit: jax.Array) -> jax.Array:
+  """``magnitude > limit``, and true everywhere where ``limit`` is NaN."""
+  return ~(magnitude <= limit)
+
+
+def _shrunk(x: jax.Array, scale: jax.Array, ratio: jax.Array) -> jax.Array:
+  """``x scale ratio`` in the accumulation dtype, back in ``x``'s."""
+  wide = _norms.accumulation_dtype(x.dtype)
+  return (x.astype(wide) * scale.astype(wide) * ratio.astype(wide)).astype(
+    x.dtype
+  )
 
 
 @_stats.register("scale_by_norm_ema", ("norm", "scaled_norm", "scale"))
@@ -882,8 +965,9 @@ class ScaleByNormEmaState(NamedTuple):
 
   Attributes:
     count: updates so far (int32).
-    mu: per leaf, the EMA of its L2 norm: a float32 vector with one entry
-      per leaf, in ``jax.tree.leaves`` order.
+    mu: per leaf, the EMA of its L2 norm: a vector with one entry per leaf,
+      in ``jax.tree.leaves`` order, float32 (float64 for float64
+      parameters).
     nu: per leaf, the EMA of its squared L2 norm (as ``mu``).
     norm: this step's global L2 norm before scaling.
     scaled_norm: the global L2 norm after scaling.
@@ -891,8 +975,8 @@ class ScaleByNormEmaState(NamedTuple):
   """
 
   count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
-  mu: jax.Array  # float32 (leaves,)
-  nu: jax.Array  # float32 (leaves,)
+  mu: jax.Array  # float32 or float64 (leaves,)
+  nu: jax.Array  # float32 or float64 (leaves,)
   norm: jax.Array  # float32 scalar
   scaled_norm: jax.Array  # float32 scalar
   scale: jax.Array  # float32 scalar
@@ -925,7 +1009,14 @@ def scale_by_norm_ema(
   value, so that a huge finite gradient cannot leave ``v`` infinite, and so
   is ``n`` itself where a finite leaf's norm exceeds float32's range; the
   leaf is then divided by its exact norm (the reference, dividing by an
-  overflowed float32 norm, returns NaN there).
+  overflowed float32 norm, returns NaN there). The bias-corrected EMAs are
+  capped likewise (the division may round above the largest value, which
+  made the target 0). A leaf holding a NaN or an inf comes out NaN and
+  leaves its EMAs as they were (in the reference, they stay NaN for good).
+  With ``eps = 0``, a leaf whose recent norms' squares all underflowed
+  (norms below about 1e-19 in float32) is rescaled to norm 1, the ratio of
+  equal norms, instead of dividing by 0. The EMAs are float64 for float64
+  parameters (their squares then capped at float64's largest value).
 
   Args:
     gamma1: the decay of the norm's EMA, in [0, 1), or a schedule.
@@ -966,7 +1057,6 @@ def scale_by_norm_ema(
   _checks.check_number("eps", eps, who=who, low=0.0)
   interval = _check_interval(who, reset_interval, allow_none=True)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
-  largest = float(jnp.finfo(_F32).max)
 
   def init_fn(params):
     return ScaleByNormEmaState(
@@ -981,10 +1071,14 @@ def scale_by_norm_ema(
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = _float_leaves(updates, who)
+    mu = _per_leaf(state.mu, leaves, who, "mu")
+    nu = _per_leaf(state.nu, leaves, who, "nu")
+    dtype = mu.dtype
+    largest = jnp.finfo(dtype).max
     k = _ema_step_count(state.count + 1, interval)
-    g1 = _at(gamma1, state.count)
-    correction1 = _one_minus_power(g1, k)
-    correction2 = _one_minus_power(gamma2, k)
+    g1 = _at(gamma1, state.count, dtype)
+    correction1 = _one_minus_power(g1, k, dtype)
+    correction2 = _one_minus_power(gamma2, k, dtype)
     # One vector of the leaves' norms and EMAs, whatever the number of
     # leaves: a few kernels, not a few per leaf (compile time on many-leaf
     # trees: 5.9x adam's on 300 small leaves when computed leaf by leaf).
@@ -993,24 +1087,42 @@ def scale_by_norm_ema(
     # compile time on 300 small leaves).
     flags = _split_flags(updates, sharded, who, axis_name)
     layout, exact = _leaf_norm_scaled(leaves, 2.0, flags, axis_name)
-    n = exact.as_float().astype(_F32)
-    mu = _per_leaf(state.mu, leaves, who, "mu")
-    nu = _per_leaf(state.nu, leaves, who, "nu")
-    # A finite leaf whose norm exceeds float32's range enters the EMAs as
-    # float32's largest value (inf would stay in them, and inf / inf is
-    # NaN); the leaf itself is divided by its exact norm below.
+    n = exact.as_float().astype(dtype)
+    # A finite leaf whose norm exceeds the range enters the EMAs as the
+    # dtype's largest value (inf would stay in them, and inf / inf is NaN);
+    # the leaf itself is divided by its exact norm below. A leaf holding a
+    # NaN or an inf leaves its EMAs as they were (and comes out NaN).
     finite = jnp.isfinite(exact.value)
-    n_ema = jnp.where(finite, jnp.minimum(n, largest), n)
-    mu = g1 * mu + (1 - g1) * n_ema
-    nu = gamma2 * nu + (1 - gamma2) * jnp.minimum(n_ema * n_ema, largest)
-    target = _over(mu, correction1) / (jnp.sqrt(_over(nu, correction2)) + eps)
+    n_ema = jnp.where(finite, jnp.minimum(n, largest), 0)
+    mu = jnp.where(finite, g1 * mu + (1 - g1) * n_ema, mu)
+    nu = jnp.where(
+      finite,
+      gamma2 * nu + (1 - gamma2) * jnp.minimum(n_ema * n_ema, largest),
+      nu,
+    )
+    # Bias-corrected, capped at the largest value too: near it, the division
+    # by 1 - gamma^k may round above it (inf would make the target 0).
+    mu_hat = jnp.minimum(_over(mu, correction1), largest)
+    nu_hat = jnp.minimum(_over(nu, correction2), largest)
+    # A root of 0 (squares that underflowed) has no finite derivative:
+    # masked, so that a tiny leaf's derivative is mu_hat's over eps.
+    root = jnp.where(nu_hat > 0, jnp.sqrt(jnp.where(nu_hat > 0, nu_hat, 1)), 0)
+    denominator = root + eps
+    # With eps = 0, norms whose squares all underflowed (below about 1e-19 in
+    # float32) leave no denominator: their ratio is taken as 1 (that of
+    # equal norms), not mu_hat / 0 = inf.
+    target = jnp.where(
+      denominator > 0,
+      mu_hat / jnp.where(denominator > 0, denominator, 1),
+      jnp.where(mu_hat > 0, 1, 0).astype(dtype),
+    )
     positive = n > 0
     # target / norm with the norm's power of two apart (exact, no overflow);
     # NaN for a leaf holding a NaN or an inf (the non-finite policy).
     m, e = _norms._normalized(exact)  # noqa: SLF001
     value = jnp.where(positive, target / jnp.where(positive, m, 1.0), 1.0)
     factor = _norms.Scaled(
-      jnp.where(finite, value, jnp.nan).astype(_F32),
+      jnp.where(finite, value, jnp.nan).astype(exact.value.dtype),
       jnp.where(positive, -e, 0),
     )
     out = _scale_leafwise(layout, leaves, factor)
@@ -1018,8 +1130,8 @@ def scale_by_norm_ema(
     scaled = _global([jnp.where(positive, target, 0.0)])
     return treedef.unflatten(out), ScaleByNormEmaState(
       count=optax.safe_int32_increment(state.count),
-      mu=mu.astype(_F32),
-      nu=nu.astype(_F32),
+      mu=mu.astype(dtype),
+      nu=nu.astype(dtype),
       norm=norm,
       scaled_norm=scaled,
       scale=jnp.where(norm > 0, scaled / jnp.where(norm > 0, norm, 1.0), 1.0),
@@ -1033,14 +1145,16 @@ def _leaf_norm_vector(
   ord: float = 2.0,  # pylint: disable=redefined-builtin
   flags: Optional[list[tuple[str, ...]]] = None,
   axis_name: AxisName = None,
+  dtype: Any = _F32,
 ) -> tuple[Optional[_norms.UnitLayout], jax.Array]:
   """The ``ord``-norm of each leaf (``inf``: its largest magnitude), a
-  float32 vector (inf beyond its range), and the layout it was computed on
-  (small leaves stacked: see _norms.UnitLayout; None for no leaves). With
-  ``axis_name``, of the whole leaves: leaf ``i`` split over ``flags[i]``.
+  vector in ``dtype`` (inf beyond its range), and the layout it was
+  computed on (small leaves stacked: see _norms.UnitLayout; None for no
+  leaves). With ``axis_name``, of the whole leaves: leaf ``i`` split over
+  ``flags[i]``.
   """
   layout, norms = _leaf_norm_scaled(leaves, ord, flags, axis_name)
-  return layout, norms.as_float().astype(_F32)
+  return layout, norms.as_float().astype(dtype)
 
 
 def _leaf_norm_scaled(
@@ -1063,10 +1177,16 @@ def _leaf_norm_scaled(
 
 
 def _clip_in_stacked_parts(
-  layout, leaves, limit: jax.Array, factor: jax.Array, axis_name: AxisName
+  layout,
+  leaves,
+  limit: jax.Array,
+  scale: jax.Array,
+  ratio: jax.Array,
+  axis_name: AxisName,
 ) -> tuple[list[Optional[jax.Array]], jax.Array, set]:
-  """Stable-SPAM's clip (``x * factor[i]`` where ``|x| > limit[i]``) of
-  the small leaves in ``layout``'s stacked parts, done on the parts.
+  """Stable-SPAM's clip (``x scale[i] ratio[i]`` where ``|x| > limit[i]``,
+  everywhere where ``limit[i]`` is NaN) of the small leaves in ``layout``'s
+  stacked parts, done on the parts.
 
   Every element of a stacked part is counted there (float32 sum). Leaves of
   at most ``_packed.PACKED_SIZE`` elements are also clipped there, each
@@ -1092,16 +1212,18 @@ def _clip_in_stacked_parts(
     rows = np.asarray(members)
     part = parts[j]
     limits = jnp.take(limit, rows, axis=0).astype(part.dtype)[:, None]
-    spike = _norms.magnitude(part) > limits
+    spike = _above(_norms.magnitude(part), limits)
     # The layout's keys are (split axes, ...).
     total = total + _norms._psum_sharded(  # noqa: SLF001
       _norms.count(spike), layout.parts[j][2][0], axis_name
     )
     if leaves[members[0]].size > _packed.PACKED_SIZE:
       continue
-    factors = jnp.take(factor, rows, axis=0).astype(part.dtype)[:, None]
+    scales = jnp.take(scale, rows, axis=0)[:, None]
+    ratios = jnp.take(ratio, rows, axis=0)[:, None]
+    shrunk = _shrunk(part, scales, ratios)
     # In memory once, for the leaves' gathers.
-    flat = _norms._materialized(jnp.where(spike, part * factors, part))  # noqa: SLF001
+    flat = _norms._materialized(jnp.where(spike, shrunk, part))  # noqa: SLF001
     like = [leaves[i] for i in members]
     for i, y in zip(members, _norms.take_leaves(flat.reshape(-1), like)):
       out[i] = y

@@ -348,8 +348,9 @@ def test_zero_empty_none_and_bfloat16_leaves():
 
 
 def test_per_leaf_emas_are_vectors_in_leaf_order():
-  # clip_spikes_adaptive's max_ema and scale_by_norm_ema's mu and nu hold
-  # one float32 entry per leaf, in jax.tree.leaves order (None skipped).
+  # clip_spikes_adaptive's max_ema (T bias-corrected) and scale_by_norm_ema's
+  # mu and nu hold one float32 entry per leaf, in jax.tree.leaves order (None
+  # skipped).
   grads = [
     {"b": jnp.array([3.0, -4.0]), "a": jnp.array([-1.0]), "n": None},
     {"b": jnp.array([6.0, 8.0]), "a": jnp.array([2.0]), "n": None},
@@ -369,7 +370,8 @@ def test_per_leaf_emas_are_vectors_in_leaf_order():
     t = g3 * t + (1 - g3) * largest
     m = g1 * m + (1 - g1) * norms
     v = g2 * v + (1 - g2) * norms**2
-  for got, want in ((c_state.max_ema, t), (s_state.mu, m), (s_state.nu, v)):
+  t_hat = t / (1 - g3 ** len(grads))
+  for got, want in ((c_state.max_ema, t_hat), (s_state.mu, m), (s_state.nu, v)):
     assert got.dtype == jnp.float32 and got.shape == (2,)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
 
