@@ -104,13 +104,15 @@ class LeafNorms:
     """``<path>`` (or ``<path>/<layer>``) of every entry, in order:
     ``jax.tree_util.keystr(path, simple=True, separator="/")``.
     """
-    skeleton = jax.tree.unflatten(self.treedef, list(self.layers))
+    # A string for "one norm" (a leaf of any pytree), not None: a None node
+    # of the updates (a frozen leaf) must stay a node without entries.
+    skeleton = jax.tree.unflatten(
+      self.treedef, ["one" if n is None else n for n in self.layers]
+    )
     names = []
-    for path, layers in jax.tree_util.tree_flatten_with_path(
-      skeleton, is_leaf=lambda x: x is None
-    )[0]:
+    for path, layers in jax.tree_util.tree_flatten_with_path(skeleton)[0]:
       name = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-      if layers is None:
+      if layers == "one":
         names.append(name)
       else:
         names.extend(f"{name}/{k}" for k in range(layers))
