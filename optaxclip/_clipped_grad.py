@@ -899,6 +899,7 @@ def dp_noise(
     **extra,
   ):
     del params, extra
+    _checks.check_float_leaves(updates, "dp_noise: updates")
     if example_norms is None:
       raise ValueError(
         "dp_noise: update needs example_norms=, the (B,) "

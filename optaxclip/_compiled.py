@@ -89,6 +89,15 @@ def _static_key(value: Any) -> Optional[Hashable]:
   return key
 
 
+def _beyond_int32(value: Any) -> bool:
+  """Whether ``value`` is a Python int (not a bool) outside int32."""
+  return (
+    isinstance(value, int)
+    and not isinstance(value, bool)
+    and not -(2**31) <= value < 2**31
+  )
+
+
 def _raw_update(transformation) -> Callable:
   """The update function under :func:`jit_update`'s wrapper."""
   return getattr(transformation.update, "__wrapped__", transformation.update)
@@ -123,6 +132,17 @@ def compiled_once(factory: Callable) -> Callable:
   def build(*args, **kwargs):
     transformation = factory(*args, **kwargs)
     arguments = signature.bind(*args, **kwargs).arguments
+    wide = {
+      name: float(value)
+      for name, value in arguments.items()
+      if _beyond_int32(value)
+    }
+    if wide:
+      # A Python int beyond int32 (2**31 as a max_norm) would become an
+      # int32 array in the update and overflow: checked as given above
+      # (step counts beyond int32 are rejected there), used as a float.
+      arguments = {**arguments, **wide}
+      transformation = factory(**arguments)
     dynamic = {
       name: value
       for name, value in arguments.items()

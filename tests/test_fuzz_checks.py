@@ -200,6 +200,50 @@ def test_bad_numbers_fail_at_construction_in_the_one_format(drawn):
   assert re.match(pattern, str(caught.value), re.S), str(caught.value)
 
 
+# Real-valued hyperparameters a user may write as a Python int of any size
+# (besides NUMERIC's): (clipper, argument, keyword arguments it needs).
+LARGE = [
+  (name, argument, needed) for name, argument, needed, _, _ in NUMERIC
+] + [
+  ("clip_zscore", "max_norm", {}),
+  ("scale_by_norm_ema", "eps", {}),
+  ("spam", "eps", {"learning_rate": 1e-3}),
+  ("spam", "weight_decay", {"learning_rate": 1e-3}),
+  ("stable_spam", "learning_rate", {}),
+  ("stable_spam", "eps", {"learning_rate": 1e-3}),
+  ("clipped", "global_clipnorm", {"inner": optax.sgd(0.1)}),
+]
+
+
+def _run(build):
+  """The first update of ``build()`` on PARAMS, or the error it raises."""
+  try:
+    tx = build()
+    return tx.update(PARAMS, tx.init(PARAMS), PARAMS)[0], None
+  except (TypeError, ValueError) as err:
+    return None, str(err)
+
+
+@fz.examples(6)
+@hypothesis.given(
+  st.sampled_from(LARGE), st.integers(min_value=2**31, max_value=2**62)
+)
+def test_a_python_int_beyond_int32_is_the_same_float(case, value):
+  """A real hyperparameter given as a Python int of 2**31 or more updates as
+  the same float does (or both fail at construction, in one message). Found
+  by a user's probe (5 Dec): clip_global(2**31) was accepted and its update
+  raised OverflowError (the int became an int32 array).
+  """
+  name, argument, needed = case
+  factory = getattr(optaxclip, name)
+  as_int = _run(lambda: factory(**needed, **{argument: value}))
+  as_float = _run(lambda: factory(**needed, **{argument: float(value)}))
+  assert (as_int[1] is None) == (as_float[1] is None), (as_int[1], as_float[1])
+  if as_int[1] is None:
+    for a, b in zip(jax.tree.leaves(as_int[0]), jax.tree.leaves(as_float[0])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 STEP_COUNTS = [
   ("clip_zscore", "warmup_steps"),
   ("clip_zscore", "patience"),
@@ -260,3 +304,59 @@ def test_injected_hyperparameter_updates_like_a_plain_one(limit, name):
   want, _ = plain.update(grads, plain.init(grads))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# Transformations and the extra keyword arguments their update needs.
+UPDATES = {
+  "dp_noise": (lambda: optaxclip.dp_noise(1.0), {"example_norms": np.ones(2)}),
+  "dp_noise(noise)": (
+    lambda: optaxclip.dp_noise(1.0, noise_multiplier=1.0),
+    {"example_norms": np.ones(2)},
+  ),
+  "clip_global": (lambda: optaxclip.clip_global(1.0), {}),
+  "clip_spikes": (optaxclip.clip_spikes, {}),
+  "spam": (lambda: optaxclip.spam(1e-3), {}),
+  "stable_spam": (lambda: optaxclip.stable_spam(1e-3), {}),
+  "clip_spikes_adaptive": (optaxclip.clip_spikes_adaptive, {}),
+  "scale_by_norm_ema": (optaxclip.scale_by_norm_ema, {}),
+}
+SPAM_FAMILY = {
+  "clip_spikes",
+  "spam",
+  "stable_spam",
+  "clip_spikes_adaptive",
+  "scale_by_norm_ema",
+}
+
+
+@fz.examples(6)
+@hypothesis.given(
+  name=st.sampled_from(sorted(UPDATES)),
+  dtype=st.sampled_from(("int32", "complex64")),
+)
+def test_leaves_a_transformation_cannot_step_are_named_in_one_message(
+  name, dtype
+):
+  """An integer leaf fails with the leaf's path, and so does a complex one
+  in the SPAM family, whose element-wise moments are real (others take
+  complex leaves). Found by a user's probe (5 Dec): dp_noise truncated
+  integer leaves silently (or failed inside its noise draw), and the SPAM
+  family computed complex leaves wrongly (``g * g`` for ``|g|**2``).
+  """
+  make, extra = UPDATES[name]
+  tree = {"w": np.ones(3, np.float32), "x": np.ones(3, dtype)}
+  if dtype == "complex64" and name.split("(")[0] not in SPAM_FAMILY:
+    tx = make()
+    tx.update(
+      fz.to_jax(tree), tx.init(fz.to_jax(tree)), fz.to_jax(tree), **extra
+    )
+    return
+  kind = "a real float" if dtype == "complex64" else "float"
+  with pytest.raises(
+    TypeError,
+    match=rf"(updates|params) leaf \['x'\] must be {kind}",
+  ):
+    tx = make()
+    tx.update(
+      fz.to_jax(tree), tx.init(fz.to_jax(tree)), fz.to_jax(tree), **extra
+    )
