@@ -223,11 +223,18 @@ def _adaptive(kind: str) -> Callable:
       )
     else:
       source = ", each leaf's limit a factor times its own EMA norm"
-    bound = (
-      "no threshold yet: warming up"
-      if threshold is None or math.isinf(threshold)
-      else f"threshold {_num(threshold)}{source}"
-    )
+    if threshold is not None and not math.isinf(threshold):
+      bound = f"threshold {_num(threshold)}{source}"
+    elif fraction > 0 or kind == "relative":
+      # Per-unit thresholds whose norm is inf: some unit has none yet (a
+      # leaf still warming up, or one whose gradient has been zero so far),
+      # while others may have clipped.
+      bound = (
+        "some units have no threshold yet (warming up, or no nonzero norm "
+        "so far)"
+      )
+    else:
+      bound = "no threshold yet: warming up"
     if fraction > 0:
       if math.isclose(fraction, 1.0) and kind != "relative":
         action = f"scaled the update by {_num(clipped / norm)}"

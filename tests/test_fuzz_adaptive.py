@@ -352,3 +352,38 @@ def test_norms_beyond_the_range_give_no_nan(name, values):
     out, state = update(g, state, g)
     for leaf in jax.tree.leaves(out):
       assert np.all(np.isfinite(np.asarray(leaf))), (name, values, i, out)
+
+
+@fz.examples(6)
+@hypothesis.given(
+  unused=st.integers(1, 3),
+  warmup=st.integers(1, 3),
+  growth=st.sampled_from([1.5, 3.0, 10.0]),
+)
+def test_explain_says_warming_up_only_when_nothing_has_a_threshold(
+  unused, warmup, growth
+):
+  """clip_relative with leaves whose gradient stays zero (unused
+  parameters): the reported threshold (the norm of the per-leaf ones) may
+  be inf while the used leaf is clipped after its warm-up; explain() never
+  says it is warming up in a sentence that says it clipped. Found by a
+  user's probe (5 Dec): "scaled down 50% of its units ... no threshold yet:
+  warming up" three steps after a one-step warm-up.
+  """
+  params = {
+    "used": jnp.ones(3),
+    **{f"z{i}": jnp.ones(2) for i in range(unused)},
+  }
+  tx = optaxclip.clip_relative(1.5, warmup_steps=warmup)
+  state = tx.init(params)
+  for step in range(warmup + 3):
+    g = {
+      "used": jnp.full(3, growth**step),
+      **{f"z{i}": jnp.zeros(2) for i in range(unused)},
+    }
+    _, state = tx.update(g, state)
+    text = " ".join(optaxclip.explain(state))
+    if float(state.clip_fraction) > 0:
+      assert "no threshold yet: warming up" not in text, text
+      if math.isinf(float(state.threshold)):
+        assert "some units have no threshold yet" in text, text
