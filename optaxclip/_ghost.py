@@ -408,20 +408,27 @@ def _sum_sq(x: jax.Array) -> jax.Array:
 
 def _needs_exact(fast: dict, factors: tuple) -> jax.Array:
   """Per example, 1.0 where a fast square in ``fast`` (per name, ``(B,)``)
-  is not finite although the factors it was computed from are (a norm
-  above about 1.8e19 squares to inf in float32; a huge Gram entry times a
-  zero gives NaN): only the exact form (:func:`exact_sq_norms`) is right
-  there. An example with a non-finite factor stays non-finite either way.
+  is not finite, or below the smallest normal number, although the factors
+  it was computed from are finite and not all zero (a norm above about
+  1.8e19 squares to inf in float32, one below about 1e-19 to 0 or a
+  subnormal; a huge Gram entry times a zero gives NaN): only the exact form
+  (:func:`exact_sq_norms`) is right there. An example with a non-finite
+  factor stays non-finite either way; one with a zero factor has a zero
+  square.
   """
   bad = functools.reduce(
-    jnp.logical_or, [~jnp.isfinite(v) for v in fast.values()]
+    jnp.logical_or,
+    [
+      ~(jnp.isfinite(v) & (v >= jnp.finfo(v.dtype).tiny)) for v in fast.values()
+    ],
   )
   for f in factors:
     if jnp.issubdtype(f.dtype, jnp.inexact):
       # The largest magnitude (NaN if any is): a reduction of the factor
       # as it is, no (B, ...) mask of it.
       axes = tuple(range(1, f.ndim))
-      bad = bad & jnp.isfinite(jnp.max(jnp.abs(f), axis=axes))
+      top = jnp.max(jnp.abs(f), axis=axes)
+      bad = bad & jnp.isfinite(top) & (top > 0)
   return bad.astype(jnp.float32)
 
 

@@ -245,3 +245,56 @@ def test_ghost_clipped_sum_matches_the_per_example_oracle(
   )
   assert np.all(np.asarray(norms)[pad] == 0)
   assert not np.any(np.isfinite(np.asarray(norms)[~finite & ~pad]))
+
+
+_TINY_MODEL = nn.Dense(2)
+
+
+def _tiny_loss(p, x):
+  return jnp.sum(_TINY_MODEL.apply(p, x) ** 2, axis=-1)
+
+
+@functools.cache
+def _tiny_programs():
+  x = jax.ShapeDtypeStruct((4, 3), jnp.float32)
+  params = jax.eval_shape(_TINY_MODEL.init, jax.random.key(0), x)
+  ghost = optaxclip.clipped_grad(_tiny_loss, 1.0, batch_argnums=1)
+
+  def one(p, x_b):
+    return _tiny_loss(p, x_b[None])[0]
+
+  return (
+    compile_fast(jax.jit(ghost).lower(params, x)),
+    compile_fast(jax.jit(jax.vmap(jax.grad(one), (None, 0))).lower(params, x)),
+  )
+
+
+@fz.examples(6)
+@hypothesis.given(exponent=st.integers(-32, -12), seed=st.integers(0, 2**16))
+def test_ghost_norms_of_tiny_examples_are_exact(exponent, seed):
+  """Examples whose gradients are tiny (squares below float32's smallest
+  normal number) get their norms exactly, as with method="vmap". Found by a
+  user's probe (5 Dec): the ghost method's fast squares underflowed and an
+  example of norm 4.5e-20 was reported as 0 (only overflow sent a step to
+  the exact recompute).
+  """
+  rng = np.random.default_rng(seed)
+  params = {
+    "params": {
+      "kernel": rng.normal(size=(3, 2)).astype(np.float32),
+      "bias": np.zeros(2, np.float32),
+    }
+  }
+  x = rng.normal(size=(4, 3)).astype(np.float32)
+  x[1:] *= np.float32(10.0**exponent)  # one ordinary example, three tiny
+  ghost, oracle = _tiny_programs()
+  _, norms = ghost(params, x)
+  flat = np.concatenate(
+    [
+      np.asarray(v, np.float64).reshape(4, -1)
+      for v in jax.tree.leaves(oracle(params, x))
+    ],
+    axis=1,
+  )
+  want = np.sqrt(np.sum(flat**2, axis=1))
+  np.testing.assert_allclose(np.asarray(norms, np.float64), want, rtol=1e-4)
