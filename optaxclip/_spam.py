@@ -819,9 +819,10 @@ def clip_spikes_adaptive(
   element counted as clipped; the reference passes the leaf's finite
   elements unclipped) and leaves its ``T_hat`` as it was (in the
   reference, an inf or NaN ``T`` switches the leaf's clipping off for
-  good). The factor ``T_hat / max|g|`` is applied with ``max|g|``'s power
-  of two apart, so that it neither underflows nor has derivatives through
-  ``max|g|**2``. The statistic is float64 for float64 parameters.
+  good). The factor ``T_hat / max|g|`` is computed with ``max|g|``'s power
+  of two apart, so that its derivatives do not go through ``max|g|**2``
+  (NaN near 1e-20 in float32). The statistic is float64 for float64
+  parameters.
 
   Args:
     gamma3: the decay of the EMA, in [0, 1).
@@ -877,14 +878,13 @@ def clip_spikes_adaptive(
     # float32, did: T_hat was then 0 or NaN).
     k = _ema_step_count(state.count + 1, interval)
     k_before = _ema_step_count(state.count, interval)
-    correction = _one_minus_power(gamma3, k, dtype)
-    before = jnp.where(
-      k_before > 0, _one_minus_power(gamma3, jnp.maximum(k_before, 1), dtype), 0
+    # c_k, c_k' and 1 - gamma3 in one expm1 (so that 1 - gamma3 is computed
+    # as c_k is, not folded by XLA's constant evaluator, whose expm1 may
+    # differ in the last bit: w_new is exactly 1 on the first step).
+    correction, before, first = _one_minus_power(
+      gamma3, jnp.stack([k, jnp.maximum(k_before, 1), jnp.minimum(k, 1)]), dtype
     )
-    # 1 - gamma3 as the step computes c_k (not folded by XLA's constant
-    # evaluator, whose expm1 may differ in the last bit): w_new is 1 on the
-    # first step.
-    first = _one_minus_power(gamma3, jnp.minimum(k, 1), dtype)
+    before = jnp.where(k_before > 0, before, 0)
     w_before = jnp.asarray(gamma3, dtype) * before / correction
     w_new = first / correction
     # The per-leaf scalars as vectors (compile time on many-leaf trees:
@@ -904,22 +904,20 @@ def clip_spikes_adaptive(
     # From the new state, not the old: a donated state is then updated in
     # place (the old one read only for the new one, not after it).
     limit = jnp.where(finite, new_ema, jnp.nan)
-    # A spike x becomes (x 2**-E) (limit / (max|g| 2**-E)), 2**E the power
-    # of two of max|g|: no factor limit / max|g| that underflows, and
-    # derivatives without max|g|**2.
+    # The factor limit / max|g| as (limit / (max|g| 2**-E)) 2**-E, 2**E the
+    # power of two of max|g|: the same number, and derivatives without
+    # max|g|**2 (which underflows for max|g| below about 1e-19 in float32).
     scale = _norms.pow2(-_leaf_exponent(largest), dtype)
-    ratio = jnp.minimum(limit, largest) / jnp.where(
-      largest > 0, largest * scale, 1
+    factor = scale * (
+      jnp.minimum(limit, largest) / jnp.where(largest > 0, largest * scale, 1)
     )
     out, clipped, own = _clip_in_stacked_parts(
-      layout, leaves, limit, scale, ratio, axis_name
+      layout, leaves, limit, factor, axis_name
     )
     rest = [i for i, y in enumerate(out) if y is None]
     if rest:
       index = np.asarray(rest)
-      rows = _norms.take_each(
-        jnp.stack([limit[index], scale[index], ratio[index]], axis=1)
-      )
+      rows = _norms.take_each(jnp.stack([limit[index], factor[index]], axis=1))
       for i, row in zip(rest, rows):
         g = leaves[i]
         wide = _norms.accumulation_dtype(g.dtype)
@@ -929,7 +927,7 @@ def clip_spikes_adaptive(
           clipped = clipped + _norms._psum_sharded(  # noqa: SLF001
             _norms.count(spike), split, axis_name
           )
-        out[i] = jnp.where(spike, _shrunk(g, row[1], row[2]), g)
+        out[i] = jnp.where(spike, _shrunk(g, row[1]), g)
     return treedef.unflatten(out), ClipSpikesAdaptiveState(
       count=optax.safe_int32_increment(state.count),
       max_ema=new_ema,
@@ -951,12 +949,10 @@ def _above(magnitude: jax.Array, limit: jax.Array) -> jax.Array:
   return ~(magnitude <= limit)
 
 
-def _shrunk(x: jax.Array, scale: jax.Array, ratio: jax.Array) -> jax.Array:
-  """``x scale ratio`` in the accumulation dtype, back in ``x``'s."""
+def _shrunk(x: jax.Array, factor: jax.Array) -> jax.Array:
+  """``x factor`` in the accumulation dtype, back in ``x``'s."""
   wide = _norms.accumulation_dtype(x.dtype)
-  return (x.astype(wide) * scale.astype(wide) * ratio.astype(wide)).astype(
-    x.dtype
-  )
+  return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
 
 
 @_stats.register("scale_by_norm_ema", ("norm", "scaled_norm", "scale"))
@@ -1180,11 +1176,10 @@ def _clip_in_stacked_parts(
   layout,
   leaves,
   limit: jax.Array,
-  scale: jax.Array,
-  ratio: jax.Array,
+  factor: jax.Array,
   axis_name: AxisName,
 ) -> tuple[list[Optional[jax.Array]], jax.Array, set]:
-  """Stable-SPAM's clip (``x scale[i] ratio[i]`` where ``|x| > limit[i]``,
+  """Stable-SPAM's clip (``x factor[i]`` where ``|x| > limit[i]``, and
   everywhere where ``limit[i]`` is NaN) of the small leaves in ``layout``'s
   stacked parts, done on the parts.
 
@@ -1219,9 +1214,7 @@ def _clip_in_stacked_parts(
     )
     if leaves[members[0]].size > _packed.PACKED_SIZE:
       continue
-    scales = jnp.take(scale, rows, axis=0)[:, None]
-    ratios = jnp.take(ratio, rows, axis=0)[:, None]
-    shrunk = _shrunk(part, scales, ratios)
+    shrunk = _shrunk(part, jnp.take(factor, rows, axis=0)[:, None])
     # In memory once, for the leaves' gathers.
     flat = _norms._materialized(jnp.where(spike, shrunk, part))  # noqa: SLF001
     like = [leaves[i] for i in members]

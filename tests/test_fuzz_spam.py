@@ -548,7 +548,7 @@ def test_whole_optimizers_step_packed_leaves_as_each_leaf_alone(
   code of a leaf alone, and the moments carry it to the next steps).
   """
 
-  def check(got, want, floor=0.0):
+  def check(got, want, floor=0.0, dtype=None, roundings=16):
     # A few roundings of the leaf's largest element: an element near zero
     # may differ by more than a few of its own (found by the release profile:
     # 1.1e-6 relative on an element 18 times smaller than its leaf's largest).
@@ -564,7 +564,8 @@ def test_whole_optimizers_step_packed_leaves_as_each_leaf_alone(
       got.astype(np.float64),
       want64,
       rtol=0,
-      atol=16 * fz.round_tol(want.dtype) * scale + fz.flush_atol(want.dtype),
+      atol=roundings * fz.round_tol(dtype or want.dtype) * scale
+      + fz.flush_atol(want.dtype),
     )
 
   (outs, state), alone = _WHOLE_PROGRAMS[name](*_spike_steps(values, spread))
@@ -577,6 +578,12 @@ def test_whole_optimizers_step_packed_leaves_as_each_leaf_alone(
       check(outs[t][i], a[0][t][0], floor=WHOLE_LR)
   tree = dict(jax.tree_util.tree_flatten_with_path(state)[0])
   compared = 0
+  # The state after the last step, relative to itself: the roundings above
+  # carried through four steps of the stages and Adam's moments (release
+  # profile: a scalar leaf's first moment 2.8e-6 apart, 23 float32
+  # roundings, values=[1, 88, 184, 512], spread=1). A packing fault (a
+  # wrong row or element) is off by its whole size.
+  check = functools.partial(check, roundings=64)
   for i, (_, state_alone) in enumerate(alone):
     for path, v in jax.tree_util.tree_flatten_with_path(state_alone)[0]:
       if isinstance(path[-1], jax.tree_util.SequenceKey):
@@ -584,7 +591,14 @@ def test_whole_optimizers_step_packed_leaves_as_each_leaf_alone(
         check(tree[path[:-1] + (jax.tree_util.SequenceKey(i),)], v)
         compared += 1
       elif np.shape(v) == (1,):  # one entry per leaf
-        check(np.asarray(tree[path])[i], np.asarray(v)[0])
+        # Computed from the leaf's clipped gradient, which may differ by a
+        # rounding of the leaf's dtype (a float16 output on a tie): as
+        # close as that dtype's roundings.
+        check(
+          np.asarray(tree[path])[i],
+          np.asarray(v)[0],
+          dtype=fz.DTYPES[SPIKES_LAYOUT[i][1]],
+        )
   assert compared >= 2 * len(SPIKES_LAYOUT)
 
 
