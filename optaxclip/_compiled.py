@@ -89,6 +89,12 @@ def _static_key(value: Any) -> Optional[Hashable]:
   return key
 
 
+# Integer arguments that take values beyond int32 (a seed of any size is
+# mapped to a key); every other integer argument (steps, windows, intervals)
+# is bounded to int32 by its factory's checks.
+_WHOLE_NUMBERS = frozenset({"seed"})
+
+
 def _beyond_int32(value: Any) -> bool:
   """Whether ``value`` is a Python int (not a bool) outside int32."""
   return (
@@ -135,7 +141,7 @@ def compiled_once(factory: Callable) -> Callable:
     wide = {
       name: float(value)
       for name, value in arguments.items()
-      if _beyond_int32(value)
+      if _beyond_int32(value) and name not in _WHOLE_NUMBERS
     }
     if wide:
       # A Python int beyond int32 (2**31 as a max_norm) would become an
