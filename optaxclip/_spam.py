@@ -878,9 +878,9 @@ def clip_spikes_adaptive(
     # float32, did: T_hat was then 0 or NaN).
     k = _ema_step_count(state.count + 1, interval)
     k_before = _ema_step_count(state.count, interval)
-    # c_k, c_k' and 1 - gamma3 in one expm1 (so that 1 - gamma3 is computed
-    # as c_k is, not folded by XLA's constant evaluator, whose expm1 may
-    # differ in the last bit: w_new is exactly 1 on the first step).
+    # c_k, c_k' and 1 - gamma3 in one expm1, so that 1 - gamma3 is computed
+    # as c_k is and w_new is exactly 1 on the first step (from a constant
+    # count of 1 it came out an ulp above 1).
     correction, before, first = _one_minus_power(
       gamma3, jnp.stack([k, jnp.maximum(k_before, 1), jnp.minimum(k, 1)]), dtype
     )
