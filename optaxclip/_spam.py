@@ -327,9 +327,13 @@ def _spam_warmup(t: jax.Array, reset_interval: Any, warmup_steps: Any):
 def _spikes(
   g: jax.Array, nu: jax.Array, threshold: Any, clip_on: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-  """``(where g^2 > threshold nu, threshold nu)``, in their dtypes."""
-  limit = jnp.asarray(threshold).astype(nu.dtype) * nu
-  return clip_on & (g * g > limit), limit
+  """``(where g^2 > threshold nu, threshold nu)``, in their dtypes; every
+  coordinate where ``threshold`` is NaN (a schedule's NaN gives a NaN
+  update, as for the other clippers' thresholds).
+  """
+  threshold = jnp.asarray(threshold)
+  limit = threshold.astype(nu.dtype) * nu
+  return (clip_on & (g * g > limit)) | jnp.isnan(threshold), limit
 
 
 def _clip_to_moment(
@@ -480,7 +484,8 @@ def clip_spikes(
   Args:
     threshold: the spike threshold ``theta`` on ``g^2 / nu`` (>= 0; 0 turns
       clipping off): a number or a schedule (``step -> value``, evaluated
-      at the update count, 0 on the first update).
+      at the update count, 0 on the first update); a schedule's NaN makes
+      that step's update NaN.
     b2: the decay of ``nu``, in [0, 1).
     reset_interval: reset ``nu`` every this many steps (a positive int).
     grad_accu_steps: steps without clipping after each reset (>= 0).
@@ -717,7 +722,8 @@ def spam(
     weight_decay: decoupled weight decay (>= 0).
     threshold: the spike threshold on ``g^2 / v`` (>= 0; 0 turns clipping
       off): a number or a schedule (``step -> value``, evaluated at the
-      update count, 0 on the first update).
+      update count, 0 on the first update); a schedule's NaN makes that
+      step's update NaN.
     reset_interval: reset the moments every this many steps (a positive
       int; ``DeltaT`` in the paper).
     warmup_steps: steps of cosine warm-up after each reset (>= 0).

@@ -769,3 +769,44 @@ def test_an_infinite_element_is_not_clipped_to_a_finite_one(
   assert np.isnan(got[position])
   others = [i for i in range(3) if i != position]
   np.testing.assert_array_equal(got[others], want[others])
+
+
+@fz.examples(4)
+@hypothesis.given(
+  name=st.sampled_from(("clip_spikes", "spam")),
+  at=st.integers(0, 4),
+)
+def test_a_nan_threshold_from_a_schedule_gives_a_nan_update(name, at):
+  """A NaN from the ``threshold`` schedule makes that step's update NaN,
+  every coordinate counted (the rule of every clipper's schedules), and
+  the other steps as they would be. Found by a user's probe (5 Dec): the
+  NaN switched spike clipping off for the step (a spike of 100 passed).
+  """
+
+  def schedule(count):
+    return jax.numpy.where(count == at, jax.numpy.nan, 5000.0)
+
+  def make(threshold):
+    if name == "clip_spikes":
+      return optaxclip.clip_spikes(threshold, grad_accu_steps=2)
+    return optaxclip.spam(1e-2, threshold=threshold, grad_accu_steps=2)
+
+  params = {"w": jax.numpy.zeros(2)}
+  tx, plain = make(schedule), make(5000.0)
+  state, plain_state = tx.init(params), plain.init(params)
+  for step in range(5):
+    g = {"w": jax.numpy.array([1.0, 100.0 if step == at else 2.0])}
+    out, state = tx.update(g, state, params)
+    want, plain_state = plain.update(g, plain_state, params)
+    got = np.asarray(out["w"])
+    if step == at:
+      assert np.all(np.isnan(got)), (step, got)
+      clipped = state.clipped if name == "clip_spikes" else state[0].clipped
+      assert float(clipped) == 2.0
+    elif step < at:
+      np.testing.assert_array_equal(got, np.asarray(want["w"]))
+    elif name == "clip_spikes":
+      # Its nu took the NaN in: those coordinates pass unclipped (finite)
+      # until the next reset. spam's Adam moments took it in too, as
+      # optax.adam's would: its later updates are NaN until the reset.
+      assert np.all(np.isfinite(got)), (step, got)
