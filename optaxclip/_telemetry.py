@@ -410,10 +410,17 @@ def finish(
     )
   counts = [1 if n is None else n for n in state_norms.layers]
   if counts != list(sizes):
+    got = (
+      f"{len(counts)} leaves but the updates have {len(sizes)}"
+      if len(counts) != len(sizes)
+      else f"entries per leaf {counts} but the updates give {list(sizes)}"
+    )
     raise ValueError(
-      f"leaf_stats: the state was built for {len(counts)} leaves but the "
-      f"updates have {len(sizes)} (or other layer counts); call init with "
-      "parameters of the same structure as the updates."
+      f"leaf_stats: the state was built for {got}; call init with "
+      "parameters of the same structure as the updates. Inside shard_map, "
+      "a leaf split along its layer_axis also gives other layer counts: "
+      "each device must hold every layer of a leaf (declare the split with "
+      "sharded= as a PartitionSpec or axis names, which checks it)."
     )
   floats = vector.as_float().astype(jnp.float32)
   share, index = share_of_top(vector, total, ord)

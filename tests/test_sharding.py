@@ -1007,3 +1007,32 @@ def test_spike_clipping_inside_shard_map_is_per_coordinate():
           atol=0,
           err_msg=f"{name}, step {t}, leaf {k}",
         )
+
+
+def test_a_leaf_split_along_its_layer_axis_is_named_in_the_error():
+  """leaf_stats with layer_axis inside shard_map, the state built outside on
+  the global shapes and the leaf split along its layer axis (the default
+  sharded=True): each device sees one layer of eight. The error says so
+  (it said "built for 1 leaves but the updates have 1"); a user's probe (5
+  Dec) found the case silent when init too ran inside shard_map, where the
+  local shape is all there is (documented: each device must hold every
+  layer).
+  """
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+  w = np.arange(24, dtype=np.float32).reshape(8, 3)
+  tx = optaxclip.clip_global(1.0, axis_name="d", leaf_stats=True, layer_axis=0)
+  state = tx.init({"w": w})
+
+  @jax.jit
+  @functools.partial(
+    jax.shard_map, mesh=mesh, in_specs=(P("d", None), P()), out_specs=P()
+  )
+  def step(w_, state_):
+    return tx.update({"w": w_}, state_)[1].norm
+
+  with pytest.raises(
+    ValueError,
+    match=r"entries per leaf \[8\] but the updates give \[1\].*each device "
+    r"must hold every layer",
+  ):
+    step(w, state)
