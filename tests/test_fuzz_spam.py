@@ -475,10 +475,11 @@ def test_clip_spikes_adaptive_counts_stacked_leaves_as_each_leaf_alone(
   """
   (outs, counts), alone = _ADAPTIVE(*_spike_steps(values, spread))
   # One ulp: compiled as the tests compile (fast_compile, optimization
-  # level 0), the two programs' limits were seen to differ in their last
-  # float32 bit, which flips a float16 output rounded from a tie (found
-  # under the release profile: values=[916726, 0, 148, 747], spread=10).
-  # The default compilation gave equal outputs there.
+  # level 0), a float16 output rounded from a tie came out one float16 ulp
+  # apart in the stacked and the per-leaf program (release profile:
+  # values=[916726, 0, 148, 747], spread=10: the element's limit read
+  # 5.7675786 there, 5.767578125 under the default compilation, whose
+  # outputs were equal).
   _check_as_each_leaf_alone(outs, counts, alone, ulps=1)
 
 
