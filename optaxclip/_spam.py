@@ -913,7 +913,7 @@ def clip_spikes_adaptive(
     # The factor limit / max|g| as (limit / (max|g| 2**-E)) 2**-E, 2**E the
     # power of two of max|g|: the same number, and derivatives without
     # max|g|**2 (which underflows for max|g| below about 1e-19 in float32).
-    scale = _norms.pow2(-_leaf_exponent(largest), dtype)
+    scale = _norms.pow2(-_norms._scale_exponent(largest), dtype)  # noqa: SLF001
     factor = scale * (
       jnp.minimum(limit, largest) / jnp.where(largest > 0, largest * scale, 1)
     )
@@ -942,12 +942,6 @@ def clip_spikes_adaptive(
     )
 
   return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
-
-
-def _leaf_exponent(largest: jax.Array) -> jax.Array:
-  """``E`` with ``largest 2**-E`` of order 1 and ``2**-E`` normal."""
-  lo, hi = _norms._exp_range(largest.dtype)  # noqa: SLF001
-  return jax.lax.clamp(np.int32(lo), _norms.exponent(largest), np.int32(hi))
 
 
 def _above(magnitude: jax.Array, limit: jax.Array) -> jax.Array:
@@ -1106,10 +1100,9 @@ def scale_by_norm_ema(
     # by 1 - gamma^k may round above it (inf would make the target 0).
     mu_hat = jnp.minimum(_over(mu, correction1), largest)
     nu_hat = jnp.minimum(_over(nu, correction2), largest)
-    # A root of 0 (squares that underflowed) has no finite derivative:
-    # masked, so that a tiny leaf's derivative is mu_hat's over eps.
-    root = jnp.where(nu_hat > 0, jnp.sqrt(jnp.where(nu_hat > 0, nu_hat, 1)), 0)
-    denominator = root + eps
+    # safe_root: a root of 0 (squares that underflowed) with derivative 0,
+    # so that a tiny leaf's derivative is mu_hat's over eps.
+    denominator = _norms.safe_root(nu_hat, 2.0) + eps
     # With eps = 0, norms whose squares all underflowed (below about 1e-19 in
     # float32) leave no denominator: their ratio is taken as 1 (that of
     # equal norms), not mu_hat / 0 = inf.
