@@ -77,7 +77,12 @@ class ClipZscoreState(NamedTuple):
     count: warm-up norms gathered, at most ``warmup_steps``.
     mean: the mean of the norm: the warm-up's plain mean until it ends, then
       an EMA.
-    var: the variance of the norm, likewise.
+    var: the variance of the norm, likewise: the variance itself while
+      ``2**-41 <= |mean| < 2**40`` (about 4.5e-13 to 1.1e12; ``2**-489`` to
+      ``2**488`` in float64), beyond that ``var * 4**-e`` with ``e`` the
+      mean's binary exponent less (plus) 40 (488), so that spreads from
+      ``2**-24`` to ``2**24`` times the mean stay in range
+      (``optaxclip._adaptive.spread`` gives the standard deviation).
     consecutive_spikes: spikes in a row clipped so far, per unit.
     restarts: how often a unit's statistics restarted at a new level.
     step: updates so far (int32, saturating): the step at which a schedule
@@ -403,16 +408,76 @@ def _nan_if_nan(limit: Any, value: Any) -> Any:
   return jnp.where(jnp.isnan(value), jnp.nan, limit)
 
 
+# A variance is kept with the exponent of spread_exponent: as the variance
+# itself while 2**-41 <= |mean| < 2**40 (about 4.5e-13 to 1.1e12) in float32
+# (2**-489 to 2**488 in float64), beyond that as var * 4**-e, so that
+# spreads from 2**-24 to 2**24 times the mean stay in range. Kept as the
+# variance itself, it saturated at the dtype's largest value once the norms
+# passed about 1e19 (float32), where ordinary steps then read as spikes, and
+# it flushed to 0 below about 1e-19, where every move read as a new level.
+_HEADROOM = 24
+
+
+def _spread_offset(dtype: Any) -> int:
+  return int(jnp.finfo(dtype).maxexp) // 2 - _HEADROOM
+
+
+def spread_exponent(mean: jax.Array) -> jax.Array:
+  """The int32 ``e`` with which a variance beside ``mean`` is kept, as
+  ``var * 4**-e``: 0 while ``2**-41 <= |mean| < 2**40`` (float32;
+  ``2**-489`` to ``2**488`` in float64), beyond that the mean's binary
+  exponent less (plus) 40 (488).
+  """
+  offset = np.int32(_spread_offset(mean.dtype))
+  e = _norms.exponent(mean)
+  zero = jnp.zeros_like(offset)
+  above = jax.lax.max(jax.lax.sub(e, offset), zero)
+  below = jax.lax.min(jax.lax.add(e, offset), zero)
+  return jax.lax.add(above, below)
+
+
+def spread_exponent_of(mean: float, dtype: Any) -> int:
+  """:func:`spread_exponent` of a Python number (for reports)."""
+  info = jnp.finfo(dtype)
+  if not math.isfinite(mean):
+    e = int(info.maxexp) + 1
+  elif mean == 0:  # 0 and subnormals as the smallest normal, as exponent()
+    e = int(info.minexp) + 1
+  else:
+    e = max(math.frexp(mean)[1], int(info.minexp) + 1)
+  offset = _spread_offset(dtype)
+  return max(e - offset, 0) + min(e + offset, 0)
+
+
+def spread(mean: jax.Array, var: jax.Array) -> jax.Array:
+  """The standard deviation of a statistic kept as ``(mean, var)``, ``var``
+  with :func:`spread_exponent`'s scale (+inf beyond the dtype's range).
+  """
+  return _norms.ldexp(jnp.sqrt(var), spread_exponent(mean))
+
+
+def _rescaled(var: jax.Array, e_from: jax.Array, e_to: jax.Array):
+  """A variance kept with exponent ``e_from``, kept with ``e_to`` (capped at
+  the dtype's largest value: a spread beyond the range saturates).
+  """
+  moved = _norms.ldexp(var, 2 * (e_from - e_to))
+  return jnp.minimum(moved, jnp.finfo(var.dtype).max)
+
+
 def welford(count, mean, var, x):
   """Adds ``x`` to a running mean and population variance of ``count`` values.
 
   Returns the mean and variance of the ``count + 1`` values, equal up to
-  rounding to ``sum(xs) / n`` and ``sum((xs - mean)**2) / n``.
+  rounding to ``sum(xs) / n`` and ``sum((xs - mean)**2) / n`` (``var`` in
+  and out with :func:`spread_exponent`'s scale).
   """
   k = (count + 1).astype(mean.dtype)
   delta = x - mean
   new_mean = mean + delta / k
-  new_var = var + (delta * (x - new_mean) - var) / k
+  e = spread_exponent(new_mean)
+  old = _rescaled(var, spread_exponent(mean), e)
+  step = _norms.ldexp(delta, -e) * _norms.ldexp(x - new_mean, -e)
+  new_var = old + (step - old) / k
   return new_mean, new_var
 
 
@@ -427,7 +492,9 @@ def ema_mean_var(alpha, mean, var, x):
   drift builds up made the constant value itself a spike).
   """
   new_mean = mean + (1 - alpha) * (x - mean)
-  new_var = alpha * var + (1 - alpha) * (x - new_mean) ** 2
+  e = spread_exponent(new_mean)
+  old = _rescaled(var, spread_exponent(mean), e)
+  new_var = alpha * old + (1 - alpha) * _norms.ldexp(x - new_mean, -e) ** 2
   return new_mean, new_var
 
 
@@ -445,7 +512,8 @@ def running_moments(
   Args:
     count: int32 scalar, values gathered for the warm-up.
     mean: the running mean, a scalar or one per unit.
-    var: the running variance, likewise.
+    var: the running variance, likewise, kept with
+      :func:`spread_exponent`'s scale.
     x: the value to take in, shaped like ``mean``.
     alpha: the EMA's smoothing.
     warmup_steps: values that start the statistics.
@@ -455,20 +523,22 @@ def running_moments(
     restart: per unit, whether the statistics restart at ``x``.
 
   Returns:
-    The new ``(count, mean, var)``; the variance saturates at the dtype's
-    largest finite value.
+    The new ``(count, mean, var)``; the variance (with its scale) saturates
+    at the dtype's largest finite value.
   """
   warming = count < warmup_steps
   warm_mean, warm_var = welford(count, mean, var, x)
   ema_mean, ema_var = ema_mean_var(alpha, mean, var, x)
   new_mean = jnp.where(restart, x, jnp.where(warming, warm_mean, ema_mean))
+  e_restart = spread_exponent(x)
+  restart_var = alpha * _rescaled(var, spread_exponent(mean), e_restart) + (
+    1 - alpha
+  ) * (_norms.ldexp(x - mean, -e_restart) ** 2)
   new_var = jnp.where(
-    restart,
-    alpha * var + (1 - alpha) * (x - mean) ** 2,
-    jnp.where(warming, warm_var, ema_var),
+    restart, restart_var, jnp.where(warming, warm_var, ema_var)
   )
-  # A spread beyond the dtype's range (norms above ~1e19 in float32, ~1e154
-  # in float64) saturates rather than turning into inf, then NaN.
+  # A spread beyond the range even so (2**24 times the mean) saturates
+  # rather than turning into inf, then NaN.
   new_var = jnp.minimum(new_var, jnp.finfo(var.dtype).max)
   take = finite & (take | restart)
   new_count = jnp.where(finite, jnp.minimum(count + 1, warmup_steps), count)
@@ -525,7 +595,8 @@ def rolling_moments(count, window: Window, x, *, warmup_steps, take, restart):
   Returns:
     The new ``(count, window, mean, var)``: ``mean`` and ``var`` are those
     of the values in the window, ``var`` with Bessel's correction (0 with
-    fewer than two values), saturating at the dtype's largest value.
+    fewer than two values) and :func:`spread_exponent`'s scale, saturating
+    at the dtype's largest value.
   """
   size = window.values.shape[0]
   rows = jnp.arange(size, dtype=jnp.int32).reshape((size,) + (1,) * x.ndim)
@@ -543,8 +614,13 @@ def rolling_moments(count, window: Window, x, *, warmup_steps, take, restart):
   )
   valid = rows < filled
   n = filled.astype(values.dtype)
-  mean = jnp.sum(jnp.where(valid, values, 0), axis=0) / jnp.maximum(n, 1)
-  squares = jnp.where(valid, (values - mean) ** 2, 0)
+  # Summed at the scale of the largest magnitude (a power of two: the same
+  # roundings), so that values near the dtype's largest do not overflow.
+  top = _norms.exponent(jnp.max(jnp.where(valid, jnp.abs(values), 0), axis=0))
+  scaled = jnp.where(valid, _norms.ldexp(values, -top), 0)
+  mean = _norms.ldexp(jnp.sum(scaled, axis=0) / jnp.maximum(n, 1), top)
+  e = spread_exponent(mean)
+  squares = jnp.where(valid, _norms.ldexp(values - mean, -e) ** 2, 0)
   var = jnp.sum(squares, axis=0) / jnp.maximum(n - 1, 1)
   var = jnp.where(filled < 2, 0, jnp.minimum(var, jnp.finfo(var.dtype).max))
   return (
@@ -735,7 +811,7 @@ def clip_zscore(
 
   def spike_rule(g, mean, var, z_thresh):
     """Returns (spike?, value to clip to on a spike, spike boundary)."""
-    std = jnp.sqrt(var)
+    std = spread(mean, var)
     if mode == "percentile":
       boundary = mean + z_thresh * std
       return g > boundary, boundary, boundary

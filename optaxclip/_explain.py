@@ -17,6 +17,7 @@ import numpy as np
 
 from optaxclip import _stats
 from optaxclip import _telemetry
+from optaxclip._adaptive import spread_exponent_of
 
 
 def _num(x: float) -> str:
@@ -192,13 +193,21 @@ def _value_clip(who: str, state: Any, hyper: dict[str, float]) -> str:
   )
 
 
+def _std(state: Any, mean: float, var: float) -> float:
+  """The standard deviation of a state's ``(mean, var)`` (the variance is
+  kept scaled outside ``2**-41`` to ``2**40``: ``_adaptive.spread``).
+  """
+  e = spread_exponent_of(mean, np.asarray(_value(state, "mean")).dtype)
+  return math.ldexp(math.sqrt(max(var, 0.0)), e)
+
+
 def _spread(state: Any) -> str:
   mean, var = _scalar(state, "mean"), _scalar(state, "var")
   if mean is None or var is None:
     return ""
   return (
     f", from the norm's running mean {_num(mean)} and standard deviation "
-    f"{_num(math.sqrt(max(var, 0.0)))}"
+    f"{_num(_std(state, mean, var))}"
   )
 
 

@@ -33,7 +33,8 @@ class LossMoments(NamedTuple):
     count: finite losses of accepted steps gathered for the warm-up, at most
       ``warmup_steps`` (back to 1 when a window restarts).
     mean: the mean of the loss (warm-up mean then EMA, or the window's).
-    var: the variance of the loss, likewise.
+    var: the variance of the loss, likewise (with the scale of
+      :class:`ClipZscoreState`'s ``var`` outside ``2**-41`` to ``2**40``).
     consecutive_spikes: loss spikes in a row skipped so far.
     window: the last ``window`` accepted losses (``None`` for the EMA).
   """
@@ -95,7 +96,8 @@ class GuardState(NamedTuple):
       window restarts).
     mean: the mean of the norm (the warm-up's plain mean, then an EMA; with
       ``window``, the mean of the window).
-    var: the variance of the norm, likewise.
+    var: the variance of the norm, likewise (with the scale of
+      :class:`ClipZscoreState`'s ``var`` outside ``2**-41`` to ``2**40``).
     inner_state: the state of the guarded transformation.
     consecutive_spikes: spikes in a row skipped so far.
     restarts: how often the statistics (of the norm or of the loss)
@@ -214,7 +216,7 @@ def _judge(x, finite, count, mean, var, run, *, z, warmup_steps, patience):
   or against a variance of 0), and its z-score (0 where undefined).
   """
   warming = count < warmup_steps
-  std = jnp.sqrt(var)
+  std = _adaptive.spread(mean, var)
   judged = ~warming & finite & (std > 0)
   z_score = jnp.where(judged, (x - mean) / jnp.where(judged, std, 1), 0)
   no = jnp.zeros(jnp.shape(x), bool)

@@ -7,9 +7,11 @@ test_guard.py:
   and tiny norms), a new constant level of the norm is held back at most
   ``patience`` steps in a row (``history`` steps for clip_percentile);
 * float64: tiny and huge float64 norms keep float64 decisions, statistics
-  and outputs (nothing flushed to zero, nothing counted as non-finite; the
-  variance saturates at the dtype's largest value, so spike detection at
-  norms above ~1e154 is not checked here);
+  and outputs (nothing flushed to zero, nothing counted as non-finite);
+* every scale: the z-score statistics (clip_zscore, guard's norm and loss
+  tests, EMA and window) judge a stream of norms scaled by a power of two
+  as the stream itself, in float32 and float64 (the variance is kept scaled
+  beyond 2**+-40; kept as it was, it saturated above ~1e19 in float32);
 * non-finite steps: a NaN/Inf anywhere gives a non-finite update (the bad
   unit all NaN), ``clipped_norm`` is NaN, and the statistics do not move;
 * sharded == one device: under ``pmap`` with ``axis_name`` every device
@@ -387,3 +389,128 @@ def test_explain_says_warming_up_only_when_nothing_has_a_threshold(
       assert "no threshold yet: warming up" not in text, text
       if math.isinf(float(state.threshold)):
         assert "some units have no threshold yet" in text, text
+
+
+# The z-score statistics at every scale. Kept as the variance itself, the
+# variance of the norms saturated at float32's largest value once the norms
+# passed ~1e19 (ordinary steps then read as spikes: 10 of 15 steps of norms
+# moving by 10% around 1e30 were clipped) and flushed to 0 below ~1e-19 (every
+# move read as a new level, and a spike restarted the statistics instead of
+# being clipped). It is now kept scaled beyond 2**+-40 (a power of two, so
+# exactly): a stream of norms scaled by 2**k must be judged as the stream.
+SCALE_FREE = {
+  # eps=0: ZClip's eps is an absolute floor on the spread, not scale-free.
+  "zscore": lambda: optaxclip.clip_zscore(
+    eps=0.0, warmup_steps=WARMUP, patience=PATIENCE, alpha=ALPHA
+  ),
+  "zscore_percentile": lambda: optaxclip.clip_zscore(
+    mode="percentile", warmup_steps=WARMUP, patience=PATIENCE, alpha=ALPHA
+  ),
+  "zscore_leaf": lambda: optaxclip.clip_zscore(
+    eps=0.0, warmup_steps=WARMUP, patience=PATIENCE, scope="leaf"
+  ),
+  "guard": GUARD,
+  "guard_leaf": lambda: GUARD(scope="leaf"),
+  "guard_window": lambda: GUARD(window=4),
+  "guard_loss": lambda: optaxclip.guard(
+    optax.sgd(1.0),
+    loss_spike_z=2.0,
+    warmup_steps=WARMUP,
+    patience=PATIENCE,
+    alpha=ALPHA,
+  ),
+  "guard_loss_window": lambda: optaxclip.guard(
+    optax.sgd(1.0), loss_spike_z=2.0, warmup_steps=WARMUP, window=4
+  ),
+}
+
+
+@functools.cache
+def scale_free_transform(name):
+  tx = SCALE_FREE[name]()
+  if name.startswith("guard_loss"):
+    return tx, fz.FastJit(lambda g, s, p, v: tx.update(g, s, p, value=v))
+  return tx, fz.FastJit(lambda g, s, p, v: tx.update(g, s, p))
+
+
+SCALED_STATS = ("norm", "clipped_norm", "threshold", "loss")
+
+
+def _scaled_run(name, stream, k, dtype, sign):
+  """Per step, the update and ``stats()`` of ``name`` on the norms
+  ``stream * 2**k`` (and the losses ``sign *`` those), in float64.
+  """
+  tx, update = scale_free_transform(name)
+  state = tx.init(tree(1.0, dtype))
+  out = []
+  for x in stream:
+    value = math.ldexp(x, k)
+    g = tree(value, dtype)
+    u, state = update(g, state, g, np.asarray(sign * value, dtype))
+    stats = {
+      key.split("/")[-1]: float(v) for key, v in optaxclip.stats(state).items()
+    }
+    out.append((jax.tree.map(lambda a: np.asarray(a, np.float64), u), stats))
+  return out
+
+
+@fz.examples(16)
+@hypothesis.given(
+  name=st.sampled_from(sorted(SCALE_FREE)),
+  x64=st.booleans(),
+  stream=st.lists(
+    st.one_of(
+      st.floats(0.5, 2.0),  # ordinary moves of the level
+      st.floats(4.0, 1000.0),  # spikes
+      st.just(0.0),
+    ),
+    min_size=4,
+    max_size=14,
+  ),
+  k=st.integers(-1000, 1000),
+  sign=st.sampled_from([1.0, -1.0]),
+)
+@hypothesis.example(
+  name="zscore",
+  x64=False,
+  stream=[1.0, 1.1, 0.9, 1.05, 0.95, 1.1, 10.0, 1.0],
+  k=100,
+  sign=1.0,
+)
+@hypothesis.example(
+  name="guard",
+  x64=False,
+  stream=[1.0, 1.1, 0.9, 1.05, 0.95, 20.0],
+  k=-80,
+  sign=1.0,
+)
+def test_a_stream_scaled_by_a_power_of_two_is_judged_alike(
+  name, x64, stream, k, sign
+):
+  """Every decision on the norms ``stream * 2**k`` (within the dtype's
+  range, leaves normal) is the decision on ``stream``: the same clip
+  fractions, skips, restarts and z-scores, and updates, norms and
+  thresholds scaled by ``2**k``.
+  """
+  dtype = np.float64 if x64 else np.float32
+  info = np.finfo(dtype)
+  # The largest element (1000 * 0.8 * 2**k) below the dtype's largest value
+  # by 2**2; the smallest nonzero one (0.5 * 0.6 * 2**k) normal by 2**30.
+  k = int(np.clip(k, info.minexp + 32, info.maxexp - 13))
+  with jax.enable_x64(x64):
+    want = _scaled_run(name, stream, 0, dtype, sign)
+    got = _scaled_run(name, stream, k, dtype, sign)
+  for step, ((u0, s0), (u1, s1)) in enumerate(zip(want, got)):
+    where = str((name, dtype.__name__, k, stream, step))
+    assert s0.keys() == s1.keys()
+    for key in s0:
+      expected = s0[key]
+      if key in SCALED_STATS and math.isfinite(expected):
+        expected = math.ldexp(expected, k)
+      np.testing.assert_allclose(
+        s1[key], expected, rtol=1e-6, atol=0, err_msg=f"{key} {where}"
+      )
+    for a, b in zip(jax.tree.leaves(u0), jax.tree.leaves(u1)):
+      np.testing.assert_allclose(
+        b, np.ldexp(a, k), rtol=1e-6, atol=0, err_msg=where
+      )
