@@ -456,7 +456,7 @@ def spread(mean: jax.Array, var: jax.Array) -> jax.Array:
   return _norms.ldexp(jnp.sqrt(var), spread_exponent(mean))
 
 
-def _rescaled(var: jax.Array, e_from: jax.Array, e_to: jax.Array):
+def rescaled(var: jax.Array, e_from: jax.Array, e_to: jax.Array):
   """A variance kept with exponent ``e_from``, kept with ``e_to`` (capped at
   the dtype's largest value: a spread beyond the range saturates).
   """
@@ -475,7 +475,7 @@ def welford(count, mean, var, x):
   delta = x - mean
   new_mean = mean + delta / k
   e = spread_exponent(new_mean)
-  old = _rescaled(var, spread_exponent(mean), e)
+  old = rescaled(var, spread_exponent(mean), e)
   step = _norms.ldexp(delta, -e) * _norms.ldexp(x - new_mean, -e)
   new_var = old + (step - old) / k
   return new_mean, new_var
@@ -493,7 +493,7 @@ def ema_mean_var(alpha, mean, var, x):
   """
   new_mean = mean + (1 - alpha) * (x - mean)
   e = spread_exponent(new_mean)
-  old = _rescaled(var, spread_exponent(mean), e)
+  old = rescaled(var, spread_exponent(mean), e)
   new_var = alpha * old + (1 - alpha) * _norms.ldexp(x - new_mean, -e) ** 2
   return new_mean, new_var
 
@@ -531,7 +531,7 @@ def running_moments(
   ema_mean, ema_var = ema_mean_var(alpha, mean, var, x)
   new_mean = jnp.where(restart, x, jnp.where(warming, warm_mean, ema_mean))
   e_restart = spread_exponent(x)
-  restart_var = alpha * _rescaled(var, spread_exponent(mean), e_restart) + (
+  restart_var = alpha * rescaled(var, spread_exponent(mean), e_restart) + (
     1 - alpha
   ) * (_norms.ldexp(x - mean, -e_restart) ** 2)
   new_var = jnp.where(

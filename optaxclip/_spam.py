@@ -964,7 +964,10 @@ class ScaleByNormEmaState(NamedTuple):
     mu: per leaf, the EMA of its L2 norm: a vector with one entry per leaf,
       in ``jax.tree.leaves`` order, float32 (float64 for float64
       parameters).
-    nu: per leaf, the EMA of its squared L2 norm (as ``mu``).
+    nu: per leaf, the EMA of its squared L2 norm (as ``mu``): itself while
+      ``2**-41 <= mu < 2**40`` (``2**-489`` to ``2**488`` in float64),
+      beyond that times ``4**-e`` with ``e`` the binary exponent of ``mu``
+      less (plus) 40 (488), as :class:`ClipZscoreState`'s ``var``.
     norm: this step's global L2 norm before scaling.
     scaled_norm: the global L2 norm after scaling.
     scale: ``scaled_norm / norm`` (1 for a zero gradient).
@@ -1001,11 +1004,14 @@ def scale_by_norm_ema(
   schedule (:func:`stable_spam` decays it with a cosine); its bias
   correction uses this step's value. ``k`` counts steps from 1, or, with
   ``reset_interval``, restarts as in Stable-SPAM's reference (see
-  :func:`clip_spikes_adaptive`). ``n^2`` is capped at float32's largest
-  value, so that a huge finite gradient cannot leave ``v`` infinite, and so
-  is ``n`` itself where a finite leaf's norm exceeds float32's range; the
-  leaf is then divided by its exact norm (the reference, dividing by an
-  overflowed float32 norm, returns NaN there). The bias-corrected EMAs are
+  :func:`clip_spikes_adaptive`). ``v`` is kept scaled by a power of two
+  once ``m`` leaves ``2**-41..2**40`` (as :func:`clip_zscore`'s variance),
+  so that the squares of norms above about 1e19 or below about 1e-19
+  (float32) neither saturate nor flush to 0: the ratio is the same at every
+  scale (``eps`` apart, an absolute floor). ``n`` is capped at the dtype's
+  largest value where a finite leaf's norm exceeds its range; the leaf is
+  then divided by its exact norm (the reference, dividing by an overflowed
+  float32 norm, returns NaN there). The bias-corrected EMAs are
   capped likewise (the division may round above the largest value, which
   made the target 0). A leaf holding a NaN or an inf comes out NaN and
   leaves its EMAs as they were (in the reference, they stay NaN for good).
@@ -1090,19 +1096,32 @@ def scale_by_norm_ema(
     # NaN or an inf leaves its EMAs as they were (and comes out NaN).
     finite = jnp.isfinite(exact.value)
     n_ema = jnp.where(finite, jnp.minimum(n, largest), 0)
-    mu = jnp.where(finite, g1 * mu + (1 - g1) * n_ema, mu)
-    nu = jnp.where(
-      finite,
-      gamma2 * nu + (1 - gamma2) * jnp.minimum(n_ema * n_ema, largest),
-      nu,
-    )
+    new_mu = g1 * mu + (1 - g1) * n_ema
+    # nu is kept scaled by 4**-e, e from mu as clip_zscore's variance from
+    # its mean (0 for mu within 2**-41..2**40: nu itself), so that squares
+    # of norms above ~1e19 or below ~1e-19 (float32) neither saturate nor
+    # flush to 0: the ratio below is the same at every scale.
+    # nu's update reads the stored mu and none of the new state, so that it
+    # can run before mu is overwritten in place (else XLA copies mu).
+    e_new = _adaptive.spread_exponent(new_mu)
+    square = _norms.ldexp(n_ema, -e_new) ** 2
+    new_nu = gamma2 * _adaptive.rescaled(
+      nu, _adaptive.spread_exponent(mu), e_new
+    ) + (1 - gamma2) * jnp.minimum(square, largest)
+    mu = jnp.where(finite, new_mu, mu)
+    nu = jnp.where(finite, jnp.minimum(new_nu, largest), nu)
+    e = _adaptive.spread_exponent(mu)
     # Bias-corrected, capped at the largest value too: near it, the division
     # by 1 - gamma^k may round above it (inf would make the target 0).
     mu_hat = jnp.minimum(_over(mu, correction1), largest)
     nu_hat = jnp.minimum(_over(nu, correction2), largest)
-    # safe_root: a root of 0 (squares that underflowed) with derivative 0,
-    # so that a tiny leaf's derivative is mu_hat's over eps.
-    denominator = _norms.safe_root(nu_hat, 2.0) + eps
+    # The ratio at nu's scale: mu_hat and eps times 2**-e. safe_root: a root
+    # of 0 (squares that underflowed) with derivative 0, so that a tiny
+    # leaf's derivative is mu_hat's over eps.
+    mu_hat = _norms.ldexp(mu_hat, -e)
+    denominator = _norms.safe_root(nu_hat, 2.0) + _norms.ldexp(
+      jnp.asarray(eps, dtype), -e
+    )
     # With eps = 0, norms whose squares all underflowed (below about 1e-19 in
     # float32) leave no denominator: their ratio is taken as 1 (that of
     # equal norms), not mu_hat / 0 = inf.

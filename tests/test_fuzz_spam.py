@@ -15,6 +15,7 @@ its own into ``1 - rate`` (a float32 ``0.999`` is 1.3e-5 off there).
 """
 
 import functools
+import math
 import pathlib
 
 import hypothesis
@@ -609,7 +610,12 @@ def test_whole_optimizers_step_packed_leaves_as_each_leaf_alone(
 
 
 def _moment_copies(tx, tree) -> list[str]:
-  """The copies of arrays (not scalars) in the compiled, donated step."""
+  """The copies of moments (arrays of a leaf's shape, not scalars) in the
+  compiled, donated step. Not of scale_by_norm_ema's vector ``mu`` (one
+  entry per leaf, a few bytes): its ``nu`` is kept at the scale of the old
+  ``mu`` and rescaled to the new one's, so that two kernels read the old
+  ``mu``, one writing it, and XLA copies it first.
+  """
 
   def step(p, s, g):
     u, s = tx.update(g, s, p)
@@ -625,7 +631,9 @@ def _moment_copies(tx, tree) -> list[str]:
   return [
     line.strip()
     for line in entry.splitlines()
-    if " copy(" in line and "[]" not in line.split(" copy(")[0]
+    if " copy(" in line
+    and "[]" not in line.split(" copy(")[0]
+    and not line.split(" copy(")[1].startswith("%s_1__mu.")
   ]
 
 
@@ -811,3 +819,81 @@ def test_a_nan_threshold_from_a_schedule_gives_a_nan_update(name, at):
       # until the next reset. spam's Adam moments took it in too, as
       # optax.adam's would: its later updates are NaN until the reset.
       assert np.all(np.isfinite(got)), (step, got)
+
+
+# --- scale_by_norm_ema at every scale -----------------------------------------
+
+
+@functools.cache
+def _norm_ema_step(reset_interval):
+  tx = optaxclip.scale_by_norm_ema(
+    0.7, 0.9, eps=0.0, reset_interval=reset_interval
+  )
+  return tx, fz.FastJit(tx.update)
+
+
+@fz.examples(10)
+@hypothesis.given(
+  x64=st.booleans(),
+  streams=st.lists(
+    st.tuples(
+      *[st.one_of(st.floats(0.5, 2.0), st.floats(4.0, 1000.0), st.just(0.0))]
+      * 2
+    ),
+    min_size=2,
+    max_size=10,
+  ),
+  k=st.integers(-1000, 1000),
+  reset_interval=st.sampled_from([None, 3]),
+)
+@hypothesis.example(
+  x64=False,
+  streams=[(1.0, 2.0), (1.1, 2.0), (10.0, 0.5)],
+  k=70,
+  reset_interval=None,
+)
+@hypothesis.example(
+  x64=False,
+  streams=[(1.0, 2.0), (1.1, 2.0), (10.0, 0.5)],
+  k=-90,
+  reset_interval=None,
+)
+def test_norm_ema_rescales_a_stream_scaled_by_a_power_of_two_alike(
+  x64, streams, k, reset_interval
+):
+  """scale_by_norm_ema (eps=0) takes each leaf to the norm m_hat /
+  sqrt(v_hat) of its recent norms, a ratio: on leaves whose norms are
+  ``stream * 2**k`` (within the dtype's range) it returns the updates it
+  returns on ``stream``. Found by a probe (5 Dec): its ``v`` was capped at
+  float32's largest value, so that norms of 1e20 came out as 5.4 and norms
+  of 1e30 as 5.4e10 (where norms of 1 come out as 1); below about 1e-19
+  every leaf came out at norm 1, spikes included. ``v`` is kept scaled now.
+  """
+  dtype = np.float64 if x64 else np.float32
+  info = np.finfo(dtype)
+  k = int(np.clip(k, info.minexp + 32, info.maxexp - 13))
+  tx, update = _norm_ema_step(reset_interval)
+
+  def run(k):
+    state = tx.init({"a": np.zeros(1, dtype), "b": np.zeros(2, dtype)})
+    outs = []
+    for a, b in streams:
+      g = {
+        "a": np.asarray([-math.ldexp(a, k)], dtype),
+        "b": np.asarray([0.0, math.ldexp(b, k)], dtype),
+      }
+      u, state = update(g, state)
+      outs.append((u, float(state.norm), float(state.scaled_norm)))
+    return outs
+
+  with jax.enable_x64(x64):
+    want, got = run(0), run(k)
+  for step, ((u0, n0, s0), (u1, n1, s1)) in enumerate(zip(want, got)):
+    where = str((dtype.__name__, k, streams, step))
+    for a, b in zip(jax.tree.leaves(u0), jax.tree.leaves(u1)):
+      np.testing.assert_allclose(b, a, rtol=1e-6, atol=0, err_msg=where)
+    np.testing.assert_allclose(s1, s0, rtol=1e-6, err_msg=where)
+    if abs(k) < 100:  # state.norm is float32 for any dtype
+      np.testing.assert_allclose(
+        n1, math.ldexp(n0, k), rtol=1e-6, err_msg=where
+      )
