@@ -426,7 +426,8 @@ def spread_exponent(mean: jax.Array) -> jax.Array:
   """The int32 ``e`` with which a variance beside ``mean`` is kept, as
   ``var * 4**-e``: 0 while ``2**-41 <= |mean| < 2**40`` (float32;
   ``2**-489`` to ``2**488`` in float64), beyond that the mean's binary
-  exponent less (plus) 40 (488).
+  exponent less (plus) 40 (488). ``|e|`` is at most 89 (537), so that
+  ``2**e`` and ``2**-e`` are normal: ``ldexp`` by it takes one piece.
   """
   offset = np.int32(_spread_offset(mean.dtype))
   e = _norms.exponent(mean)
@@ -453,7 +454,7 @@ def spread(mean: jax.Array, var: jax.Array) -> jax.Array:
   """The standard deviation of a statistic kept as ``(mean, var)``, ``var``
   with :func:`spread_exponent`'s scale (+inf beyond the dtype's range).
   """
-  return _norms.ldexp(jnp.sqrt(var), spread_exponent(mean))
+  return _norms.ldexp(jnp.sqrt(var), spread_exponent(mean), pieces=1)
 
 
 def rescaled(var: jax.Array, e_from: jax.Array, e_to: jax.Array):
@@ -476,7 +477,7 @@ def welford(count, mean, var, x):
   new_mean = mean + delta / k
   e = spread_exponent(new_mean)
   old = rescaled(var, spread_exponent(mean), e)
-  step = _norms.ldexp(delta, -e) * _norms.ldexp(x - new_mean, -e)
+  step = _norms.ldexp(delta, -e, 1) * _norms.ldexp(x - new_mean, -e, 1)
   new_var = old + (step - old) / k
   return new_mean, new_var
 
@@ -494,7 +495,7 @@ def ema_mean_var(alpha, mean, var, x):
   new_mean = mean + (1 - alpha) * (x - mean)
   e = spread_exponent(new_mean)
   old = rescaled(var, spread_exponent(mean), e)
-  new_var = alpha * old + (1 - alpha) * _norms.ldexp(x - new_mean, -e) ** 2
+  new_var = alpha * old + (1 - alpha) * _norms.ldexp(x - new_mean, -e, 1) ** 2
   return new_mean, new_var
 
 
@@ -533,7 +534,7 @@ def running_moments(
   e_restart = spread_exponent(x)
   restart_var = alpha * rescaled(var, spread_exponent(mean), e_restart) + (
     1 - alpha
-  ) * (_norms.ldexp(x - mean, -e_restart) ** 2)
+  ) * (_norms.ldexp(x - mean, -e_restart, 1) ** 2)
   new_var = jnp.where(
     restart, restart_var, jnp.where(warming, warm_var, ema_var)
   )
@@ -620,7 +621,7 @@ def rolling_moments(count, window: Window, x, *, warmup_steps, take, restart):
   scaled = jnp.where(valid, _norms.ldexp(values, -top), 0)
   mean = _norms.ldexp(jnp.sum(scaled, axis=0) / jnp.maximum(n, 1), top)
   e = spread_exponent(mean)
-  squares = jnp.where(valid, _norms.ldexp(values - mean, -e) ** 2, 0)
+  squares = jnp.where(valid, _norms.ldexp(values - mean, -e, 1) ** 2, 0)
   var = jnp.sum(squares, axis=0) / jnp.maximum(n - 1, 1)
   var = jnp.where(filled < 2, 0, jnp.minimum(var, jnp.finfo(var.dtype).max))
   return (

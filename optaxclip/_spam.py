@@ -1104,7 +1104,7 @@ def scale_by_norm_ema(
     # nu's update reads the stored mu and none of the new state, so that it
     # can run before mu is overwritten in place (else XLA copies mu).
     e_new = _adaptive.spread_exponent(new_mu)
-    square = _norms.ldexp(n_ema, -e_new) ** 2
+    square = _norms.ldexp(n_ema, -e_new, 1) ** 2
     new_nu = gamma2 * _adaptive.rescaled(
       nu, _adaptive.spread_exponent(mu), e_new
     ) + (1 - gamma2) * jnp.minimum(square, largest)
@@ -1118,9 +1118,9 @@ def scale_by_norm_ema(
     # The ratio at nu's scale: mu_hat and eps times 2**-e. safe_root: a root
     # of 0 (squares that underflowed) with derivative 0, so that a tiny
     # leaf's derivative is mu_hat's over eps.
-    mu_hat = _norms.ldexp(mu_hat, -e)
+    mu_hat = _norms.ldexp(mu_hat, -e, 1)
     denominator = _norms.safe_root(nu_hat, 2.0) + _norms.ldexp(
-      jnp.asarray(eps, dtype), -e
+      jnp.asarray(eps, dtype), -e, 1
     )
     # With eps = 0, norms whose squares all underflowed (below about 1e-19 in
     # float32) leave no denominator: their ratio is taken as 1 (that of
