@@ -130,6 +130,24 @@ CASES = [
       "5.3, from the norm's running mean 4.2 and standard deviation 0.4)"
     ),
   ),
+  # Beyond 2**40 the state keeps the variance scaled by 4**-e, e the mean's
+  # binary exponent less 40: a mean of 2**100 (e = 61) with a stored
+  # variance of 0.25 has the standard deviation 0.5 * 2**61 = 1.15e18.
+  (
+    optaxclip.ClipZscoreState(
+      *_f(2.0**100, 2.0**100, 0.0, 2.0**101),
+      _i(25),
+      *_f(2.0**100, 0.25),
+      _i(0),
+      _i(0),
+      _i(30),
+    ),
+    (
+      "clip_zscore left the update unchanged (norm 1.27e+30; threshold "
+      "2.54e+30, from the norm's running mean 1.27e+30 and standard "
+      "deviation 1.15e+18)"
+    ),
+  ),
   (
     optaxclip.ClipZscoreState(
       *_f(3.0, 3.0, 0.0, INF), _i(3), *_f(4.2, 0.16), _i(0), _i(0), _i(3)
