@@ -822,7 +822,10 @@ def clip_zscore(
       value = mean
     else:
       eta = jnp.where(spike, z, z_thresh) / z_thresh
-      value = (mean + z_thresh * std / eta) * clip_factor
+      # std * (z_thresh / eta), not z_thresh * std / eta: below the norm
+      # whenever the norm is finite, where z_thresh * std may overflow (a
+      # spread near the dtype's largest value: inf / inf = NaN).
+      value = (mean + std * (z_thresh / eta)) * clip_factor
     return spike, value, mean + z_thresh * (std + eps)
 
   def update_fn(updates, state, params=None):

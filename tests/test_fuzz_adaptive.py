@@ -341,6 +341,9 @@ def huge_tree(value):
   ),
 )
 @hypothesis.example(name="relative_warmup", values=[1.0, 3e38])
+# Found by the release profile after the variance was kept scaled (5 Dec):
+# a spread of ~1.4e38 made clip_zscore's clip limit z * std / eta = inf / inf.
+@hypothesis.example(name="zscore_leaf", values=[1.0, 1.0, 2e38, 3e38])
 @hypothesis.example(name="norm_ema", values=[1.0, 3e38])
 def test_norms_beyond_the_range_give_no_nan(name, values):
   """Finite input, whatever its norms: a finite update at every step, from
