@@ -354,9 +354,8 @@ def clipped_grad(
   _checks.check_number("gamma", gamma, who=WHO, low=0.0, low_open=True)
   clip_leaves = jax.tree.leaves(l2_clip)
   concrete = all(_checks.is_concrete_number(c) for c in clip_leaves)
-  total = (
-    math.sqrt(sum(float(c) ** 2 for c in clip_leaves)) if concrete else None
-  )
+  # hypot: no square overflows or underflows (a float64 bound of 1e200).
+  total = math.hypot(*(float(c) for c in clip_leaves)) if concrete else None
   sensitivity = Sensitivity(
     add_remove=total,
     replace_one=None if total is None else 2 * total,
@@ -910,7 +909,15 @@ def dp_noise(
     _per_example.check_batch_for_count_noise(
       "dp_noise", batch, noise_multiplier, adaptive, no_noise
     )
-    clip = _per_example.clip_at("dp_noise", l2_clip, state, adaptive)
+    clip = _per_example.clip_at(
+      "dp_noise",
+      l2_clip,
+      state,
+      adaptive,
+      _norms.tree_accumulation_dtype(
+        [example_norms, *jax.tree.leaves(updates)]
+      ),
+    )
     real = (
       None
       if is_padding_example is None

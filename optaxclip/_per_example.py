@@ -487,14 +487,19 @@ def check_l2_clip(who: str, l2_clip: Any, target_quantile: Any) -> None:
     )
 
 
-def clip_at(who: str, l2_clip: Any, state: Any, adaptive: bool) -> jax.Array:
-  """The clip norm of this step: the adapted one kept in ``state``, or
-  ``l2_clip`` (a schedule's value at the state's step count), float32.
+def clip_at(
+  who: str, l2_clip: Any, state: Any, adaptive: bool, dtype: Any
+) -> jax.Array:
+  """The clip norm of this step: the adapted one kept in ``state`` (a
+  float32 statistic), or ``l2_clip`` (a schedule's value at the state's step
+  count) in ``dtype``, the examples' accumulation dtype: a float64 bound is
+  not rounded to float32 (``0.1`` would bound each example at
+  ``0.10000000149``, and a bound beyond float32's range would read 0 or inf).
   """
   if adaptive:
     return state.clip_norm
   value = _schedules.value_at(l2_clip, state.count, who=who, name="l2_clip")
-  return jnp.asarray(value, jnp.float32).reshape(())
+  return jnp.asarray(value, dtype).reshape(())
 
 
 class Noised(NamedTuple):
@@ -721,7 +726,9 @@ def clip_per_example(
     )
     # A fixed C is read from the hyperparameter (optax.inject_hyperparams can
     # change it) or its schedule; an adaptive one lives in the state.
-    clip = clip_at(who, l2_clip, state, adaptive)
+    clip = clip_at(
+      who, l2_clip, state, adaptive, _norms.tree_accumulation_dtype(leaves)
+    )
     sums, _, counts = clip_and_sum(leaves, clip, scope)
     if axis_name:
       sums = [jax.lax.psum(s, axis_name) for s in sums]

@@ -9,6 +9,7 @@ direction.
 """
 
 import functools
+import math
 
 import flax.linen as nn
 import hypothesis
@@ -100,6 +101,102 @@ def test_each_example_moves_the_sum_by_at_most_the_clip(tree, clip):
   assert np.linalg.norm(got) <= finite.sum() * clip * (1 + 1e-5) + 1e-30
   assert np.all(np.linalg.norm(contributions, axis=1) <= clip * (1 + 1e-5))
   assert float(state.nonfinite) == BATCH - finite.sum()
+
+
+@functools.cache
+def _step64(scope):
+  """``clip_per_example(clip, scope=scope)`` on float64 examples: the sum,
+  the clipped fraction, and the clip norm ``dp_noise`` noises and counts by.
+  """
+
+  def run(tree, clip, norms):
+    tx = optaxclip.clip_per_example(clip, scope=scope, reduce="sum")
+    out, state = tx.update(tree, tx.init(None))
+    noise = optaxclip.dp_noise(clip, noise_multiplier=0.0, reduce="sum")
+    _, noise_state = noise.update(tree, noise.init(None), example_norms=norms)
+    return out, state.clip_fraction, noise_state.clip_fraction
+
+  return fz.FastJit(run)
+
+
+@fz.examples(10)
+@hypothesis.given(
+  exponent=st.integers(-990, 990),
+  mantissa=st.floats(0.5, 1.0),
+  offsets=st.lists(st.integers(-4, 4), min_size=BATCH, max_size=BATCH),
+  scope=st.sampled_from(["global", "leaf"]),
+  seed=st.integers(0, 2**16),
+)
+@hypothesis.example(
+  exponent=-3, mantissa=0.8, offsets=[2] * BATCH, scope="global", seed=0
+)
+def test_float64_examples_are_bounded_by_the_float64_clip(
+  exponent, mantissa, offsets, scope, seed
+):
+  """Under x64, a float64 clip norm bounds each float64 example as given,
+  over float64's whole range: ``l2_clip=0.1`` bounded examples at
+  0.10000000149 (the clip norm was rounded to float32), and one beyond
+  float32's range (1e-200, 1e200) zeroed every example or clipped none.
+  Each example moves the sum by at most the clip; the clipped fractions
+  of clip_per_example and dp_noise are the oracle's.
+  """
+  clip = math.ldexp(mantissa, exponent)
+  rng = np.random.default_rng(seed)
+  with jax.enable_x64(True):
+    tree = {
+      "a": np.stack(
+        [np.ldexp(rng.uniform(-1, 1, 3), exponent + o) for o in offsets]
+      ),
+      "b": np.stack(
+        [np.ldexp(rng.uniform(-1, 1, (2, 2)), exponent + o) for o in offsets]
+      ),
+    }
+    flat = np.concatenate([x.reshape(BATCH, -1) for x in tree.values()], 1)
+    norms = np.sqrt(np.sum(np.ldexp(flat, -exponent) ** 2, 1))
+    norms = np.ldexp(norms, exponent)
+    out, fraction, noise_fraction = _step64(scope)(
+      fz.to_jax(tree), np.float64(clip), norms
+    )
+    assert all(x.dtype == np.float64 for x in jax.tree.leaves(out))
+    # Each example alone: its contribution's norm is at most the clip.
+    for i in range(BATCH):
+      one = {k: v[i : i + 1] for k, v in tree.items()}
+      alone, _, _ = _step64(scope)(
+        fz.to_jax(one), np.float64(clip), norms[i : i + 1]
+      )
+      got = np.concatenate([np.ravel(np.asarray(x)) for x in alone.values()])
+      size = np.ldexp(np.linalg.norm(np.ldexp(got, -exponent)), exponent)
+      assert size <= clip * (1 + 4e-16), (i, size, clip)
+  if scope == "global":
+    want = np.mean(norms > clip)
+    assert float(fraction) == want, (float(fraction), want)
+  assert float(noise_fraction) == np.mean(norms > clip)
+
+
+@fz.examples(10)
+@hypothesis.given(
+  clips=st.lists(
+    st.builds(math.ldexp, st.floats(0.5, 1.0), st.integers(-1070, 1020)),
+    min_size=1,
+    max_size=3,
+  )
+)
+def test_sensitivity_of_any_float64_bound_is_its_l2_norm(clips):
+  """``clipped_grad(...).sensitivity`` of per-layer bounds anywhere in
+  float64's range is their L2 norm (twice it for replace-one): the squares
+  overflowed (``OverflowError`` above about 1.3e154) or underflowed (0
+  below about 1e-162).
+  """
+  l2_clip = (
+    clips[0] if len(clips) == 1 else {f"l{i}": c for i, c in enumerate(clips)}
+  )
+  got = optaxclip.clipped_grad(
+    lambda w, x: jnp.sum((x * w) ** 2), l2_clip, method="vmap"
+  ).sensitivity
+  big = max(clips)
+  want = big * math.sqrt(sum((c / big) ** 2 for c in clips))
+  assert math.isclose(got.add_remove, want, rel_tol=1e-15), (got, want)
+  assert math.isclose(got.replace_one, 2 * want, rel_tol=1e-15)
 
 
 # ------------------------------------------------- clipped_grad, ghost method
