@@ -275,7 +275,7 @@ def _adam_with_resets(
       mu = b1.astype(dtype) * mu + (1 - b1).astype(dtype) * g
     else:
       mu = b1 * mu + (1 - b1) * g
-    nu = b2 * nu + (1 - b2) * g * g
+    nu = _second_moment(b2, nu, g)
     return direction(mu, nu, dtype).astype(g.dtype), mu, nu
 
   (out, mus, nus), clipped = _step_with_resets(
@@ -322,6 +322,21 @@ def _spam_warmup(t: jax.Array, reset_interval: Any, warmup_steps: Any):
   half_angle = (math.pi / 2) * c.astype(_F32) / (jnp.asarray(warmup_steps) + 1)
   warm = 0.01 + 0.99 * jnp.square(jnp.sin(half_angle))
   return jnp.where(c < warmup_steps, warm, 1.0).astype(_F32)
+
+
+def _second_moment(b2: Any, nu: jax.Array, g: jax.Array) -> jax.Array:
+  """``b2 nu + (1 - b2) g^2`` with the new term capped at ``(1 - b2)`` times
+  the dtype's largest value: a finite element whose square overflows
+  (``|g|`` above about 8000 in float16 with ``b2 = 0.999``, about 5.8e20 in
+  float32) left the moment inf for good (every later ``g^2 > threshold nu``
+  false: clipping switched off until a reset), where the capped one decays.
+  Capping the sum instead made XLA copy the donated moment, and a new form
+  of the EMA rounded float16 elements differently in packed and per-leaf
+  steps; this one rounds as before.
+  """
+  # (1 - b2) g g as before, in that order (the same roundings), capped.
+  new = (1 - b2) * g * g
+  return b2 * nu + jnp.minimum(new, (1 - b2) * jnp.finfo(new.dtype).max)
 
 
 def _spikes(
@@ -533,7 +548,7 @@ def clip_spikes(
     nu_leaves = treedef.flatten_up_to(state.nu)
 
     def step(g, nu):
-      return g, b2 * nu + (1 - b2) * g * g
+      return g, _second_moment(b2, nu, g)
 
     (out, nus), clipped = _step_with_resets(
       leaves, [nu_leaves], reset, step, (threshold_now, clip_on)

@@ -897,3 +897,58 @@ def test_norm_ema_rescales_a_stream_scaled_by_a_power_of_two_alike(
       np.testing.assert_allclose(
         n1, math.ldexp(n0, k), rtol=1e-6, err_msg=where
       )
+
+
+# --- squares beyond the dtype's range -------------------------------------
+
+
+@functools.cache
+def _square_edge_step(name, dtype):
+  tx = {
+    "clip_spikes": lambda: optaxclip.clip_spikes(
+      4.0, b2=0.5, reset_interval=10**6, grad_accu_steps=2
+    ),
+    "spam": lambda: optaxclip.spam(
+      1e-3, b2=0.5, threshold=4.0, reset_interval=10**6, grad_accu_steps=2
+    ),
+  }[name]()
+  return tx, fz.FastJit(tx.update)
+
+
+def _nu_of(state):
+  """The ``nu`` field of the first state in ``state`` that has one."""
+  if hasattr(state, "nu"):
+    return state.nu
+  return next(
+    _nu_of(s) for s in state if hasattr(s, "nu") or isinstance(s, tuple)
+  )
+
+
+@fz.examples(8)
+@hypothesis.given(
+  name=st.sampled_from(["clip_spikes", "spam"]),
+  dtype=st.sampled_from(["float16", "float32"]),
+  huge=st.floats(0.0625, 1.0),
+  ordinary=st.lists(st.floats(0.5, 2.0), min_size=1, max_size=6),
+)
+def test_a_square_beyond_the_range_leaves_the_moment_finite(
+  name, dtype, huge, ordinary
+):
+  """A finite element whose square overflows the dtype (above 256 in
+  float16, about 1.8e19 in float32), on a step before clipping starts,
+  leaves the second moment finite and every update finite; it was inf for
+  good, so that every later ``g^2 > threshold nu`` was false (clipping off
+  until the next reset; found by a scale-equivariance probe, 5 Dec).
+  """
+  np_dtype = fz.DTYPES[dtype]
+  big = float(np.finfo(np_dtype).max) * huge
+  tx, update = _square_edge_step(name, dtype)
+  params = {"w": np.zeros(3, np_dtype)}
+  state = tx.init(fz.to_jax(params))
+  steps = [big] + ordinary + [100.0]
+  for t, value in enumerate(steps):
+    g = fz.to_jax({"w": np.asarray([value, -value, value / 2], np_dtype)})
+    out, state = update(g, state, params)
+    assert np.all(np.isfinite(np.asarray(out["w"], np.float64))), (t, out)
+    nu = _nu_of(state)
+    assert np.all(np.isfinite(np.asarray(nu["w"], np.float64))), (t, nu)
