@@ -5,7 +5,9 @@ sensitivity bound), whatever its magnitude (subnormal to near the largest
 float32) and whatever other examples hold (NaN, Inf): a float64 NumPy oracle
 gives the sum of the finite examples (every element finite, whatever the
 norm: one beyond float32's range included), each clipped along its
-direction.
+direction. Under x64 the same holds for float64 examples and clip norms over
+float64's whole range (a clip norm is not rounded to float32), and
+``clipped_grad``'s sensitivity is the L2 norm of any float64 bounds.
 """
 
 import functools

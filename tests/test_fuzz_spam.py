@@ -6,7 +6,9 @@ warm-up, clipping threshold, decay rates and gradient sequence with spikes
 -- Stable-SPAM in the paper's reset order (see :func:`optaxclip.stable_spam`).
 Its per-leaf parts give each leaf its own statistics on trees whose small
 leaves are stacked for them (compile time), in every dtype, a non-finite
-leaf kept to itself.
+leaf kept to itself. At the edges of the range: scale_by_norm_ema rescales a
+stream of norms scaled by a power of two as the stream itself, and a square
+beyond the dtype's range leaves the second moment finite.
 
 The hyperparameters are traced: each optimizer runs in one program, compiled
 once (module level), whatever an example draws. The decay rates are drawn
