@@ -344,11 +344,16 @@ def _spikes(
 ) -> tuple[jax.Array, jax.Array]:
   """``(where g^2 > threshold nu, threshold nu)``, in their dtypes; every
   coordinate where ``threshold`` is NaN (a schedule's NaN gives a NaN
-  update, as for the other clippers' thresholds).
+  update, as for the other clippers' thresholds). A coordinate whose ``nu``
+  is 0 is not judged (a deviation from SPAM's reference, which clips it to
+  0): its moment has seen nothing since the last reset, or only squares
+  that underflowed (float16 elements below about 8e-3), and clipping it to
+  0 zeroed such elements for good.
   """
   threshold = jnp.asarray(threshold)
   limit = threshold.astype(nu.dtype) * nu
-  return (clip_on & (g * g > limit)) | jnp.isnan(threshold), limit
+  spike = clip_on & (g * g > limit) & (nu > 0)
+  return spike | jnp.isnan(threshold), limit
 
 
 def _clip_to_moment(
@@ -491,10 +496,11 @@ def clip_spikes(
   Adam's until the first reset (Adam's is not reset). :func:`spam`, which
   owns the Adam moments too, clips against them and holds ``nu`` once.
 
-  A coordinate whose gradient stayed exactly zero through the
-  ``grad_accu_steps`` steps after a reset has ``nu = 0``, and is clipped to
-  zero until the next reset (the reference does the same); keep
-  ``reset_interval`` finite and ``grad_accu_steps`` positive.
+  A coordinate whose ``nu`` is 0 is not judged: its gradient stayed exactly
+  zero since the last reset, or its squared term underflowed (float16
+  elements below about 8e-3 with ``b2 = 0.999``). The reference clips it to
+  zero until the next reset, which zeroed such float16 gradients at every
+  step (a deviation, as the non-finite one above).
 
   Args:
     threshold: the spike threshold ``theta`` on ``g^2 / nu`` (>= 0; 0 turns
@@ -706,7 +712,8 @@ def spam(
      to zero;
   2. once ``t mod reset_interval >= grad_accu_steps``, each coordinate with
      ``g^2 > threshold v`` is clipped to ``sign(g) sqrt(threshold v)``
-     (an infinite one to NaN, as in :func:`clip_spikes`);
+     (an infinite one to NaN, and a coordinate with ``v = 0`` not judged,
+     as in :func:`clip_spikes`);
   3. ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2) g^2``;
   4. ``p <- p - lr s_t sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps)``,
      with the bias correction counted from the first step, never restarted

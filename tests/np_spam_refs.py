@@ -83,7 +83,9 @@ class SpamReference:
       if self.thres != 0:
         current = self.total_step + 1
         if current >= self.grad_accu_steps:
-          mask = g**2 > self.thres * v
+          # optaxclip's deviation: a coordinate whose v is 0 is not judged
+          # (the reference clips it to 0, for good).
+          mask = (g**2 > self.thres * v) & (v > 0)
           if current % self.delta_t >= self.grad_accu_steps:
             g[mask] = np.sign(g[mask]) * np.sqrt(v[mask] * self.thres)
             self.clipped += int(mask.sum())
