@@ -1037,9 +1037,9 @@ def scale_by_norm_ema(
   capped likewise (the division may round above the largest value, which
   made the target 0). A leaf holding a NaN or an inf comes out NaN and
   leaves its EMAs as they were (in the reference, they stay NaN for good).
-  With ``eps = 0``, a leaf whose recent norms' squares all underflowed
-  (norms below about 1e-19 in float32) is rescaled to norm 1, the ratio of
-  equal norms, instead of dividing by 0. The EMAs are float64 for float64
+  With ``eps = 0``, a leaf whose ``v`` is 0 while ``m`` is not (squares
+  that underflowed even at ``v``'s scale) is rescaled to norm 1, the ratio
+  of equal norms, instead of dividing by 0. The EMAs are float64 for float64
   parameters (their squares then capped at float64's largest value).
 
   Args:
@@ -1123,8 +1123,8 @@ def scale_by_norm_ema(
     # its mean (0 for mu within 2**-41..2**40: nu itself), so that squares
     # of norms above ~1e19 or below ~1e-19 (float32) neither saturate nor
     # flush to 0: the ratio below is the same at every scale.
-    # nu's update reads the stored mu and none of the new state, so that it
-    # can run before mu is overwritten in place (else XLA copies mu).
+    # Two kernels read the stored mu (nu's update, for its old scale) and one
+    # overwrites it in place: XLA copies the vector first (a few bytes).
     e_new = _adaptive.spread_exponent(new_mu)
     square = _norms.ldexp(n_ema, -e_new, 1) ** 2
     new_nu = gamma2 * _adaptive.rescaled(
@@ -1138,15 +1138,14 @@ def scale_by_norm_ema(
     mu_hat = jnp.minimum(_over(mu, correction1), largest)
     nu_hat = jnp.minimum(_over(nu, correction2), largest)
     # The ratio at nu's scale: mu_hat and eps times 2**-e. safe_root: a root
-    # of 0 (squares that underflowed) with derivative 0, so that a tiny
-    # leaf's derivative is mu_hat's over eps.
+    # of 0 (a zero leaf so far) with derivative 0, not inf.
     mu_hat = _norms.ldexp(mu_hat, -e, 1)
     denominator = _norms.safe_root(nu_hat, 2.0) + _norms.ldexp(
       jnp.asarray(eps, dtype), -e, 1
     )
-    # With eps = 0, norms whose squares all underflowed (below about 1e-19 in
-    # float32) leave no denominator: their ratio is taken as 1 (that of
-    # equal norms), not mu_hat / 0 = inf.
+    # With eps = 0, squares that underflowed even at nu's scale leave no
+    # denominator: the ratio is taken as 1 (that of equal norms), not
+    # mu_hat / 0 = inf.
     target = jnp.where(
       denominator > 0,
       mu_hat / jnp.where(denominator > 0, denominator, 1),
