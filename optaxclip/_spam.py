@@ -347,8 +347,8 @@ def _spikes(
   update, as for the other clippers' thresholds). A coordinate whose ``nu``
   is 0 is not judged (a deviation from SPAM's reference, which clips it to
   0): its moment has seen nothing since the last reset, or only squares
-  that underflowed (float16 elements below about 8e-3), and clipping it to
-  0 zeroed such elements for good.
+  that underflowed (float16 elements below about 5.5e-3 with ``b2 =
+  0.999``), and clipping it to 0 zeroed such elements for good.
   """
   threshold = jnp.asarray(threshold)
   limit = threshold.astype(nu.dtype) * nu
@@ -498,9 +498,13 @@ def clip_spikes(
 
   A coordinate whose ``nu`` is 0 is not judged: its gradient stayed exactly
   zero since the last reset, or its squared term underflowed (float16
-  elements below about 8e-3 with ``b2 = 0.999``). The reference clips it to
+  elements below about 5.5e-3 with ``b2 = 0.999``). The reference clips it to
   zero until the next reset, which zeroed such float16 gradients at every
-  step (a deviation, as the non-finite one above).
+  step (a deviation, as the non-finite one above); a spike there passes
+  unclipped. In float16, ``nu`` below float16's smallest normal number
+  (6.1e-5) is a count of subnormal steps rather than an EMA (``b2 nu``
+  rounds back to ``nu``), as Adam's own moment is there: keep the
+  parameters, or the moments, in float32 for exact clip limits.
 
   Args:
     threshold: the spike threshold ``theta`` on ``g^2 / nu`` (>= 0; 0 turns

@@ -971,11 +971,12 @@ def test_a_square_beyond_the_range_leaves_the_moment_finite(
 def test_an_element_whose_moment_is_zero_is_not_zeroed(
   name, dtype, small, steps
 ):
-  """Steady float16 elements too small for their squared term to be
-  represented (below about 8e-3: the moment stays 0), and an element that
-  was 0 until the last step, are not clipped: SPAM's reference clips a
-  coordinate against a zero moment to 0, which zeroed such elements at
-  every step (found 5 Dec: clip_spikes zeroed float16 gradients of 1e-3).
+  """Steady float16 elements, the smaller ones too small for their squared
+  term to be represented (with this b2 = 0.5, below about 2.4e-4: the
+  moment stays 0), and an element that was 0 until the last step, are not
+  clipped: SPAM's reference clips a coordinate against a zero moment to 0,
+  which zeroed such elements at every step (found 5 Dec: clip_spikes zeroed
+  float16 gradients of 1e-3).
   """
   np_dtype = fz.DTYPES[dtype]
   tx, update = _square_edge_step(name, dtype)
