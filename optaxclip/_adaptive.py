@@ -617,9 +617,11 @@ def rolling_moments(count, window: Window, x, *, warmup_steps, take, restart):
   n = filled.astype(values.dtype)
   # Summed at the scale of the largest magnitude (a power of two: the same
   # roundings), so that values near the dtype's largest do not overflow.
-  top = _norms.exponent(jnp.max(jnp.where(valid, jnp.abs(values), 0), axis=0))
-  scaled = jnp.where(valid, _norms.ldexp(values, -top), 0)
-  mean = _norms.ldexp(jnp.sum(scaled, axis=0) / jnp.maximum(n, 1), top)
+  top = _norms._scale_exponent(  # noqa: SLF001
+    jnp.max(jnp.where(valid, jnp.abs(values), 0), axis=0)
+  )
+  scaled = jnp.where(valid, _norms.ldexp(values, -top, 1), 0)
+  mean = _norms.ldexp(jnp.sum(scaled, axis=0) / jnp.maximum(n, 1), top, 1)
   e = spread_exponent(mean)
   squares = jnp.where(valid, _norms.ldexp(values - mean, -e, 1) ** 2, 0)
   var = jnp.sum(squares, axis=0) / jnp.maximum(n - 1, 1)
