@@ -517,3 +517,27 @@ def test_a_stream_scaled_by_a_power_of_two_is_judged_alike(
       np.testing.assert_allclose(
         b, np.ldexp(a, k), rtol=1e-6, atol=0, err_msg=where
       )
+
+
+@fz.examples(30)
+@hypothesis.given(
+  x64=st.booleans(),
+  mean=st.one_of(
+    st.floats(allow_nan=False, allow_infinity=True, width=32),
+    st.floats(allow_nan=False, allow_infinity=True),
+    st.just(0.0),
+  ),
+)
+def test_the_python_spread_exponent_is_the_traced_one(x64, mean):
+  """explain()'s Python ``spread_exponent_of`` decodes a state's variance
+  as the traced ``spread_exponent`` keeps it, for any mean of the dtype
+  (0, subnormals, the largest values, inf).
+  """
+  from optaxclip import _adaptive
+
+  dtype = np.float64 if x64 else np.float32
+  with jax.enable_x64(x64):
+    with np.errstate(over="ignore"):  # float64 beyond float32: inf
+      value = np.asarray(mean).astype(dtype)
+    traced = int(_adaptive.spread_exponent(jnp.asarray(value)))
+  assert _adaptive.spread_exponent_of(float(value), dtype) == traced, value
