@@ -76,7 +76,8 @@ class ClipZscoreState(NamedTuple):
       ``scope='leaf'``: the L2 norm of the per-leaf thresholds).
     count: warm-up norms gathered, at most ``warmup_steps``.
     mean: the mean of the norm: the warm-up's plain mean until it ends, then
-      an EMA.
+      an EMA (kept at least ``2**-22`` standard deviations from 0, so that
+      ``var`` has room beside it: a z-score moves by less than ``2**-21``).
     var: the variance of the norm, likewise: the variance itself while
       ``2**-41 <= |mean| < 2**40`` (about 4.5e-13 to 1.1e12; ``2**-489`` to
       ``2**488`` in float64), beyond that ``var * 4**-e`` with ``e`` the
@@ -415,7 +416,11 @@ def _nan_if_nan(limit: Any, value: Any) -> Any:
 # variance itself, it saturated at the dtype's largest value once the norms
 # passed about 1e19 (float32), where ordinary steps then read as spikes, and
 # it flushed to 0 below about 1e-19, where every move read as a new level.
+# A spread larger than that beside a mean near 0 (losses around 0, a restart
+# at 0, EMAs of a stream of zeros) would saturate too: the kept mean is held
+# at least 2**-_NUDGE standard deviations from 0 (see kept_moments).
 _HEADROOM = 24
+_NUDGE = _HEADROOM - 2
 
 
 def _spread_offset(dtype: Any) -> int:
@@ -457,6 +462,39 @@ def spread(mean: jax.Array, var: jax.Array) -> jax.Array:
   return _norms.ldexp(jnp.sqrt(var), spread_exponent(mean), pieces=1)
 
 
+def safe_exponent(*values: jax.Array) -> jax.Array:
+  """A variance exponent at which squares of differences of ``values`` (and
+  a variance kept beside any of them) stay in range: :func:`spread_exponent`
+  of the largest magnitude (``spread_exponent`` grows with it).
+  """
+  largest = jnp.abs(values[0])
+  for v in values[1:]:
+    largest = jnp.maximum(largest, jnp.abs(v))
+  return spread_exponent(largest)
+
+
+def kept_moments(mean: jax.Array, var: Any, e: jax.Array):
+  """The ``(mean, var)`` to keep for a mean and a variance held as ``var *
+  4**-e`` (``e`` from :func:`safe_exponent`, so that nothing saturated).
+
+  The variance is re-expressed with :func:`spread_exponent` of the kept
+  mean, which is ``mean`` itself unless it lies within ``2**-22`` standard
+  deviations of 0 (in float32 a spread above ``2**22`` times the mean, e.g.
+  losses averaging 0, saturated there): then it is moved away from 0, to
+  the power of two ``2**(E - 22)`` with the spread's exponent ``E`` (its
+  sign kept). A z-score against the kept mean moves by less than ``2**-21``,
+  and only when the mean is that close to 0 (decisions are unchanged beyond
+  rounding); a variance of 0 leaves the mean as it is.
+  """
+  dtype = mean.dtype
+  var = jnp.minimum(var, jnp.finfo(dtype).max)
+  spread_e = jax.lax.add(_norms.exponent(jnp.sqrt(var)), e)
+  floor = _norms.pow2(jax.lax.sub(spread_e, np.int32(_NUDGE)), dtype)
+  near = (var > 0) & (jnp.abs(mean) < floor)
+  kept = jnp.where(near, jnp.where(jnp.signbit(mean), -floor, floor), mean)
+  return kept, rescaled(var, e, spread_exponent(kept))
+
+
 def rescaled(var: jax.Array, e_from: jax.Array, e_to: jax.Array):
   """A variance kept with exponent ``e_from``, kept with ``e_to`` (capped at
   the dtype's largest value: a spread beyond the range saturates).
@@ -469,17 +507,19 @@ def welford(count, mean, var, x):
   """Adds ``x`` to a running mean and population variance of ``count`` values.
 
   Returns the mean and variance of the ``count + 1`` values, equal up to
-  rounding to ``sum(xs) / n`` and ``sum((xs - mean)**2) / n`` (``var`` in
-  and out with :func:`spread_exponent`'s scale).
+  rounding to ``sum(xs) / n`` and ``sum((xs - mean)**2) / n``, and the
+  exponent ``e`` of :func:`safe_exponent` with which the variance is held
+  (``var`` in with :func:`spread_exponent`'s scale; see
+  :func:`kept_moments`).
   """
   k = (count + 1).astype(mean.dtype)
   delta = x - mean
   new_mean = mean + delta / k
-  e = spread_exponent(new_mean)
+  e = safe_exponent(new_mean, mean, delta)
   old = rescaled(var, spread_exponent(mean), e)
   step = _norms.ldexp(delta, -e, 1) * _norms.ldexp(x - new_mean, -e, 1)
   new_var = old + (step - old) / k
-  return new_mean, new_var
+  return new_mean, new_var, e
 
 
 def ema_mean_var(alpha, mean, var, x):
@@ -491,12 +531,15 @@ def ema_mean_var(alpha, mean, var, x):
   a value equal to the mean leaves it exactly as it was (ZClip's form
   drifts by an ulp a step on a constant stream, and the variance that the
   drift builds up made the constant value itself a spike).
+
+  Returns the new mean and variance, and the exponent with which the
+  variance is held (as :func:`welford`).
   """
   new_mean = mean + (1 - alpha) * (x - mean)
-  e = spread_exponent(new_mean)
+  e = safe_exponent(new_mean, mean, x - new_mean)
   old = rescaled(var, spread_exponent(mean), e)
   new_var = alpha * old + (1 - alpha) * _norms.ldexp(x - new_mean, -e, 1) ** 2
-  return new_mean, new_var
+  return new_mean, new_var, e
 
 
 def running_moments(
@@ -524,23 +567,20 @@ def running_moments(
     restart: per unit, whether the statistics restart at ``x``.
 
   Returns:
-    The new ``(count, mean, var)``; the variance (with its scale) saturates
-    at the dtype's largest finite value.
+    The new ``(count, mean, var)``, as :func:`kept_moments` keeps them.
   """
   warming = count < warmup_steps
-  warm_mean, warm_var = welford(count, mean, var, x)
-  ema_mean, ema_var = ema_mean_var(alpha, mean, var, x)
-  new_mean = jnp.where(restart, x, jnp.where(warming, warm_mean, ema_mean))
-  e_restart = spread_exponent(x)
+  warm_mean, warm_var, e_warm = welford(count, mean, var, x)
+  ema_mean, ema_var, e_ema = ema_mean_var(alpha, mean, var, x)
+  e_restart = safe_exponent(x, mean, x - mean)
   restart_var = alpha * rescaled(var, spread_exponent(mean), e_restart) + (
     1 - alpha
   ) * (_norms.ldexp(x - mean, -e_restart, 1) ** 2)
-  new_var = jnp.where(
-    restart, restart_var, jnp.where(warming, warm_var, ema_var)
+  new_mean, new_var = kept_moments(
+    jnp.where(restart, x, jnp.where(warming, warm_mean, ema_mean)),
+    jnp.where(restart, restart_var, jnp.where(warming, warm_var, ema_var)),
+    jnp.where(restart, e_restart, jnp.where(warming, e_warm, e_ema)),
   )
-  # A spread beyond the range even so (2**24 times the mean) saturates
-  # rather than turning into inf, then NaN.
-  new_var = jnp.minimum(new_var, jnp.finfo(var.dtype).max)
   take = finite & (take | restart)
   new_count = jnp.where(finite, jnp.minimum(count + 1, warmup_steps), count)
   return (
@@ -596,8 +636,8 @@ def rolling_moments(count, window: Window, x, *, warmup_steps, take, restart):
   Returns:
     The new ``(count, window, mean, var)``: ``mean`` and ``var`` are those
     of the values in the window, ``var`` with Bessel's correction (0 with
-    fewer than two values) and :func:`spread_exponent`'s scale, saturating
-    at the dtype's largest value.
+    fewer than two values), as :func:`kept_moments` keeps them (the kept
+    mean may sit a little away from 0: see there).
   """
   size = window.values.shape[0]
   rows = jnp.arange(size, dtype=jnp.int32).reshape((size,) + (1,) * x.ndim)
@@ -617,15 +657,14 @@ def rolling_moments(count, window: Window, x, *, warmup_steps, take, restart):
   n = filled.astype(values.dtype)
   # Summed at the scale of the largest magnitude (a power of two: the same
   # roundings), so that values near the dtype's largest do not overflow.
-  top = _norms._scale_exponent(  # noqa: SLF001
-    jnp.max(jnp.where(valid, jnp.abs(values), 0), axis=0)
-  )
+  largest = jnp.max(jnp.where(valid, jnp.abs(values), 0), axis=0)
+  top = _norms._scale_exponent(largest)  # noqa: SLF001
   scaled = jnp.where(valid, _norms.ldexp(values, -top, 1), 0)
   mean = _norms.ldexp(jnp.sum(scaled, axis=0) / jnp.maximum(n, 1), top, 1)
-  e = spread_exponent(mean)
+  e = safe_exponent(mean, largest)
   squares = jnp.where(valid, _norms.ldexp(values - mean, -e, 1) ** 2, 0)
   var = jnp.sum(squares, axis=0) / jnp.maximum(n - 1, 1)
-  var = jnp.where(filled < 2, 0, jnp.minimum(var, jnp.finfo(var.dtype).max))
+  mean, var = kept_moments(mean, jnp.where(filled < 2, 0, var), e)
   return (
     count.astype(jnp.int32),
     Window(values, filled.astype(jnp.int32), index.astype(jnp.int32)),

@@ -989,7 +989,8 @@ class ScaleByNormEmaState(NamedTuple):
     count: updates so far (int32).
     mu: per leaf, the EMA of its L2 norm: a vector with one entry per leaf,
       in ``jax.tree.leaves`` order, float32 (float64 for float64
-      parameters).
+      parameters); kept at least ``2**-22 sqrt(nu)`` above 0 (``nu``'s
+      scale comes from it).
     nu: per leaf, the EMA of its squared L2 norm (as ``mu``): itself while
       ``2**-41 <= mu < 2**40`` (``2**-489`` to ``2**488`` in float64),
       beyond that times ``4**-e`` with ``e`` the binary exponent of ``mu``
@@ -1126,16 +1127,21 @@ def scale_by_norm_ema(
     # nu is kept scaled by 4**-e, e from mu as clip_zscore's variance from
     # its mean (0 for mu within 2**-41..2**40: nu itself), so that squares
     # of norms above ~1e19 or below ~1e-19 (float32) neither saturate nor
-    # flush to 0: the ratio below is the same at every scale.
+    # flush to 0: the ratio below is the same at every scale. It is updated
+    # at an exponent that holds the new square and the old nu, then kept
+    # with mu's, mu held at least 2**-22 of sqrt(nu) above 0 (after steps of
+    # zero norms mu decays faster than nu when gamma1 < gamma2; at 0, nu
+    # saturated and lost its history; see _adaptive.kept_moments).
     # Two kernels read the stored mu (nu's update, for its old scale) and one
     # overwrites it in place: XLA copies the vector first (a few bytes).
-    e_new = _adaptive.spread_exponent(new_mu)
+    e_new = _adaptive.safe_exponent(new_mu, mu, n_ema)
     square = _norms.ldexp(n_ema, -e_new, 1) ** 2
     new_nu = gamma2 * _adaptive.rescaled(
       nu, _adaptive.spread_exponent(mu), e_new
     ) + (1 - gamma2) * jnp.minimum(square, largest)
+    new_mu, new_nu = _adaptive.kept_moments(new_mu, new_nu, e_new)
     mu = jnp.where(finite, new_mu, mu)
-    nu = jnp.where(finite, jnp.minimum(new_nu, largest), nu)
+    nu = jnp.where(finite, new_nu, nu)
     e = _adaptive.spread_exponent(mu)
     # Bias-corrected, capped at the largest value too: near it, the division
     # by 1 - gamma^k may round above it (inf would make the target 0).

@@ -12,6 +12,9 @@ test_guard.py:
   tests, EMA and window) judge a stream of norms scaled by a power of two
   as the stream itself, in float32 and float64 (the variance is kept scaled
   beyond 2**+-40; kept as it was, it saturated above ~1e19 in float32);
+* a mean near 0: guard's loss z-scores (EMA and window) over signed
+  losses whose mean is 0 or near it equal a float64 oracle (kept at the
+  scale of a mean of 0, the variance saturated: z-scores of 2**21);
 * non-finite steps: a NaN/Inf anywhere gives a non-finite update (the bad
   unit all NaN), ``clipped_norm`` is NaN, and the statistics do not move;
 * sharded == one device: under ``pmap`` with ``axis_name`` every device
@@ -487,6 +490,16 @@ def _scaled_run(name, stream, k, dtype, sign):
   k=-80,
   sign=1.0,
 )
+# Found by the release profile: the losses -4, -4, -4 then -0.0 restart the
+# statistics at a mean of 0, whose variance (kept at the scale of the mean)
+# saturated; the next z-score read -2**21 at k=0, -2**22 at k=1.
+@hypothesis.example(
+  name="guard_loss",
+  x64=False,
+  stream=[4.0, 4.0, 4.0, 0.0, 1.0],
+  k=1,
+  sign=-1.0,
+)
 def test_a_stream_scaled_by_a_power_of_two_is_judged_alike(
   name, x64, stream, k, sign
 ):
@@ -541,3 +554,103 @@ def test_the_python_spread_exponent_is_the_traced_one(x64, mean):
       value = np.asarray(mean).astype(dtype)
     traced = int(_adaptive.spread_exponent(jnp.asarray(value)))
   assert _adaptive.spread_exponent_of(float(value), dtype) == traced, value
+
+
+# A mean near 0 beside a spread. The variance is kept at the scale of its
+# mean (above); beside a mean of 0 (losses around 0, a restart at a loss of
+# 0) any spread above ~5e-7 saturated, and the next steps read z-scores of
+# about 2**21: guard skipped ordinary losses as spikes (3 of 16 steps of the
+# losses -1, 1, -1, ... with window=4). The kept mean now sits at least
+# 2**-22 standard deviations from 0.
+LOSS_WARMUP, LOSS_WINDOW = 2, 3
+
+
+@functools.cache
+def loss_tracker(window):
+  tx = optaxclip.guard(
+    optax.sgd(1.0),
+    loss_spike_z=1e30,  # judged, never skipped: the statistics alone
+    warmup_steps=LOSS_WARMUP,
+    alpha=ALPHA,
+    window=window,
+  )
+  return tx, fz.FastJit(lambda g, s, v: tx.update(g, s, g, value=v))
+
+
+def loss_z_oracle(losses, window):
+  """Per step, guard's loss z-score (against the statistics before it) and
+  the mean and standard deviation it is judged against, in float64: the
+  warm-up's plain moments then the EMA, or the last ``window`` losses'
+  mean and sample deviation. A window of equal losses has no spread: a
+  larger loss then restarts it (guard's rule for a variance of 0).
+  """
+  count, mean, var, seen, out = 0, 0.0, 0.0, [], []
+  for x in losses:
+    std = math.sqrt(var)
+    judged = count >= LOSS_WARMUP and std > 0
+    out.append(((x - mean) / std if judged else 0.0, mean, std))
+    if count >= LOSS_WARMUP and var == 0 and x > mean:
+      count, mean, seen = 0, x, [x]  # restarted (count 1 below)
+    elif window is not None:
+      seen = (seen + [x])[-window:]
+      mean = float(np.mean(seen))
+      var = float(np.var(seen, ddof=1)) if len(seen) > 1 else 0.0
+    elif count < LOSS_WARMUP:
+      new_mean = mean + (x - mean) / (count + 1)
+      var += ((x - mean) * (x - new_mean) - var) / (count + 1)
+      mean = new_mean
+    else:
+      mean += (1 - ALPHA) * (x - mean)
+      var = ALPHA * var + (1 - ALPHA) * (x - mean) ** 2
+    count = min(count + 1, LOSS_WARMUP)
+  return out
+
+
+@fz.examples(12)
+@hypothesis.given(
+  window=st.sampled_from([None, LOSS_WINDOW]),
+  x64=st.booleans(),
+  losses=st.lists(
+    st.sampled_from([-18.0, -4.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 3.0, 4.0]),
+    min_size=3,
+    max_size=10,
+  ),
+  k=st.integers(-1000, 1000),
+)
+@hypothesis.example(window=3, x64=False, losses=[-1.0, 1.0, -1.0, 1.0], k=0)
+@hypothesis.example(window=None, x64=False, losses=[1.0, 3.0, -18.0, 1.0], k=0)
+def test_loss_z_scores_around_a_mean_of_zero_equal_the_oracle(
+  window, x64, losses, k
+):
+  """The loss z-scores of guard over signed losses ``losses * 2**k``, whose
+  mean is often exactly 0 (the EMA of 1, 3 reaches 0 at -18), equal a
+  float64 oracle: the statistics keep any spread beside any mean.
+  """
+  hypothesis.assume(losses[0] != losses[1])  # a variance from the start
+  dtype = np.float64 if x64 else np.float32
+  info = np.finfo(dtype)
+  # Away from subnormal differences (flushed on CPU: the losses' own
+  # arithmetic), as the scaled streams above.
+  k = int(np.clip(k, info.minexp + 32, info.maxexp - 13))
+  tx, update = loss_tracker(window)
+  g = {"w": np.ones(2, dtype)}
+  with jax.enable_x64(x64):
+    state = tx.init(g)
+    # The oracle of the unscaled losses: z-scores do not depend on k.
+    for step, (x, (want, mean, std)) in enumerate(
+      zip(losses, loss_z_oracle(losses, window))
+    ):
+      _, state = update(g, state, np.asarray(math.ldexp(x, k), dtype))
+      got = float(state.loss_z_score)
+      # The rounding of the stored mean and of x - mean, against std; the
+      # kept mean's distance from 0 moves a z-score by at most 2**-21.
+      tol = 2.0**-20 + (
+        64 * info.eps * (abs(x) + abs(mean)) / std if std > 0 else 0.0
+      )
+      assert abs(got - want) <= tol + 1e-5 * abs(want), (
+        step,
+        got,
+        want,
+        losses,
+      )
+      assert int(state.skipped) == 0, (step, losses)
