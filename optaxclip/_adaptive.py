@@ -503,26 +503,24 @@ def rescaled(var: jax.Array, e_from: jax.Array, e_to: jax.Array):
   return jnp.minimum(moved, jnp.finfo(var.dtype).max)
 
 
-def welford(count, mean, var, x):
+def welford(count, mean, var, x, e):
   """Adds ``x`` to a running mean and population variance of ``count`` values.
 
   Returns the mean and variance of the ``count + 1`` values, equal up to
-  rounding to ``sum(xs) / n`` and ``sum((xs - mean)**2) / n``, and the
-  exponent ``e`` of :func:`safe_exponent` with which the variance is held
-  (``var`` in with :func:`spread_exponent`'s scale; see
+  rounding to ``sum(xs) / n`` and ``sum((xs - mean)**2) / n``; ``var`` in
+  and out held as ``var * 4**-e`` (``e`` from :func:`safe_exponent` of
+  ``x``, ``mean`` and ``x - mean``: nothing saturates; see
   :func:`kept_moments`).
   """
   k = (count + 1).astype(mean.dtype)
   delta = x - mean
   new_mean = mean + delta / k
-  e = safe_exponent(new_mean, mean, delta)
-  old = rescaled(var, spread_exponent(mean), e)
   step = _norms.ldexp(delta, -e, 1) * _norms.ldexp(x - new_mean, -e, 1)
-  new_var = old + (step - old) / k
-  return new_mean, new_var, e
+  new_var = var + (step - var) / k
+  return new_mean, new_var
 
 
-def ema_mean_var(alpha, mean, var, x):
+def ema_mean_var(alpha, mean, var, x, e):
   """EMA update of mean and variance; the variance uses the *new* mean.
 
   This is the order of the ZClip reference implementation:
@@ -530,16 +528,12 @@ def ema_mean_var(alpha, mean, var, x):
   The mean is computed as ``mean + (1-a)*(x-mean)``, equal up to rounding:
   a value equal to the mean leaves it exactly as it was (ZClip's form
   drifts by an ulp a step on a constant stream, and the variance that the
-  drift builds up made the constant value itself a spike).
-
-  Returns the new mean and variance, and the exponent with which the
-  variance is held (as :func:`welford`).
+  drift builds up made the constant value itself a spike). ``var`` in and
+  out held with exponent ``e``, as :func:`welford`'s.
   """
   new_mean = mean + (1 - alpha) * (x - mean)
-  e = safe_exponent(new_mean, mean, x - new_mean)
-  old = rescaled(var, spread_exponent(mean), e)
-  new_var = alpha * old + (1 - alpha) * _norms.ldexp(x - new_mean, -e, 1) ** 2
-  return new_mean, new_var, e
+  new_var = alpha * var + (1 - alpha) * _norms.ldexp(x - new_mean, -e, 1) ** 2
+  return new_mean, new_var
 
 
 def running_moments(
@@ -570,16 +564,17 @@ def running_moments(
     The new ``(count, mean, var)``, as :func:`kept_moments` keeps them.
   """
   warming = count < warmup_steps
-  warm_mean, warm_var, e_warm = welford(count, mean, var, x)
-  ema_mean, ema_var, e_ema = ema_mean_var(alpha, mean, var, x)
-  e_restart = safe_exponent(x, mean, x - mean)
-  restart_var = alpha * rescaled(var, spread_exponent(mean), e_restart) + (
-    1 - alpha
-  ) * (_norms.ldexp(x - mean, -e_restart, 1) ** 2)
+  # One exponent for the three updates: each new mean lies between mean
+  # and x, each new deviation within |x - mean|.
+  e = safe_exponent(x, mean, x - mean)
+  old = rescaled(var, spread_exponent(mean), e)
+  warm_mean, warm_var = welford(count, mean, old, x, e)
+  ema_mean, ema_var = ema_mean_var(alpha, mean, old, x, e)
+  restart_var = alpha * old + (1 - alpha) * (_norms.ldexp(x - mean, -e, 1) ** 2)
   new_mean, new_var = kept_moments(
     jnp.where(restart, x, jnp.where(warming, warm_mean, ema_mean)),
     jnp.where(restart, restart_var, jnp.where(warming, warm_var, ema_var)),
-    jnp.where(restart, e_restart, jnp.where(warming, e_warm, e_ema)),
+    e,
   )
   take = finite & (take | restart)
   new_count = jnp.where(finite, jnp.minimum(count + 1, warmup_steps), count)
