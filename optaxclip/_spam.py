@@ -1134,11 +1134,12 @@ def scale_by_norm_ema(
     # saturated and lost its history; see _adaptive.kept_moments).
     # Two kernels read the stored mu (nu's update, for its old scale) and one
     # overwrites it in place: XLA copies the vector first (a few bytes).
+    # At e_new the square is at most 2**80 (2**976 in float64): no cap.
     e_new = _adaptive.safe_exponent(new_mu, mu, n_ema)
     square = _norms.ldexp(n_ema, -e_new, 1) ** 2
     new_nu = gamma2 * _adaptive.rescaled(
       nu, _adaptive.spread_exponent(mu), e_new
-    ) + (1 - gamma2) * jnp.minimum(square, largest)
+    ) + (1 - gamma2) * square
     new_mu, new_nu = _adaptive.kept_moments(new_mu, new_nu, e_new)
     mu = jnp.where(finite, new_mu, mu)
     nu = jnp.where(finite, new_nu, nu)
