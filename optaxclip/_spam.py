@@ -1137,9 +1137,10 @@ def scale_by_norm_ema(
     # At e_new the square is at most 2**80 (2**976 in float64): no cap.
     e_new = _adaptive.safe_exponent(new_mu, mu, n_ema)
     square = _norms.ldexp(n_ema, -e_new, 1) ** 2
-    new_nu = gamma2 * _adaptive.rescaled(
-      nu, _adaptive.spread_exponent(mu), e_new
-    ) + (1 - gamma2) * square
+    new_nu = (
+      gamma2 * _adaptive.rescaled(nu, _adaptive.spread_exponent(mu), e_new)
+      + (1 - gamma2) * square
+    )
     new_mu, new_nu = _adaptive.kept_moments(new_mu, new_nu, e_new)
     mu = jnp.where(finite, new_mu, mu)
     nu = jnp.where(finite, new_nu, nu)
