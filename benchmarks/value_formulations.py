@@ -42,6 +42,26 @@ def _stateless(update):
   )
 
 
+def _float_largest_and_count(x):
+  """``(max |x|, count of |x| > MAX_DELTA)`` as clip_value took them before
+  session 25: one two-output reduction of floats whose max keeps NaN by a
+  select in its merge (XLA:CPU does not vectorise it).
+  """
+  a = jnp.abs(x)
+  zero = jnp.zeros((), jnp.float32)
+
+  def merge(u, v):
+    top = jax.lax.select(jnp.isnan(u[0]) | (u[0] > v[0]), u[0], v[0])
+    return top, u[1] + v[1]
+
+  return jax.lax.reduce(
+    (a, (a > MAX_DELTA).astype(jnp.float32)),
+    (zero, zero),
+    merge,
+    tuple(range(x.ndim)),
+  )
+
+
 def element_clip(stats: str, wait: bool = False):
   """The element clip with the statistics ``stats`` (see VARIANTS)."""
 
@@ -73,7 +93,9 @@ def element_clip(stats: str, wait: bool = False):
         count = jnp.sum(
           jnp.sign(jnp.maximum(b - MAX_DELTA, 0.0)) + jnp.sign(b) * 0
         )
-      elif stats == "two-output":
+      elif stats == "two-output":  # of floats, with NaN-keeping merges
+        largest, count = _float_largest_and_count(x)
+      elif stats == "integer":  # of the magnitudes' bits (clip_value's)
         largest, count = _norms.largest_and_count_above(x, MAX_DELTA)
       else:  # "sampled": every STRIDE-th element, per-element policy
         sample = jnp.abs(x[::STRIDE])
@@ -110,8 +132,11 @@ VARIANTS = {
   "clip waiting for max(abs(g)) + sum(sign(max(abs(g) - d, 0)))": (
     harness.chained(lambda: element_clip("fusable", wait=True))
   ),
-  "clip + two-output reduce (max, count)": harness.chained(
-    lambda: element_clip("two-output")
+  "clip waiting for a two-output reduce of floats (max, count)": (
+    harness.chained(lambda: element_clip("two-output", wait=True))
+  ),
+  "clip waiting for a two-output reduce of the bits (max, count)": (
+    harness.chained(lambda: element_clip("integer", wait=True))
   ),
   "clip waiting for max(abs(g)) + sum(where)": harness.chained(
     lambda: element_clip("max+where", wait=True)

@@ -606,21 +606,13 @@ def _with_plain_derivative(fast, plain, n_args: int, n_static: int):
 # one NaN returns the largest of the others, or the reduction's initial
 # value (-inf) when the NaN is the last element. Every non-finite check and
 # every max-based norm here (clip_value's ``max |g|``, ``ord=inf``) reduces
-# through these helpers: a reduction whose merge says that a NaN wins,
-# which that fusion does not take. A single-output one is vectorised (on 32
-# x 400k float32 values, max and min each so: 4.0 ms against 2.6 ms for
-# plain ones); a reduction of max and min together is not (7.8 ms), so
-# large float32 leaves take max and min one at a time
-# (SPLIT_EXTREMES_SIZE). Maxima that only pick a power-of-two scale for a
-# sum stay plain: the sum carries the NaN they miss.
-
-# Float32 leaves of at least this many elements, reduced whole, take max and
-# min in two single-output reductions of a flat view (vectorised) instead
-# of one two-output one (not vectorised): 2.7 -> 1.1 ms on 64 x 32768
-# values, 0.58 -> 0.46 ms on 64 x 8192, 22 -> 6 ms on 8 x (768, 3072).
-# Not for float16 and bfloat16 (widened to float32 in each reduction, two
-# were slower than one) nor float64 (the same time).
-SPLIT_EXTREMES_SIZE = 1 << 13
+# through these helpers, which that fusion does not take: on one device,
+# the largest magnitude is an integer max of the magnitudes' bits (every
+# NaN above inf; see largest_magnitude), which XLA:CPU vectorises; a max or
+# a min of the values themselves is a reduction whose merge says that a
+# NaN wins (vectorised as a single-output reduction; a reduction of max and
+# min together is not, 3x the time). Maxima that only pick a power-of-two
+# scale for a sum stay plain: the sum carries the NaN they miss.
 
 
 def _nan_max_merge(u, v):
@@ -677,28 +669,6 @@ _max_custom = _with_plain_derivative(
 )
 
 
-def _whole_extremes_fast(x, keepdims):
-  # A flat view behind a barrier: XLA:CPU vectorises a reduction of a
-  # vector, not of all axes of a matrix (8 x (768, 3072) float32: 6 ms, as
-  # a matrix 22 ms); the barrier keeps the reshape from being folded
-  # back into the reductions.
-  flat = jax.lax.optimization_barrier(x.reshape(-1))
-  top = _max_fast(flat, (0,), False)
-  bottom = _nan_keeping_reduce(flat, (0,), False, _nan_min_merge, jnp.inf)
-  if keepdims:
-    top, bottom = top.reshape((1,) * x.ndim), bottom.reshape((1,) * x.ndim)
-  return top, bottom
-
-
-def _whole_extremes_plain(x, keepdims):
-  return _extremes_plain(x, tuple(range(x.ndim)), keepdims)
-
-
-_whole_extremes_custom = _with_plain_derivative(
-  _whole_extremes_fast, _whole_extremes_plain, n_args=2, n_static=1
-)
-
-
 def _drops_nan(x: jax.Array) -> bool:
   """Whether a plain max of ``x`` may drop a NaN: every float dtype.
 
@@ -732,11 +702,9 @@ def nan_extremes(
   x: jax.Array, axis: Optional[tuple[int, ...]] = None, *, keepdims=False
 ) -> tuple[jax.Array, jax.Array]:
   """``(max(x), min(x))`` over ``axis`` (all axes by default), each NaN
-  wherever a NaN was reduced, in one pass (two single-output ones for a
-  large float32 leaf reduced whole: see ``SPLIT_EXTREMES_SIZE``);
-  derivatives as ``jnp.max`` and ``jnp.min`` have them. ``x`` real, the
-  reduced axes not empty. See the section's comment for why not
-  ``jnp.max``.
+  wherever a NaN was reduced, in one pass; derivatives as ``jnp.max`` and
+  ``jnp.min`` have them. ``x`` real, the reduced axes not empty. See the
+  section's comment for why not ``jnp.max``.
   """
   axes = _reduce_axes(x, axis)
   if not _drops_nan(x):
@@ -746,12 +714,6 @@ def nan_extremes(
       x, axes, keepdims, *_extremes_plain(x, axes, keepdims)
     )
     return top, bottom
-  if (
-    x.dtype == jnp.float32
-    and len(axes) == x.ndim
-    and x.size >= SPLIT_EXTREMES_SIZE
-  ):
-    return _whole_extremes_custom(x, keepdims)
   top, bottom = _extremes_custom(_merge_dtype(x), axes, keepdims)
   return top.astype(x.dtype), bottom.astype(x.dtype)
 
@@ -2142,42 +2104,25 @@ def global_norm_scaled(
   return jax.lax.cond(trusted, direct, exact, arrays)
 
 
-def _largest_and_count_plain(x, limit, dtype):
-  a = magnitude(x, dtype)
-  return (
-    nan_max(a, initial=0).astype(jnp.float32),
-    jnp.sum(a > limit, dtype=jnp.float32),
-  )
-
-
-def _largest_and_count_fast(x, limit, dtype):
-  a = magnitude(x, dtype)
-  zero = jnp.zeros((), jnp.float32)
-  return jax.lax.reduce(
-    (a.astype(jnp.float32), (a > limit).astype(jnp.float32)),
-    (zero, zero),
-    lambda u, v: (_nan_max_merge(u[0], v[0]), u[1] + v[1]),
-    tuple(range(x.ndim)),
-  )
-
-
-_largest_and_count_custom = _with_plain_derivative(
-  _largest_and_count_fast, _largest_and_count_plain, n_args=3, n_static=1
-)
-
-
 def largest_and_count_above(x: jax.Array, limit: Any):
   """``(max |x|, number of elements with |x| > limit)``, in one pass.
 
-  Both float32 scalars (the count as a float, exact up to 2**24). One
-  two-output reduction: a separate count would make XLA write out the
-  comparison (or a broadcast of ``limit``) as a full-size temporary.
+  Both float32 scalars (the count as a float, exact up to 2**24; a NaN is
+  the max and counts; 0 and 0 for an empty ``x``): the statistics
+  clip_value takes of a leaf of its own (see largest_and_count_parts). One
+  two-output integer reduction on one device (see
+  ``_largest_and_count_reduce``), plain reductions for a leaf that may span
+  devices.
   """
-  dtype = np.dtype(accumulation_dtype(x.dtype))
+  dtype = accumulation_dtype(x.dtype)
   limit = jnp.asarray(limit, dtype)
-  if may_span_devices(x):
-    return _largest_and_count_plain(x, limit, dtype)
-  return _largest_and_count_custom(x, limit, dtype)
+  a = magnitude(x, dtype) if jnp.iscomplexobj(x) else x
+  if _counts_in_one_pass(x):
+    biggest, n_over = _largest_and_count(a, limit)
+  else:
+    biggest = nan_max(magnitude(a, dtype), initial=0)
+    n_over = _count_over_plain(a, limit)
+  return biggest.astype(jnp.float32), n_over
 
 
 # Leaves above this size have clip_value's count estimated from a sample.
@@ -2197,10 +2142,11 @@ def largest_magnitude(
   dtype (0 over no elements; NaN where x holds a NaN, else inf where it
   holds an inf).
 
-  For real leaves, from ``max(x)`` and ``min(x)`` over ``x`` itself
-  (:func:`nan_extremes`): a reduction that keeps NaN does not fuse ``abs``
-  (a leaf-sized temporary: 4x the time of a max and a min on 64 x 400k
-  float32 values).
+  For real leaves on one device, the largest of the magnitudes' bits as
+  integers (``_largest_and_count_reduce``, vectorised by XLA:CPU, where a
+  NaN-keeping max of floats was not; on leaves that may span devices, from
+  ``max(x)`` and ``min(x)`` (:func:`nan_extremes`), reductions the
+  partitioner splits.
   """
   dtype = accumulation_dtype(x.dtype)
   axes = _reduce_axes(x, axis)
@@ -2211,8 +2157,31 @@ def largest_magnitude(
     return jnp.zeros(shape, dtype)
   if jnp.iscomplexobj(x):
     return nan_max(magnitude(x, dtype), axes, keepdims=keepdims)
+  if _drops_nan(x) and not may_span_devices(x):
+    return _largest_magnitude_custom(x, axes, keepdims).astype(dtype)
   top, bottom = nan_extremes(x, axes, keepdims=keepdims)
   return jnp.maximum(top, -bottom).astype(dtype)
+
+
+def _largest_magnitude_fast(x, axes, keepdims):
+  # With the count of NaN elements (those above an inf limit) as the second
+  # output, used: XLA drops an unused output, and hands a single-output
+  # integer max to its reduction fusion, which writes the bits out in full
+  # (2.4x Adam's step on 64 x 400k float32 values for chain(clip_global(1,
+  # ord=inf), adam), against 1.2x so).
+  top, n_nan = _largest_and_count_reduce(x, jnp.inf, axes)
+  top = jnp.where(n_nan > 0, jnp.asarray(jnp.nan, x.dtype), top)
+  return jnp.expand_dims(top, axes) if keepdims else top
+
+
+def _largest_magnitude_plain(x, axes, keepdims):
+  top, bottom = _extremes_plain(x, axes, keepdims)
+  return jnp.maximum(top, -bottom)
+
+
+_largest_magnitude_custom = _with_plain_derivative(
+  _largest_magnitude_fast, _largest_magnitude_plain, n_args=3, n_static=2
+)
 
 
 def scale_parts(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -2316,13 +2285,15 @@ def count_above(x: jax.Array, limit: Any) -> jax.Array:
 
   Exact for leaves of at most ``EXACT_COUNT_SIZE`` elements and for leaves
   that may span devices; for larger ones, estimated from every
-  ``SAMPLE_STRIDE``-th element (scaled to the leaf's size). An exact count
-  of a large leaf is a reduction of a comparison, which XLA:CPU neither
-  vectorises nor fuses: it cost ``clip_value`` 0.5x an Adam step.
+  ``SAMPLE_STRIDE``-th element (scaled to the leaf's size): clip_value's
+  ``stats="sampled"``, and leaves of 2**31 elements or more (whose exact
+  count is not one int32 reduction). Other leaves are counted exactly with
+  their largest magnitude in one pass (see largest_and_count_parts).
   """
   dtype = accumulation_dtype(x.dtype)
   sample, weight = sample_elements(x)
-  return count(magnitude(sample, dtype) > jnp.asarray(limit, dtype)) * weight
+  a = magnitude(sample, dtype)
+  return count_over(a, jnp.asarray(limit, dtype)) * weight
 
 
 def sample_elements(x: jax.Array) -> tuple[jax.Array, float]:
@@ -2369,16 +2340,19 @@ def largest_and_count_parts(
         continue
       sample, weight = sample_elements(part)
       a = magnitude(sample)
-      n_over = count(~(a <= jnp.asarray(limit, a.dtype))) * weight
+      n_over = count_over(a, jnp.asarray(limit, a.dtype)) * weight
       finite = largest_part(sample) < jnp.inf
       out.append((nan_max(a), n_over, int(part.size), finite))
       continue
     if kind == "leaf" and _counts_in_one_pass(part):
-      top, bottom, n_over = _extremes_and_count(
-        _merge_dtype(part), jnp.asarray(limit, accumulation_dtype(part.dtype))
+      dtype = accumulation_dtype(part.dtype)
+      complex_ = jnp.iscomplexobj(part)
+      biggest, n_over = _largest_and_count(
+        magnitude(part) if complex_ else part, jnp.asarray(limit, dtype)
       )
-      biggest = jnp.maximum(top, -bottom).astype(accumulation_dtype(part.dtype))
-      out.append((biggest, n_over, int(part.size), biggest < jnp.inf))
+      biggest = biggest.astype(dtype)
+      finite = (largest_part(part) if complex_ else biggest) < jnp.inf
+      out.append((biggest, n_over, int(part.size), finite))
       continue
     if kind == "leaf":
       biggest = largest_magnitude(part)
@@ -2388,103 +2362,156 @@ def largest_and_count_parts(
       out.append((biggest, count_above(part, limit), int(part.size), finite))
       continue
     m = jax.lax.optimization_barrier(part)  # read once, as _power_sum_fast
-    top, bottom, n_over = _row_extremes_and_count(
-      m, jnp.asarray(limit, m.dtype)
-    )
-    biggest = jnp.maximum(top, -bottom)
+    biggest, n_over = _row_largest_and_count(m, jnp.asarray(limit, m.dtype))
     out.append((biggest, n_over, int(m.shape[1]), biggest < jnp.inf))
   return out
 
 
 def _counts_in_one_pass(x: jax.Array) -> bool:
-  """Whether :func:`_extremes_and_count` takes leaf ``x``: real, not empty,
-  on one device (a reduction the partitioner would not split: see
-  :func:`nan_extremes`), its count exact in int32.
+  """Whether :func:`_largest_and_count` takes leaf ``x`` (a complex one as
+  its modulus): not empty, on one device (a reduction the partitioner would
+  not split: see :func:`nan_extremes`), its count exact in int32.
   """
   return (
     x.size > 0
-    and jnp.issubdtype(x.dtype, jnp.floating)
+    and jnp.issubdtype(x.dtype, jnp.inexact)
     and x.size < 2**31
     and not may_span_devices(x)
   )
 
 
-def _extremes_and_count_reduce(x, limit, axes, count_dtype):
-  """Max, min (NaN-keeping) and the number of elements not within ``|x| <=
-  limit`` over ``axes``, in one ``lax.reduce`` of three outputs, the count
-  in ``count_dtype``.
+_SIGNED_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def magnitude_bits(x: jax.Array) -> jax.Array:
+  """The bits of ``|x|`` (a real float array) as a signed integer of its
+  width: ordered as the magnitudes are, exactly (subnormals apart from 0,
+  which XLA:CPU's float comparisons are not), with every NaN above inf.
   """
-  big = jnp.asarray(jnp.inf, x.dtype)
-  return jax.lax.reduce(
-    (x, x, (~(jnp.abs(x) <= limit)).astype(count_dtype)),
-    (-big, big, jnp.zeros((), count_dtype)),
-    lambda u, v: (
-      _nan_max_merge(u[0], v[0]),
-      _nan_min_merge(u[1], v[1]),
-      jax.lax.add(u[2], v[2]),
-    ),
+  int_dtype = _SIGNED_INT[np.dtype(x.dtype).itemsize]
+  return jax.lax.bitwise_and(
+    jax.lax.bitcast_convert_type(x, int_dtype),
+    int_dtype(np.iinfo(int_dtype).max),
+  )
+
+
+def limit_bits(limit: Any, dtype: Any) -> jax.Array:
+  """The integer ``b`` with ``|x| > limit`` exactly when ``magnitude_bits(x)
+  > b``, for every ``x`` of the real float ``dtype`` (a NaN ``x`` above any
+  limit): the bits of the largest value of ``dtype`` not above ``limit``
+  (a float scalar of any width), -1 when none is (``limit`` negative or
+  NaN: every element counts).
+  """
+  limit = jnp.asarray(limit)
+  near = limit.astype(dtype)
+  narrow, wide = jnp.finfo(limit.dtype), jnp.finfo(dtype)
+  if float(narrow.smallest_subnormal) >= float(wide.smallest_normal):
+    # Widened from a dtype whose subnormals are normal in ``dtype``: a
+    # subnormal limit widened as its count of smallest subnormals, exactly
+    # (XLA:CPU's conversion flushes it to 0).
+    size = magnitude_bits(limit)
+    subnormal = size.astype(dtype) * jnp.asarray(
+      narrow.smallest_subnormal, dtype
+    )
+    is_subnormal = size < magnitude_bits(jnp.asarray(narrow.tiny, limit.dtype))
+    near = jnp.where(is_subnormal, subnormal, near)
+  bits = magnitude_bits(near)
+  # As integers: XLA:CPU compares subnormals as zeros.
+  rounded_up = magnitude_bits(near.astype(limit.dtype)) > magnitude_bits(limit)
+  bits = jax.lax.sub(bits, rounded_up.astype(bits.dtype))
+  # Negative and NaN read from the bits: XLA:CPU compares a negative
+  # subnormal limit as 0.
+  own = jax.lax.bitcast_convert_type(
+    limit, _SIGNED_INT[np.dtype(limit.dtype).itemsize]
+  )
+  size = magnitude_bits(limit)
+  within = ((own >= 0) | (size == 0)) & (
+    size <= magnitude_bits(jnp.asarray(jnp.inf, limit.dtype))
+  )
+  return jnp.where(within, bits, -1).astype(bits.dtype)
+
+
+def count_over(x: jax.Array, limit: Any) -> jax.Array:
+  """The number of elements of the real float ``x`` with ``|x| > limit`` (a
+  NaN counts), a float32 scalar (:func:`count`). Compared as integers
+  (:func:`magnitude_bits`): exact for subnormals.
+  """
+  return count(magnitude_bits(x) > limit_bits(limit, x.dtype))
+
+
+def _largest_and_count_reduce(x, limit, axes):
+  """``(max |x|, number of elements with |x| > limit)`` over ``axes`` (a NaN
+  counts, and is the max) in one two-output ``lax.reduce`` of integers:
+  the max of :func:`magnitude_bits` (which keeps NaN with no select) and
+  the sum of their comparison with :func:`limit_bits`. XLA:CPU vectorises
+  it, where the same reduction of floats with NaN-keeping merges is a
+  scalar loop (clip_value's step on 64 float32 leaves of 400k: 1.25x
+  Adam's against 2.2x-2.5x; float16 1.3x against 4.0x).
+
+  The max in ``x``'s dtype, the count in int32.
+  """
+  bits = magnitude_bits(x)
+  over = (bits > limit_bits(limit, x.dtype)).astype(jnp.int32)
+  top, n_over = jax.lax.reduce(
+    (bits, over),
+    (jnp.zeros((), bits.dtype), jnp.zeros((), jnp.int32)),
+    lambda u, v: (jax.lax.max(u[0], v[0]), jax.lax.add(u[1], v[1])),
     axes,
   )
+  return jax.lax.bitcast_convert_type(top, x.dtype), n_over
 
 
-def _extremes_and_count_fast(x, limit):
-  top, bottom, n_over = _extremes_and_count_reduce(
-    x, limit.astype(x.dtype), tuple(range(x.ndim)), jnp.int32
-  )
-  return top, bottom, n_over.astype(jnp.float32)
+def _count_over_plain(x, limit, axes=None, keepdims=False):
+  over = magnitude_bits(x) > limit_bits(limit, x.dtype)
+  return jnp.sum(over, axis=axes, keepdims=keepdims, dtype=jnp.float32)
 
 
-def _extremes_and_count_plain(x, limit):
-  return (
-    jnp.max(x),
-    jnp.min(x),
-    jnp.sum(~(jnp.abs(x) <= limit.astype(x.dtype)), dtype=jnp.float32),
-  )
+def _largest_and_count_fast(x, limit):
+  top, n_over = _largest_and_count_reduce(x, limit, tuple(range(x.ndim)))
+  return top, n_over.astype(jnp.float32)
 
 
-# A whole leaf's max, min and number of elements not within |x| <= limit
-# (a NaN counts), in one pass that keeps NaN (see nan_extremes): the count
-# (int32, returned as float32: exact up to 2**24, then to float32's
-# precision) comes with the read that the max needs anyway, where a count
-# of its own was a second pass (sampled in leaves of more than
-# EXACT_COUNT_SIZE elements, for its cost). Derivatives from the plain
-# formulas.
-_extremes_and_count = _with_plain_derivative(
-  _extremes_and_count_fast,
-  _extremes_and_count_plain,
+def _largest_and_count_plain(x, limit):
+  top, bottom = nan_extremes(x)
+  return jnp.maximum(top, -bottom), _count_over_plain(x, limit)
+
+
+# A whole leaf's largest magnitude (NaN if it holds one) and number of
+# elements with |x| > limit (a NaN counts), in one pass: the count (int32,
+# returned as float32: exact up to 2**24, then to float32's precision) comes
+# with the read that the max needs anyway, where a count of its own was a
+# second pass. Derivatives from the plain formulas.
+_largest_and_count = _with_plain_derivative(
+  _largest_and_count_fast,
+  _largest_and_count_plain,
   n_args=2,
   n_static=0,
 )
 
 
-def _row_extremes_and_count_plain(m, limit):
+def _row_largest_and_count_plain(m, limit):
+  top, bottom = nan_extremes(m, (1,), keepdims=True)
   return (
-    *nan_extremes(m, (1,), keepdims=True),
-    jnp.sum(~(jnp.abs(m) <= limit), axis=1, keepdims=True, dtype=jnp.float32),
+    jnp.maximum(top, -bottom),
+    _count_over_plain(m, limit, (1,), keepdims=True),
   )
 
 
-def _row_extremes_and_count_fast(m, limit):
-  # Counted in m's dtype (one float type in the reduction): exact, rows are
-  # at most CHUNK_SIZE long.
-  top, bottom, n_over = _extremes_and_count_reduce(m, limit, (1,), m.dtype)
-  return (
-    top[:, None],
-    bottom[:, None],
-    n_over[:, None].astype(jnp.float32),
-  )
+def _row_largest_and_count_fast(m, limit):
+  top, n_over = _largest_and_count_reduce(m, limit, (1,))
+  return top[:, None], n_over[:, None].astype(jnp.float32)
 
 
-# Per row of a matrix: max, min and the number of elements not within
-# |x| <= limit (float32; a NaN counts, as an element not kept as it was), in
-# one three-output reduction. XLA:CPU compiles it as one kernel with the
-# comparison, where the three single-output reductions (split into
-# reduce-window and reduce above 32 elements a row) and their operands were
-# some three kernels a part shape: clip_value's statistics on many small
-# leaves. Derivatives from the plain formulas.
-_row_extremes_and_count = _with_plain_derivative(
-  _row_extremes_and_count_fast,
-  _row_extremes_and_count_plain,
+# Per row of a matrix: the largest magnitude and the number of elements with
+# |x| > limit (float32; a NaN counts, as an element not kept as it was), in
+# one two-output reduction. XLA:CPU compiles it as one kernel with the
+# comparison, where single-output reductions (split into reduce-window and
+# reduce above 32 elements a row) and their operands were some three
+# kernels a part shape: clip_value's statistics on many small leaves.
+# Derivatives from the plain formulas.
+_row_largest_and_count = _with_plain_derivative(
+  _row_largest_and_count_fast,
+  _row_largest_and_count_plain,
   n_args=2,
   n_static=0,
 )

@@ -241,23 +241,27 @@ def clip_value(
   gradients").
 
   Statistics: ``norm`` (``max |g|``) and ``clip_fraction`` are exact (the
-  count of clipped elements to float32's precision, exact up to 2**24). A
-  leaf of its own is read once for both, by one reduction that yields its
-  max, its min and its count of clipped elements (a count of its own was a
-  second pass, which XLA on CPU does not vectorise: before, larger leaves'
-  counts were estimated from a sample for its cost); small leaves are
-  stacked and reduced along their rows the same way. That read is the cost:
-  XLA:CPU fuses no reduction into the clip's or Adam's element-wise loop,
-  so the floor is ``adam + read`` (1.12x to 1.22x Adam's step), and this
-  step measured 1.8x to 2.0x in the last full run (benchmarks/RESULTS.md,
-  trees (a) to (c); 1.4x to 1.7x on an earlier, slower host).
-  Statistics from a sample alone reach 1.0x but give up the exact
-  ``norm``, the exact count and the leaf-wise non-finite policy
-  (benchmarks/value_formulations.py; FLOORS.md).
+  count of clipped elements to float32's precision, exact up to 2**24; an
+  element counts when its magnitude exceeds ``max_delta`` in exact
+  arithmetic, a subnormal above a ``max_delta`` of 0 too). A leaf of its
+  own is read once for both, by one reduction of the magnitudes' bits as
+  integers that yields the largest and the count of those above
+  ``max_delta``'s (integer maxima keep NaN without a select, and XLA:CPU
+  vectorises them); small leaves are stacked and reduced along their rows
+  the same way. That read is the cost: XLA:CPU fuses no reduction into the
+  clip's or Adam's element-wise loop, so the floor is ``adam + read``
+  (1.10x to 1.22x Adam's step). ``chain(clip_value, adam)`` measured
+  1.23x, 1.27x and 1.48x Adam's step on benchmarks' trees (a) to (c),
+  against 2.2x to 2.4x with the same statistics as a reduction of floats
+  (benchmarks/RESULTS.md, session 25). Statistics from a sample alone
+  cost less but give up the exact ``norm``, the exact count and the
+  leaf-wise non-finite policy (benchmarks/value_formulations.py;
+  FLOORS.md).
 
   ``stats="sampled"`` is that cheaper formulation, for when the step's cost
   matters more than exact statistics: the clip no longer waits for a pass
-  over the leaf, so it costs what ``optax.clip`` costs. Each element is
+  over the leaf (1.16x Adam's step against the default's 1.21x and
+  ``optax.clip``'s 0.99x, in one run on tree (a)). Each element is
   judged on its own, as ``optax.clip`` and torch do, except that an inf
   element becomes NaN (it is never hidden as ``max_delta``); the other
   elements of its leaf are clipped as usual. ``norm``, ``clipped_norm`` and

@@ -22,10 +22,9 @@ import fuzz_strategies as fz
 import optaxclip
 from optaxclip import _norms
 
-# Under ci: a few shapes on both sides of 4096 elements, and of
-# _norms.SPLIT_EXTREMES_SIZE (8192: a float32 leaf reduced whole takes max
-# and min one at a time), each compiles once per axis choice; release draws
-# them freely.
+# Under ci: a few shapes on both sides of 4096 elements, and of 8192 (a
+# float32 leaf reduced whole once took max and min one at a time), each
+# compiles once per axis choice; release draws them freely.
 CI_SHAPES = ((4095,), (4096,), (5000,), (3, 2048), (70, 80), (8192,), (2, 9000))
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
@@ -71,6 +70,7 @@ def _reducers(axis, keepdims):
   return (
     fz.FastJit(lambda v: _norms.nan_max(v, axis, keepdims=keepdims)),
     fz.FastJit(lambda v: _norms.nan_extremes(v, axis, keepdims=keepdims)),
+    fz.FastJit(lambda v: _norms.largest_magnitude(v, axis, keepdims=keepdims)),
   )
 
 
@@ -98,7 +98,7 @@ def _reducers(axis, keepdims):
   )
 )
 # A float32 leaf reduced whole, max and min one at a time over a flat view
-# (SPLIT_EXTREMES_SIZE): a NaN last in a (2, 9000) array, keepdims.
+# (until session 25): a NaN last in a (2, 9000) array, keepdims.
 @hypothesis.example(
   case=(
     np.concatenate([np.random.default_rng(1).uniform(-1, 1, 17999), [np.nan]])
@@ -109,19 +109,24 @@ def _reducers(axis, keepdims):
   )
 )
 def test_nan_max_and_extremes_keep_nan(case):
-  """nan_max and nan_extremes equal NumPy's max and min, NaN included."""
+  """nan_max and nan_extremes equal NumPy's max and min, and
+  largest_magnitude NumPy's max of |x|, NaN included.
+  """
   x, axis, keepdims = case
   axes = None if axis is None else (axis,)
   with fz.x64(x):
-    top_fn, both_fn = _reducers(axes, keepdims)
+    top_fn, both_fn, magnitude_fn = _reducers(axes, keepdims)
     wide = x.astype(np.float64)
     want_top = np.max(wide, axis=axis, keepdims=keepdims)
     want_bottom = np.min(wide, axis=axis, keepdims=keepdims)
+    want_magnitude = np.max(np.abs(wide), axis=axis, keepdims=keepdims)
     got_top = np.asarray(top_fn(fz.to_jax(x)), np.float64)
     got_both = [np.asarray(v, np.float64) for v in both_fn(fz.to_jax(x))]
+    got_magnitude = np.asarray(magnitude_fn(fz.to_jax(x)), np.float64)
   for got, want in (
     (got_top, want_top),
     *zip(got_both, (want_top, want_bottom)),
+    (got_magnitude, want_magnitude),
   ):
     np.testing.assert_array_equal(got, want)
 
