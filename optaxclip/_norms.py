@@ -2142,11 +2142,11 @@ def largest_magnitude(
   dtype (0 over no elements; NaN where x holds a NaN, else inf where it
   holds an inf).
 
-  For real leaves on one device, the largest of the magnitudes' bits as
-  integers (``_largest_and_count_reduce``, vectorised by XLA:CPU, where a
-  NaN-keeping max of floats was not; on leaves that may span devices, from
-  ``max(x)`` and ``min(x)`` (:func:`nan_extremes`), reductions the
-  partitioner splits.
+  On one device, the largest of the magnitudes' bits as integers
+  (``_largest_and_count_reduce``: XLA:CPU vectorises it, where it did not
+  vectorise a NaN-keeping max of floats); on leaves that may span devices,
+  from ``max(x)`` and ``min(x)`` (:func:`nan_extremes`), reductions the
+  partitioner splits. A complex leaf's moduli are reduced as a real leaf.
   """
   dtype = accumulation_dtype(x.dtype)
   axes = _reduce_axes(x, axis)
@@ -2156,7 +2156,7 @@ def largest_magnitude(
       shape = [n for d, n in enumerate(x.shape) if d not in axes]
     return jnp.zeros(shape, dtype)
   if jnp.iscomplexobj(x):
-    return nan_max(magnitude(x, dtype), axes, keepdims=keepdims)
+    x = magnitude(x, dtype)  # the moduli, then as a real leaf
   if _drops_nan(x) and not may_span_devices(x):
     return _largest_magnitude_custom(x, axes, keepdims).astype(dtype)
   top, bottom = nan_extremes(x, axes, keepdims=keepdims)

@@ -106,6 +106,33 @@ class NormPathsTest(parameterized.TestCase):
       np.asarray(grad, np.float32), [0.6, 0.8], rtol=1e-2
     )
 
+  def test_largest_magnitude_of_complex_leaves_keeps_nan(self):
+    # Moduli reduced as a real leaf (the integer max), on both sides of the
+    # 4096 elements where XLA:CPU's plain max drops a NaN.
+    rng = np.random.default_rng(0)
+    for n in (7, 5000):
+      x = (rng.normal(size=n) + 1j * rng.normal(size=n)).astype(np.complex64)
+      for special in (
+        None,
+        complex(np.nan, 0),
+        complex(0, np.inf),
+        3e38 + 3e38j,
+      ):
+        y = x.copy()
+        if special is not None:
+          y[-1] = special
+        got = float(jax.jit(_norms.largest_magnitude)(jnp.asarray(y)))
+        with np.errstate(over="ignore"):
+          want = np.float32(np.max(np.abs(y.astype(np.complex128))))
+        if np.isnan(want):
+          self.assertTrue(np.isnan(got), (n, special, got))
+        else:  # the modulus in float32: to a rounding
+          np.testing.assert_allclose(got, want, rtol=2e-7, err_msg=str(n))
+    grad = jax.grad(_norms.largest_magnitude)(
+      jnp.asarray([3 + 4j, 1j], jnp.complex64)
+    )
+    np.testing.assert_allclose(np.asarray(grad), [0.6 - 0.8j, 0], rtol=1e-6)
+
   def test_largest_and_count_above(self):
     x = jnp.asarray([[-3.0, 0.5], [2.0, -1.0]])
     fn = jax.jit(_norms.largest_and_count_above)
