@@ -203,12 +203,14 @@ class ClipRelativeState(NamedTuple):
 # --- Shared pieces ------------------------------------------------------------
 
 
-def stats_dtype(params: Any) -> np.dtype:
+def stats_dtype(params: Any, who: str) -> np.dtype:
   """The dtype of an adaptive state's statistics, fixed at ``init``.
 
   The accumulation dtype of the parameters' float leaves: float32, or
   float64 when one is float64 (so float64 trees keep float64 decisions).
+  A float leaf narrower than 16 bits is ``who``'s TypeError.
   """
+  _checks.check_float_width(params, f"{who}: params")
   leaves = [
     x
     for x in jax.tree.leaves(params)
@@ -834,7 +836,7 @@ def clip_zscore(
 
   def init_fn(params):
     shape = _unit_shape(params, scope)
-    dtype = stats_dtype(params)
+    dtype = stats_dtype(params, who)
     return ClipZscoreState(
       *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
       count=jnp.zeros((), jnp.int32),
@@ -1130,7 +1132,7 @@ def clip_percentile(
 
   def init_fn(params):
     shape = (history,) + _unit_shape(params, scope)
-    dtype = stats_dtype(params)
+    dtype = stats_dtype(params, who)
     return ClipPercentileState(
       *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
       filled=jnp.zeros((), jnp.int32),
@@ -1320,7 +1322,7 @@ def clip_relative(
 
   def init_fn(params):
     shape = _unit_shape(params, "leaf")
-    dtype = stats_dtype(params)
+    dtype = stats_dtype(params, who)
     return ClipRelativeState(
       *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
       count=jnp.zeros((), jnp.int32),

@@ -394,7 +394,7 @@ def check_float_leaves(
   tree: Any, what: str = "updates", real: bool = False
 ) -> None:
   """Raises TypeError naming the first leaf that is not a float or complex
-  (with ``real``, not a real float).
+  (with ``real``, not a real float), or is a float narrower than 16 bits.
   """
   for path, leaf in leaves_with_paths(tree):
     dtype = getattr(leaf, "dtype", None)
@@ -407,12 +407,32 @@ def check_float_leaves(
         + " (integer parameters have no gradient: mask them out with "
         f"optax.masked); got dtype {dtype}."
       )
+    _check_width(path, dtype, what)
     if real and jnp.issubdtype(dtype, jnp.complexfloating):
       raise TypeError(
         f"{what} leaf {path} must be a real float (the SPAM family's "
         "element-wise moments are defined for real gradients: mask complex "
         f"leaves out with optax.masked); got dtype {dtype}."
       )
+
+
+def _check_width(path: str, dtype: Any, what: str) -> None:
+  if jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 2:
+    raise TypeError(
+      f"{what} leaf {path} must be float16, bfloat16, float32 or float64 "
+      "(JAX promotes no 8-bit or narrower float implicitly: cast such "
+      f"leaves to bfloat16 first); got dtype {dtype}."
+    )
+
+
+def check_float_width(tree: Any, what: str) -> None:
+  """Raises TypeError naming the first float leaf narrower than 16 bits
+  (float8 and float4: no implicit promotion to the statistics' dtype);
+  other leaves, integers included, pass.
+  """
+  for path, leaf in leaves_with_paths(tree):
+    dtype = getattr(leaf, "dtype", None)
+    _check_width(path, np.asarray(leaf).dtype if dtype is None else dtype, what)
 
 
 def check_same_structure(updates: Any, params: Any, who: str) -> None:

@@ -553,7 +553,7 @@ def guard(
 
   def init_fn(params):
     # A fresh array per field: a donated state must not hold one buffer twice.
-    dtype = _adaptive.stats_dtype(params)
+    dtype = _adaptive.stats_dtype(params, who)
     units = _adaptive.unit_shape(params, scope)
     inner_state = inner.init(params)
     if per_leaf:

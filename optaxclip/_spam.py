@@ -137,12 +137,12 @@ def _float_leaves(updates: Any, who: str) -> tuple[list[jax.Array], Any]:
   return [jnp.asarray(x) for x in leaves], treedef
 
 
-def _per_leaf_zeros(params: Any) -> jax.Array:
+def _per_leaf_zeros(params: Any, who: str) -> jax.Array:
   """A vector of zeros, one entry per leaf of ``params``, in the statistics
   dtype (float32; float64 when a leaf is float64).
   """
-  _checks.check_float_leaves(params, "params", real=True)
-  dtype = _adaptive.stats_dtype(params)
+  _checks.check_float_leaves(params, f"{who}: params", real=True)
+  dtype = _adaptive.stats_dtype(params, who)
   return jnp.zeros((len(jax.tree.leaves(params)),), dtype)
 
 
@@ -893,7 +893,7 @@ def clip_spikes_adaptive(
   def init_fn(params):
     return ClipSpikesAdaptiveState(
       count=jnp.zeros((), jnp.int32),
-      max_ema=_per_leaf_zeros(params),
+      max_ema=_per_leaf_zeros(params, who),
       clipped=jnp.zeros((), _F32),
       clip_fraction=jnp.zeros((), _F32),
     )
@@ -1090,8 +1090,8 @@ def scale_by_norm_ema(
   def init_fn(params):
     return ScaleByNormEmaState(
       count=jnp.zeros((), jnp.int32),
-      mu=_per_leaf_zeros(params),
-      nu=_per_leaf_zeros(params),
+      mu=_per_leaf_zeros(params, who),
+      nu=_per_leaf_zeros(params, who),
       norm=jnp.zeros((), _F32),
       scaled_norm=jnp.zeros((), _F32),
       scale=jnp.ones((), _F32),

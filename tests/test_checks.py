@@ -915,6 +915,33 @@ def test_an_integer_leaf_is_named_when_the_update_is_traced(name):
     tx.update(g, tx.init(g))
 
 
+@pytest.mark.parametrize(
+  "name, make",
+  [
+    ("clip_value", lambda: optaxclip.clip_value(1.0)),
+    ("clip_global", lambda: optaxclip.clip_global(1.0, ord=np.inf)),
+    ("clip_norm", lambda: optaxclip.clip_norm(1.0)),
+    ("clip_zscore", optaxclip.clip_zscore),
+    ("clip_percentile", optaxclip.clip_percentile),
+    ("guard", lambda: optaxclip.guard(optax.sgd(0.1))),
+    ("clip_spikes", optaxclip.clip_spikes),
+    ("clip_spikes_adaptive", optaxclip.clip_spikes_adaptive),
+    ("clip_per_example", lambda: optaxclip.clip_per_example(1.0)),
+  ],
+)
+def test_a_float8_leaf_is_named(name, make):
+  # Before, a TypePromotionError from inside the norms.
+  g = {"a": jnp.ones(2), "f8": jnp.ones(2, jnp.float8_e4m3fn)}
+  tx = make()
+  with pytest.raises(
+    TypeError,
+    match=rf"^{name}: (updates|params) leaf \['f8'\] must be float16, "
+    r"bfloat16, "
+    r"float32 or float64 .*; got dtype float8_e4m3fn\.",
+  ):
+    tx.update(g, tx.init(g), g)
+
+
 def test_params_errors_of_clip_unitwise():
   tx = optaxclip.clip_unitwise(0.1)
   g = {"a": jnp.ones((2, 2))}
