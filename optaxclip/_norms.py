@@ -1705,10 +1705,13 @@ def scale_each(
         else jnp.take(f, idx, axis=0)
       )
     columns = _multipliers(f, dtype)
-    wide = columns[0].dtype
+    # Real multipliers (a complex leaf's last one is real-valued complex).
+    real = jnp.finfo(columns[0].dtype).dtype
     grid = (len(members), -1)
     rows = take_each(
-      jnp.stack([m.astype(wide).reshape(grid) for m in columns], axis=1)
+      jnp.stack(
+        [jnp.real(m).astype(real).reshape(grid) for m in columns], axis=1
+      )
     )
     for i, row in zip(members, rows):
       out[i] = _apply_multipliers(

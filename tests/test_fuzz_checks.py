@@ -14,6 +14,7 @@ import re
 import hypothesis
 from hypothesis import strategies as st
 import jax
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -314,6 +315,18 @@ UPDATES = {
     {"example_norms": np.ones(2)},
   ),
   "clip_global": (lambda: optaxclip.clip_global(1.0), {}),
+  "clip_global(ord=inf)": (
+    lambda: optaxclip.clip_global(1.0, ord=math.inf),
+    {},
+  ),
+  "clip_value": (lambda: optaxclip.clip_value(1.0), {}),
+  "clip_norm": (lambda: optaxclip.clip_norm(1.0), {}),
+  "clip_unitwise": (lambda: optaxclip.clip_unitwise(0.1), {}),
+  "clip_zscore": (optaxclip.clip_zscore, {}),
+  "clip_percentile": (optaxclip.clip_percentile, {}),
+  "clip_relative": (optaxclip.clip_relative, {}),
+  "guard": (lambda: optaxclip.guard(optax.sgd(0.1)), {}),
+  "clip_per_example": (lambda: optaxclip.clip_per_example(1.0), {}),
   "clip_spikes": (optaxclip.clip_spikes, {}),
   "spam": (lambda: optaxclip.spam(1e-3), {}),
   "stable_spam": (lambda: optaxclip.stable_spam(1e-3), {}),
@@ -332,26 +345,34 @@ SPAM_FAMILY = {
 @fz.examples(6)
 @hypothesis.given(
   name=st.sampled_from(sorted(UPDATES)),
-  dtype=st.sampled_from(("int32", "complex64")),
+  dtype=st.sampled_from(("int32", "complex64", "float8_e4m3fn", "float8_e5m2")),
 )
 def test_leaves_a_transformation_cannot_step_are_named_in_one_message(
   name, dtype
 ):
   """An integer leaf fails with the leaf's path, and so does a complex one
   in the SPAM family, whose element-wise moments are real (others take
-  complex leaves). Found by a user's probe (5 Dec): dp_noise truncated
-  integer leaves silently (or failed inside its noise draw), and the SPAM
-  family computed complex leaves wrongly (``g * g`` for ``|g|**2``).
+  complex leaves), and a float8 one anywhere. Found by a user's probe (5
+  Dec): dp_noise truncated integer leaves silently (or failed inside its
+  noise draw), and the SPAM family computed complex leaves wrongly (``g *
+  g`` for ``|g|**2``); float8 leaves failed with a TypePromotionError from
+  inside the norms (session 25).
   """
   make, extra = UPDATES[name]
-  tree = {"w": np.ones(3, np.float32), "x": np.ones(3, dtype)}
+  tree = {
+    "w": np.ones(3, np.float32),
+    "x": np.ones(3, getattr(ml_dtypes, dtype, dtype)),
+  }
   if dtype == "complex64" and name.split("(")[0] not in SPAM_FAMILY:
     tx = make()
     tx.update(
       fz.to_jax(tree), tx.init(fz.to_jax(tree)), fz.to_jax(tree), **extra
     )
     return
-  kind = "a real float" if dtype == "complex64" else "float"
+  kind = {
+    "complex64": "a real float",
+    "int32": "float",
+  }.get(dtype, "float16, bfloat16, float32 or float64")
   with pytest.raises(
     TypeError,
     match=rf"(updates|params) leaf \['x'\] must be {kind}",
