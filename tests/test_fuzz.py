@@ -54,8 +54,6 @@ import pytest
 import fuzz_strategies as fz
 
 REL = 1e-5
-# clip_value counts clipped elements exactly in leaves up to this size.
-ESTIMATED_COUNT = 1 << 16
 F32 = np.float32
 F16 = np.float16
 
@@ -204,16 +202,9 @@ def _check_static(config, tree, params, limit, out, state, stats=True):
       for x in leaves
     ],
   )
+  # Exact in leaves of any size (clip_value's count of a large leaf, once
+  # estimated from a sample, comes with the read of its max).
   frac = float(state.clip_fraction)
-  if config.static_name == "clip_value" and any(
-    np.size(x) > ESTIMATED_COUNT for x in leaves
-  ):
-    # Documented: estimated from a sample of the elements in large leaves;
-    # none clipped still reads 0, all clipped 1.
-    assert 0 <= frac <= 1, f"{msg}: clip_fraction {frac}"
-    assert frac == 0 or hi > 0, f"{msg}: clip_fraction {frac}, none clipped"
-    assert frac == 1 or lo < 1, f"{msg}: clip_fraction {frac}, all clipped"
-    return
   assert lo - 1e-6 <= frac <= hi + 1e-6, (
     f"{msg}: clip_fraction {frac}, oracle between {lo} and {hi}"
   )
