@@ -2128,7 +2128,8 @@ def largest_and_count_above(x: jax.Array, limit: Any):
   return biggest.astype(jnp.float32), n_over
 
 
-# Leaves above this size have clip_value's count estimated from a sample.
+# Leaves above this size have their statistics estimated from a sample
+# (clip_value's stats="sampled", count_above).
 EXACT_COUNT_SIZE = 1 << 16
 # The sample: every SAMPLE_STRIDE-th element (a prime, so that it does not
 # line up with the rows of a matrix of any usual width).
@@ -2288,10 +2289,10 @@ def count_above(x: jax.Array, limit: Any) -> jax.Array:
 
   Exact for leaves of at most ``EXACT_COUNT_SIZE`` elements and for leaves
   that may span devices; for larger ones, estimated from every
-  ``SAMPLE_STRIDE``-th element (scaled to the leaf's size): clip_value's
-  ``stats="sampled"``, and leaves of 2**31 elements or more (whose exact
-  count is not one int32 reduction). Other leaves are counted exactly with
-  their largest magnitude in one pass (see largest_and_count_parts).
+  ``SAMPLE_STRIDE``-th element (scaled to the leaf's size). clip_value
+  calls it only for the leaves that its one-pass count does not take (see
+  ``_counts_in_one_pass``): leaves that may span devices, and leaves of
+  2**31 elements or more, whose exact count is not one int32 reduction.
   """
   dtype = accumulation_dtype(x.dtype)
   sample, weight = sample_elements(x)
