@@ -2123,8 +2123,7 @@ def largest_and_count_above(x: jax.Array, limit: Any):
   if _counts_in_one_pass(x):
     biggest, n_over = _largest_and_count(a, limit)
   else:
-    biggest = nan_max(magnitude(a, dtype), initial=0)
-    n_over = _count_over_plain(a, limit)
+    biggest, n_over = largest_magnitude(x), _count_over_plain(a, limit)
   return biggest.astype(jnp.float32), n_over
 
 
@@ -2407,13 +2406,13 @@ def limit_bits(limit: Any, dtype: Any) -> jax.Array:
   NaN: every element counts).
   """
   limit = jnp.asarray(limit)
+  size = magnitude_bits(limit)  # the limit's own magnitude, as bits
   near = limit.astype(dtype)
   narrow, wide = jnp.finfo(limit.dtype), jnp.finfo(dtype)
   if float(narrow.smallest_subnormal) >= float(wide.smallest_normal):
     # Widened from a dtype whose subnormals are normal in ``dtype``: a
     # subnormal limit widened as its count of smallest subnormals, exactly
     # (XLA:CPU's conversion flushes it to 0).
-    size = magnitude_bits(limit)
     subnormal = size.astype(dtype) * jnp.asarray(
       narrow.smallest_subnormal, dtype
     )
@@ -2421,26 +2420,33 @@ def limit_bits(limit: Any, dtype: Any) -> jax.Array:
     near = jnp.where(is_subnormal, subnormal, near)
   bits = magnitude_bits(near)
   # As integers: XLA:CPU compares subnormals as zeros.
-  rounded_up = magnitude_bits(near.astype(limit.dtype)) > magnitude_bits(limit)
+  rounded_up = magnitude_bits(near.astype(limit.dtype)) > size
   bits = jax.lax.sub(bits, rounded_up.astype(bits.dtype))
   # Negative and NaN read from the bits: XLA:CPU compares a negative
   # subnormal limit as 0.
   own = jax.lax.bitcast_convert_type(
     limit, _SIGNED_INT[np.dtype(limit.dtype).itemsize]
   )
-  size = magnitude_bits(limit)
   within = ((own >= 0) | (size == 0)) & (
     size <= magnitude_bits(jnp.asarray(jnp.inf, limit.dtype))
   )
   return jnp.where(within, bits, -1).astype(bits.dtype)
 
 
+def _above(x: jax.Array, limit: Any) -> jax.Array:
+  """``|x| > limit`` element-wise for the real float ``x`` (NaN is above),
+  compared as integers (:func:`magnitude_bits`, :func:`limit_bits`): exact
+  for subnormals.
+  """
+  return magnitude_bits(x) > limit_bits(limit, x.dtype)
+
+
 def count_over(x: jax.Array, limit: Any) -> jax.Array:
   """The number of elements of the real float ``x`` with ``|x| > limit`` (a
-  NaN counts), a float32 scalar (:func:`count`). Compared as integers
-  (:func:`magnitude_bits`): exact for subnormals.
+  NaN counts), a float32 scalar (:func:`count`), compared exactly
+  (:func:`_above`).
   """
-  return count(magnitude_bits(x) > limit_bits(limit, x.dtype))
+  return count(_above(x, limit))
 
 
 def _largest_and_count_reduce(x, limit, axes):
@@ -2454,11 +2460,12 @@ def _largest_and_count_reduce(x, limit, axes):
 
   The max in ``x``'s dtype, the count in int32.
   """
-  bits = magnitude_bits(x)
-  over = (bits > limit_bits(limit, x.dtype)).astype(jnp.int32)
   top, n_over = jax.lax.reduce(
-    (bits, over),
-    (jnp.zeros((), bits.dtype), jnp.zeros((), jnp.int32)),
+    (magnitude_bits(x), _above(x, limit).astype(jnp.int32)),
+    (
+      jnp.zeros((), _SIGNED_INT[np.dtype(x.dtype).itemsize]),
+      jnp.zeros((), jnp.int32),
+    ),
     lambda u, v: (jax.lax.max(u[0], v[0]), jax.lax.add(u[1], v[1])),
     axes,
   )
@@ -2466,8 +2473,9 @@ def _largest_and_count_reduce(x, limit, axes):
 
 
 def _count_over_plain(x, limit, axes=None, keepdims=False):
-  over = magnitude_bits(x) > limit_bits(limit, x.dtype)
-  return jnp.sum(over, axis=axes, keepdims=keepdims, dtype=jnp.float32)
+  return jnp.sum(
+    _above(x, limit), axis=axes, keepdims=keepdims, dtype=jnp.float32
+  )
 
 
 def _largest_and_count_fast(x, limit):
