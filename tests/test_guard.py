@@ -1,6 +1,7 @@
 """Tests of guard(): skipping whole steps on NaN/Inf, large or spiking norms."""
 
 import math
+from unittest import mock
 
 from absl.testing import parameterized
 import chex
@@ -299,6 +300,50 @@ class GuardTest(chex.TestCase):
     out, state = jax.jit(tx.update)(g, tx.init(g))
     assert out["w"].dtype == jnp.bfloat16
     assert int(state.skipped) == 1 and float(state.norm) == 4.0
+
+  @parameterized.parameters("global", "leaf")
+  def test_inner_traced_once_and_skips_in_its_output_dtype(self, scope):
+    # inner returns float32 updates for bfloat16 gradients: a skipped step's
+    # zeros must take inner's dtype, which guard learns from the one trace.
+    traces = []
+    tx = optaxclip.guard(to_float32(traces), max_norm=1.0, scope=scope)
+    g = {
+      "a": jnp.full((4,), 2.0, jnp.bfloat16),
+      "b": jnp.zeros(2, jnp.bfloat16),
+    }
+    out, state = jax.jit(tx.update)(g, tx.init(g))
+    self.assertLen(traces, 1)
+    self.assertEqual(out["a"].dtype, jnp.float32)
+    np.testing.assert_array_equal(out["a"], np.zeros(4, np.float32))
+    np.testing.assert_array_equal(out["b"], np.zeros(2, np.float32))
+    self.assertEqual(int(state.skipped), 1)
+
+  def test_skip_branch_traced_first_still_learns_inner_dtype(self):
+    # A JAX that traced the false branch first: guard falls back to
+    # eval_shape for inner's output types.
+    real_cond = jax.lax.cond
+
+    def cond_false_first(pred, true_fun, false_fun, *operands):
+      jax.eval_shape(false_fun, *operands)
+      return real_cond(pred, true_fun, false_fun, *operands)
+
+    tx = optaxclip.guard(to_float32([]), max_norm=1.0)
+    g = {"a": jnp.full((4,), 2.0, jnp.bfloat16)}
+    with mock.patch.object(jax.lax, "cond", cond_false_first):
+      out, state = jax.jit(tx.update)(g, tx.init(g))
+    self.assertEqual(out["a"].dtype, jnp.float32)
+    np.testing.assert_array_equal(out["a"], np.zeros(4, np.float32))
+    self.assertEqual(int(state.skipped), 1)
+
+
+def to_float32(traces: list) -> optax.GradientTransformation:
+  """An inner transformation whose updates are float32, counting its traces."""
+
+  def update(updates, state, params=None):
+    traces.append(1)
+    return jax.tree.map(lambda u: u.astype(jnp.float32), updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 GUARD_CAP = optaxclip.guard(optax.sgd(1.0), max_norm=100.0)
