@@ -335,6 +335,20 @@ class GuardTest(chex.TestCase):
     np.testing.assert_array_equal(out["a"], np.zeros(4, np.float32))
     self.assertEqual(int(state.skipped), 1)
 
+  def test_runs_under_disable_jit(self):
+    # Without jit, cond runs one branch: a skipped step traces only the
+    # skip branch, which must find inner's output types alone.
+    tx = optaxclip.guard(to_float32([]), max_norm=1.0)
+    g = {"a": jnp.full((4,), 2.0, jnp.bfloat16)}
+    with jax.disable_jit():
+      out, state = tx.update(g, tx.init(g))
+      self.assertEqual(out["a"].dtype, jnp.float32)
+      np.testing.assert_array_equal(out["a"], np.zeros(4, np.float32))
+      small = {"a": jnp.full((4,), 0.125, jnp.bfloat16)}
+      out, state = tx.update(small, state)
+    np.testing.assert_array_equal(out["a"], np.full(4, 0.125, np.float32))
+    self.assertEqual(int(state.skipped), 1)
+
 
 def to_float32(traces: list) -> optax.GradientTransformation:
   """An inner transformation whose updates are float32, counting its traces."""
