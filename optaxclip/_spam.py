@@ -1533,7 +1533,14 @@ def stable_spam(
   chained = optax.chain(*stages)
   raw = [_compiled._raw_update(stage) for stage in stages]  # noqa: SLF001
 
+  def init_fn(params):
+    # Checked here so that a bad leaf's message names stable_spam, not the
+    # stage that would find it first.
+    _checks.check_float_leaves(params, f"{who}: params", real=True)
+    return chained.init(params)
+
   def update_fn(updates, state, params=None):
+    _checks.check_float_leaves(updates, f"{who}: updates", real=True)
     # optax.chain's step, in one program (the stages' updates without their
     # own jit), the stages handing their packed small leaves to the next.
     new_state = []
@@ -1543,6 +1550,4 @@ def stable_spam(
         new_state.append(stage_state)
     return updates, tuple(new_state)
 
-  return optax.GradientTransformation(
-    chained.init, _compiled.jit_update(update_fn)
-  )
+  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
