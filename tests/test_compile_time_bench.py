@@ -45,3 +45,32 @@ def test_whole_optimizers_are_compiled_as_they_are():
   seconds = ct.measure(["guard(adam, scope=leaf)"], 3, rounds=1)
   assert list(seconds) == ["adam", "guard(adam, scope=leaf)"]
   assert all(len(s) == 1 and min(s) > 0 for s in seconds.values())
+
+
+def test_kernel_counts_see_leaves_of_one_shape_share_a_kernel():
+  """--kernels: adam's step on 10 leaves of 5 shapes is 3 fusions a leaf
+  (its two moments and the parameters) and, as each shape's leaves share
+  their bodies, as many distinct kernels as on 5 leaves; a clipper's step
+  holds more of both. The table has one row per clipper, three counts a
+  size.
+  """
+  ct = _module()
+  trees = {
+    n: (ct.make_tree(n, seed=0, scale=0.02), ct.make_tree(n, seed=1))
+    for n in (5, 10)
+  }
+  adam = {
+    n: ct.kernel_counts(ct.CLIPPERS["adam"], *t) for n, t in trees.items()
+  }
+  assert adam[10]["fusions"] >= 30
+  assert adam[10]["distinct"] == adam[5]["distinct"] < adam[10]["fusions"]
+  assert adam[10]["instructions"] > adam[5]["instructions"] > 0
+  clipped = ct.kernel_counts(ct.CLIPPERS["clip_norm"], *trees[10])
+  assert clipped["instructions"] > adam[10]["instructions"]
+  assert clipped["distinct"] > adam[10]["distinct"]
+  lines = ct.kernel_table(["clip_norm"], [5], "mixed")
+  rows = [
+    line for line in lines if line.startswith("| ") and "clipper" not in line
+  ]
+  assert [r.split("|")[1].strip() for r in rows] == ["adam", "clip_norm"]
+  assert all(re.fullmatch(r"\| \S+ \| \d+ / \d+ / \d+ \|", r) for r in rows)
