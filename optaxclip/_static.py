@@ -260,15 +260,16 @@ def clip_value(
 
   ``stats="sampled"`` is that cheaper formulation, for when the step's cost
   matters more than exact statistics: the clip no longer waits for a pass
-  over the leaf (1.16x Adam's step against the default's 1.21x and
-  ``optax.clip``'s 0.99x, in one run on tree (a)). Each element is
-  judged on its own, as ``optax.clip`` and torch do, except that an inf
-  element becomes NaN (it is never hidden as ``max_delta``); the other
-  elements of its leaf are clipped as usual. ``norm``, ``clipped_norm`` and
-  ``clip_fraction`` are estimated, in leaves of more than 65536 elements,
-  from every 257th element (exact in smaller ones): a rare outlier may be
-  missed, so ``norm`` is a lower bound of ``max |g|`` there, and a NaN or
-  inf may be absent from the statistics while present in the update.
+  over the leaf (1.08x Adam's step against the default's 1.22x and
+  ``optax.clip``'s 1.00x on tree (a); benchmarks/RESULTS.md, session 27).
+  Each element is judged on its own, as ``optax.clip`` and torch do,
+  except that an inf element becomes NaN (it is never hidden as
+  ``max_delta``); the other elements of its leaf are clipped as usual.
+  ``norm``, ``clipped_norm`` and ``clip_fraction`` are estimated, in
+  leaves of more than 65536 elements, from every 257th element (exact in
+  smaller ones): a rare outlier may be missed, so ``norm`` is a lower bound
+  of ``max |g|`` there, and a NaN or inf may be absent from the statistics
+  while present in the update.
 
   Args:
     max_delta: the largest absolute value an element may keep (>= 0): a
@@ -326,7 +327,14 @@ def clip_value(
         out.append(x)
         continue
       bound = jnp.asarray(max_delta_now, poison.dtype)
-      out.append(_functional.clip_leaf_to_range(x, -bound, bound, poison))
+      y = _functional.clip_leaf_to_range(x, -bound, bound, poison)
+      if sampled and not jnp.iscomplexobj(x):
+        # The element-wise policy: x - x is NaN at an inf or NaN element
+        # and +0 elsewhere, so that y - (x - x) is y, -0 included. Two
+        # operations an element in the loop of Adam's moments, where a NaN
+        # poison on both bounds cost 0.1x Adam's step (tree (a)).
+        y = y - (x - x)
+      out.append(y)
     new_state = _value_state(
       state, max_delta_now, largest, finite, clipped, total
     )
@@ -346,8 +354,9 @@ def _value_statistics(layout, leaves, max_delta_now, *, sampled=False):
 
   ``sampled``: ``stats="sampled"``'s statistics (large leaves' from a
   sample: see _norms.largest_and_count_parts) and its element-wise policy:
-  a leaf's poison is NaN at its inf elements only and 0 elsewhere, computed
-  from the leaf alone (the clip does not wait for a statistic), and a
+  a complex leaf's poison is NaN at its inf elements only and 0 elsewhere,
+  computed from the leaf alone (the clip does not wait for a statistic), a
+  real leaf's is 0 (the update makes its inf elements NaN itself), and a
   non-finite leaf counts its NaN, inf and clipped elements as clipped.
 
   The per-leaf values of the stacked parts of one dtype are concatenated
@@ -364,7 +373,12 @@ def _value_statistics(layout, leaves, max_delta_now, *, sampled=False):
   if sampled:
     for i, x in enumerate(leaves):
       dtype = _norms.accumulation_dtype(x.dtype)
-      poisons[i] = jnp.where(jnp.isinf(x), jnp.nan, 0).astype(dtype)
+      # Real leaves take their element-wise NaN in clip_value's update.
+      poisons[i] = (
+        jnp.where(jnp.isinf(x), jnp.nan, 0).astype(dtype)
+        if jnp.iscomplexobj(x)
+        else jnp.zeros((), dtype)
+      )
   groups = {}
   for j, ((kind, _, _), (biggest, *_)) in enumerate(zip(layout.parts, stats)):
     if kind == "leaf":

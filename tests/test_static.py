@@ -1292,6 +1292,30 @@ class SampledValueStatsTest(chex.TestCase):
     self.assertTrue(np.isnan(float(state.clipped_norm)))
     _close(state.clip_fraction, 5 / 6)  # inf, -3, nan, inf, 2j
 
+  def test_finite_elements_are_optax_clips_bit_for_bit(self):
+    """Signed zeros, subnormals and the largest finite values, in every real
+    dtype: the element-wise NaN of an inf is added without touching the
+    others (in a large leaf too, whose statistics come from a sample).
+    """
+    for dtype, bits in (
+      (jnp.float32, np.uint32),
+      (jnp.bfloat16, np.uint16),
+      (jnp.float16, np.uint16),
+    ):
+      info = jnp.finfo(dtype)
+      tiny, big = float(info.smallest_subnormal), float(info.max)
+      values = [0.0, -0.0, tiny, -tiny, 0.25, -0.25, 3.0, -3.0, big, -big]
+      for n in (len(values), 70_000):
+        x = jnp.asarray(np.resize(np.asarray(values), n), dtype)
+        tx = optaxclip.clip_value(0.5, stats="sampled")
+        out, _ = jax.jit(tx.update)({"w": x}, tx.init({"w": x}))
+        want = optax.clip(0.5).update({"w": x}, optax.EmptyState())[0]
+        np.testing.assert_array_equal(
+          np.asarray(out["w"]).view(bits),
+          np.asarray(want["w"]).view(bits),
+          err_msg=f"{np.dtype(dtype).name}, {n} elements",
+        )
+
   def test_large_leaf_estimates_fraction_and_bounds_the_norm(self):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(300_000).astype(np.float32)
