@@ -13,7 +13,9 @@ import sys
 
 import pytest
 
+from example_runner import load_script
 from example_runner import run_script
+import optaxclip
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -213,3 +215,45 @@ def test_exact_recompute_runs_at_a_tiny_size():
     _ratio(cells[2])
   direct = [cells for cells in rows if ", direct " in cells[0]]
   assert [_ratio(cells[2]) for cells in direct] == [1.0] * len(script.CLIPPERS)
+
+
+# What each of issue 10's reports gives now (benchmarks/issue10_reports.py's
+# "now" column), so that the script neither rots nor drifts from the fixes.
+ISSUE10_NOW = {
+  "clip_norm_1e38": "out norm 1, norm 1.41e+38",
+  "clip_relative_warmup_1e38": "out norm 1 (",
+  "clip_per_example_1e38": "sum's out norm 1.5 (",
+  "clip_global_sharded_1e38": "out norm 1, norm 1.41e+38",
+  "clip_global_tiny_factor": "out norm 0.001 (",
+  "hessians": "6 of 6 ok",
+  "percentile_and_relative_1e_50": "out norms 2.24e-50 / 2.24e-50",
+  "guard_1e200": "skipped 0 of 2, nonfinite 0",
+  "guard_after_zero_warmup": "skipped 0 of 200",
+  "zscore_after_zero_warmup": "last out norm 1.41 of",
+  "relative_zero_leaf_once": "last out norm 1.41 of",
+  "clip_global_nan_leaf": "b nan, clip_fraction 1",
+  "per_example_nonfinite_example": "sum [0.5, 0.0]",
+  "adaptive_clipped_norm_on_inf": "update NaN: True, clipped_norm nan",
+  "per_example_inf_clip": "accepted, out norm 5",
+  "eager_injected_clip_global": " ms a call",
+  "stats_foreign_namedtuple": "keys ['clip_global/clip_fraction',",
+  "stats_colliding_paths": "4 norm keys",
+  "stats_time_1000_leaves": " ms a call",
+  "guard_counter_dtype": "guard/skipped int32",
+  "warmup_steps=2**31": "ValueError: clip_zscore: warmup_steps must be",
+  'sharded="no"': "TypeError: clip_global: sharded must be",
+  'axis_name=""': "ValueError: clip_global: axis_name must",
+  "seed=PRNGKey": "accepted",
+  "clip_relative(factor=0.5)": "ValueError: clip_relative: factor must be",
+  "clip_norm(-1.0)": "ValueError: clip_norm: max_norm must be",
+}
+
+
+def test_issue10_reports_as_they_are_now():
+  module = load_script("benchmarks/issue10_reports.py")
+  got = {
+    fn.__name__: module.result(fn, optaxclip) for _, _, fn in module.REPORTS
+  }
+  assert set(got) == set(ISSUE10_NOW)
+  for name, want in ISSUE10_NOW.items():
+    assert want in got[name], (name, got[name])
