@@ -106,6 +106,7 @@ class Sizes:
   compile_repeats: int = 2
   optax_compile: bool = True
   leaf_counts: tuple[int, ...] = (300, 1000)  # section "leaves"
+  leaf_rounds: int = 1  # section "leaves": interleaved compile rounds
 
   @classmethod
   def quick(cls) -> Sizes:
@@ -385,11 +386,19 @@ def run_compile(sizes: Sizes) -> list[str]:
 def run_leaves(sizes: Sizes) -> list[str]:
   """Compile time of every per-tensor clipper on many small leaves."""
   results = {
-    n: compile_time.measure(compile_time.CLIPPERS, n, log=harness.log)
+    n: compile_time.measure(
+      compile_time.CLIPPERS, n, sizes.leaf_rounds, log=harness.log
+    )
     for n in sizes.leaf_counts
   }
+  rounds = sizes.leaf_rounds
   return [
     "### Compile time of each clipper on many small leaves",
+    "",
+    (
+      f"{rounds} interleaved round{'s' if rounds > 1 else ''} "
+      "(--leaf-rounds), wall seconds."
+    ),
     "",
     *compile_time.table(results, "mixed"),
     "",
@@ -604,6 +613,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     help="the tree sizes of section leaves (default: 300 1000; --quick: 10)",
   )
   parser.add_argument(
+    "--leaf-rounds",
+    type=int,
+    default=1,
+    metavar="N",
+    help="interleaved compile rounds of section leaves (default: 1; "
+    "--rounds does not apply to compile times)",
+  )
+  parser.add_argument(
     "--out",
     type=pathlib.Path,
     default=None,
@@ -632,6 +649,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.rounds is not None and args.rounds < 1:
     parser.error(f"--rounds must be at least 1; got {args.rounds}")
+  if args.leaf_rounds < 1:
+    parser.error(f"--leaf-rounds must be at least 1; got {args.leaf_rounds}")
   if args.leaf_counts is not None and min(args.leaf_counts) < 1:
     parser.error(f"--leaf-counts must be at least 1; got {args.leaf_counts}")
   if args.out is None:
@@ -653,6 +672,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sizes.optax_compile = False
   if args.leaf_counts:
     sizes.leaf_counts = tuple(args.leaf_counts)
+  sizes.leaf_rounds = args.leaf_rounds
 
   command = " ".join(["python benchmarks/run.py", *(argv or sys.argv[1:])])
   lines = [

@@ -151,6 +151,7 @@ def test_only_a_full_run_writes_the_committed_report():
     (["--only"], "expected at least one argument"),
     (["--rounds", "0"], "--rounds must be at least 1; got 0"),
     (["--leaf-counts", "0"], "--leaf-counts must be at least 1; got [0]"),
+    (["--leaf-rounds", "0"], "--leaf-rounds must be at least 1; got 0"),
   ],
 )
 def test_bad_arguments_are_errors(argv, message, capsys):
@@ -159,6 +160,26 @@ def test_bad_arguments_are_errors(argv, message, capsys):
     run.parse_args(argv)
   assert exit_info.value.code == 2
   assert message in capsys.readouterr().err
+
+
+def test_leaf_rounds_reach_the_compile_section(monkeypatch):
+  """--leaf-rounds N: every clipper compiled in N interleaved rounds, and
+  the section says how many (--rounds, for step times, did not reach it:
+  a table headed "three rounds" in session 26 had one).
+  """
+  run = _import("run")
+  calls = []
+
+  def measure(names, n_leaves, rounds=1, tree="mixed", log=None):
+    calls.append((n_leaves, rounds))
+    return {name: [1.0] * rounds for name in ["adam", *names]}
+
+  monkeypatch.setattr(run.compile_time, "measure", measure)
+  args = run.parse_args(["--only", "leaves", "--leaf-rounds", "3"])
+  sizes = run.Sizes(leaf_counts=(7, 9), leaf_rounds=args.leaf_rounds)
+  lines = run.run_leaves(sizes)
+  assert calls == [(7, 3), (9, 3)]
+  assert "3 interleaved rounds (--leaf-rounds), wall seconds." in lines
 
 
 def test_help_says_how_long_a_run_takes(capsys):
