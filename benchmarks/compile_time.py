@@ -143,17 +143,8 @@ def kernel_counts(make_clipper, params, grads) -> dict[str, int]:
   compiles: its time follows their number, not the leaves').
   """
   tx = _step_factory(make_clipper)()
-
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  text = (
-    jax.jit(step, donate_argnums=(0, 1))
-    .lower(params, tx.init(params), grads)
-    .compile()
-    .as_text()
-  )
+  lowered = harness.lower_step(tx, params, tx.init(params), grads)
+  text = lowered.compile().as_text()
   bodies = [
     _NAMES.sub("%", _METADATA.sub("", m.group(1)))
     for m in _FUSED.finditer(text)

@@ -469,17 +469,24 @@ def torch_reference(params, grads, rounds: int) -> tuple[float, float, str]:
 # --------------------------------------------------------------------------
 
 
-def compile_seconds(make_tx, params, grads) -> tuple[float, float, int]:
-  """Trace+lower seconds, XLA compile seconds and temp bytes of one step."""
-  tx = make_tx()
+def lower_step(tx, params, state, grads):
+  """The jitted step ``apply_updates(p, tx.update(g, s, p))``, params and
+  state donated as a training loop does, lowered for these arguments.
+  """
 
   def step(p, s, g):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
+  return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads)
+
+
+def compile_seconds(make_tx, params, grads) -> tuple[float, float, int]:
+  """Trace+lower seconds, XLA compile seconds and temp bytes of one step."""
+  tx = make_tx()
   state = tx.init(params)
   t0 = time.perf_counter()
-  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads)
+  lowered = lower_step(tx, params, state, grads)
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
