@@ -2348,8 +2348,8 @@ def largest_and_count_parts(
         finite = largest_part(sample) < jnp.inf
         out.append((nan_max(a), n_over, int(part.size), finite))
         continue
-      # One reduction of the sample for all three statistics: one each
-      # read the strided sample three times (a cache line an element).
+      # One reduction of the sample for all three statistics: three of
+      # them read the strided sample three times (a cache line an element).
       dtype = accumulation_dtype(part.dtype)
       biggest, n_over = _largest_and_count(sample, jnp.asarray(limit, dtype))
       biggest = biggest.astype(dtype)
