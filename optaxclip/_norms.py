@@ -2342,7 +2342,7 @@ def largest_and_count_parts(
         out.append((largest_magnitude(part), zero, 0, jnp.array(True)))
         continue
       sample, weight = sample_elements(part)
-      if jnp.iscomplexobj(sample) or not _counts_in_one_pass(sample):
+      if not _counts_in_one_pass(sample):
         a = magnitude(sample)
         n_over = count_over(a, jnp.asarray(limit, a.dtype)) * weight
         finite = largest_part(sample) < jnp.inf
@@ -2350,19 +2350,11 @@ def largest_and_count_parts(
         continue
       # One reduction of the sample for all three statistics: three of
       # them read the strided sample three times (a cache line an element).
-      dtype = accumulation_dtype(part.dtype)
-      biggest, n_over = _largest_and_count(sample, jnp.asarray(limit, dtype))
-      biggest = biggest.astype(dtype)
-      out.append((biggest, n_over * weight, int(part.size), biggest < jnp.inf))
+      biggest, n_over, finite = _one_pass_stats(sample, limit)
+      out.append((biggest, n_over * weight, int(part.size), finite))
       continue
     if kind == "leaf" and _counts_in_one_pass(part):
-      dtype = accumulation_dtype(part.dtype)
-      complex_ = jnp.iscomplexobj(part)
-      biggest, n_over = _largest_and_count(
-        magnitude(part) if complex_ else part, jnp.asarray(limit, dtype)
-      )
-      biggest = biggest.astype(dtype)
-      finite = (largest_part(part) if complex_ else biggest) < jnp.inf
+      biggest, n_over, finite = _one_pass_stats(part, limit)
       out.append((biggest, n_over, int(part.size), finite))
       continue
     if kind == "leaf":
@@ -2376,6 +2368,20 @@ def largest_and_count_parts(
     biggest, n_over = _row_largest_and_count(m, jnp.asarray(limit, m.dtype))
     out.append((biggest, n_over, int(m.shape[1]), biggest < jnp.inf))
   return out
+
+
+def _one_pass_stats(x: jax.Array, limit: Any):
+  """``(largest magnitude, count above limit, finite)`` of a leaf (or a
+  sample of one) that :func:`_counts_in_one_pass` takes, in one reduction:
+  the largest in the accumulation dtype, a complex leaf by its moduli.
+  """
+  dtype = accumulation_dtype(x.dtype)
+  complex_ = jnp.iscomplexobj(x)
+  biggest, n_over = _largest_and_count(
+    magnitude(x) if complex_ else x, jnp.asarray(limit, dtype)
+  )
+  biggest = biggest.astype(dtype)
+  return biggest, n_over, (largest_part(x) if complex_ else biggest) < jnp.inf
 
 
 def _counts_in_one_pass(x: jax.Array) -> bool:
