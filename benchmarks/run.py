@@ -222,6 +222,11 @@ def step_rows() -> list[Row]:
       "optax.apply_if_finite",
       ADAPTIVE_TARGET,
     ),
+    Row(
+      "guard(adam, scope=leaf)",
+      lambda: optaxclip.guard(adam(), scope="leaf"),
+      note="skips leaf by leaf: inner's state selected per leaf",
+    ),
   ]
 
 

@@ -35,6 +35,7 @@ STEP_ROWS = (
   "clip_percentile(scope=leaf)",
   "clip_relative",
   "guard(adam)",
+  "guard(adam, scope=leaf)",
 )
 OPTAX_TWINS = {
   "clip_global": "optax.clip_by_global_norm",
