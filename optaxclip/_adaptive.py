@@ -18,10 +18,16 @@ they share:
   unclipped and :func:`guard` can skip the step. ``clipped_norm`` is then
   NaN (it describes the update returned) and such units count as clipped in
   ``clip_fraction``.
-* **No absorbing state.** Whatever the history (zeros, equal norms, NaN), a
-  lasting new level of the norm gets through within a bounded number of
-  steps: after ``patience`` clipped spikes in a row the statistics restart at
-  the new level, and ``restarts`` counts how often that happened.
+* **Faithful defaults; opt-in escape from a frozen threshold.** With their
+  defaults they follow their paper (and ZClip its reference code), with the
+  differences each docstring lists. Where the paper's statistics can hold a
+  lasting new level of the norm back for a long time or for ever (ZClip,
+  AdaGC), ``patience`` (off by default) bounds it: after ``patience``
+  clipped steps in a row the level the clipper judges by is raised by at
+  most ``growth`` a step, from where it was, until the new level passes.
+  A spike is so never let through at its own size; ``restarts`` counts
+  the raised steps. AutoClip's window of recent norms bounds it by
+  itself: a new level passes within ``history`` steps.
 * **Many devices.** ``axis_name`` and ``sharded`` mean what they mean for
   :func:`clip_global`: inside ``shard_map``/``pmap`` every device computes
   the norms of the whole arrays, takes the same decision and holds the same
@@ -84,8 +90,11 @@ class ClipZscoreState(NamedTuple):
       mean's binary exponent less (plus) 40 (488), so that spreads from
       ``2**-24`` to ``2**24`` times the mean stay in range
       (``optaxclip._adaptive.spread`` gives the standard deviation).
-    consecutive_spikes: spikes in a row clipped so far, per unit.
-    restarts: how often a unit's statistics restarted at a new level.
+    consecutive_spikes: spikes in a row so far, per unit (judged against
+      the statistics as they were before any raise).
+    restarts: steps on which a unit's statistics moved to a new level: a
+      first nonzero norm after only zeros, or (with ``patience``) a mean
+      raised by ``growth``.
     step: updates so far (int32, saturating): the step at which a schedule
       of ``z_thresh`` or ``max_norm`` is evaluated.
     leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
@@ -172,8 +181,12 @@ class ClipRelativeState(NamedTuple):
     count: steps with a finite norm, at most ``warmup_steps``.
     gamma: the EMA of each leaf's clipped norm (+inf until the leaf has had
       a nonzero gradient).
-    consecutive_clips: per leaf, steps in a row clipped after the warm-up.
-    restarts: how often a leaf's ``gamma`` restarted at a new level.
+    consecutive_clips: per leaf, steps in a row after the warm-up whose
+      norm was above the leaf's limit ``factor * gamma_i`` (the steps the
+      paper's rule clips).
+    restarts: with ``patience``, how many times a leaf's ``gamma`` was
+      raised by ``growth`` (leaf-steps); 0 with the default
+      ``patience=None``.
     step: updates so far (int32, saturating): the step at which a schedule
       of ``factor`` or ``warmup_max_norm`` is evaluated.
     leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
@@ -700,7 +713,8 @@ def clip_zscore(
   clip_factor: Scalar = 1.0,
   skip_update_on_spike: bool = False,
   scope: Scope = "global",
-  patience: Scalar = 25,
+  patience: Optional[Scalar] = None,
+  growth: Scalar = 2.0,
   axis_name: AxisName = None,
   sharded: Any = True,
   leaf_stats: bool = False,
@@ -736,23 +750,32 @@ def clip_zscore(
     same values up to rounding;
   * a NaN or infinite norm leaves the statistics untouched (in the
     reference it enters them: a NaN would disable clipping for good);
-  * **restarts**: in the reference a lasting rise of the norm can be
-    clipped for ever -- after a warm-up of zeros or of equal norms every
-    later step is clipped to the old level (to 0 after zeros), and a large
-    jump is clipped to near the old mean while the variance decays. Here,
-    when a step is a spike after ``patience`` spikes in a row, or when the
-    statistics have no spread to judge by (variance exactly 0: equal norms
-    so far, zeros included), the step is taken as a new level instead: it
-    is clipped only by ``max_norm``, the mean moves to its norm ``g`` and
-    the variance takes in the jump, ``v <- alpha v + (1 - alpha) (g - m)^2``.
-    ``restarts`` counts these steps; at most ``patience`` spikes in a row
-    are clipped;
-  * ``max_norm`` defaults to ``None`` (no fixed cap; the reference uses 1.0)
-    and ``warmup_steps`` must be at least 1 (the reference treats 0 as 1);
+  * statistics that have seen only zero norms (mean and variance exactly
+    0: a norm of 0 has no scale) take the first nonzero norm as a new level:
+    it is clipped only by ``max_norm``, the mean moves to it and the
+    variance takes in the jump, ``v <- alpha v + (1 - alpha) g^2``. In the
+    reference every later step is clipped to 0 (no update for ever);
+  * ``max_norm`` defaults to ``None``, as in the paper's algorithm (the
+    reference's constructor defaults ``max_grad_norm`` to 1.0: pass
+    ``max_norm=1.0`` for the same cap) and ``warmup_steps`` must be at
+    least 1 (the reference treats 0 as 1);
   * ``scope="leaf"`` (not in the reference) keeps statistics per leaf and
     clips each leaf on its own;
   * ``axis_name`` computes the norm across devices with a collective, like
     the reference's FSDP branch, and keeps the decision in the state's dtype.
+
+  As in the reference, a lasting rise of the norm can be clipped for a long
+  time or for ever: after a warm-up of equal norms (variance 0) every later
+  step above the mean is clipped to it, and a large jump is clipped to near
+  the old mean while the variance decays. ``patience`` (off by default, as
+  the reference has no such rule) bounds it without ever letting a spike
+  through at its own size: once a unit has been a spike on ``patience``
+  steps in a row, each further spike first multiplies the unit's mean by
+  ``growth``; the step is then judged and clipped against the raised mean
+  (and the same variance), and the EMAs continue from it. The level it is
+  judged by so grows geometrically, by at most ``growth`` a step, until the
+  new level of the norm is no spike; ``restarts`` counts the raised steps
+  and the restarts after zeros.
 
   Args:
     alpha: EMA smoothing of the norm's mean and variance, in (0, 1).
@@ -773,8 +796,11 @@ def clip_zscore(
     skip_update_on_spike: leave the statistics unchanged on a spike step.
     scope: ``"global"`` (one norm for the whole tree) or ``"leaf"`` (each
       leaf its own norm, statistics and clipping).
-    patience: spikes in a row clipped before a lasting new level is
-      accepted (>= 1; see the restarts above).
+    patience: ``None`` (the default: the reference's rule), or the spikes
+      in a row (>= 1) a unit is clipped before its mean is raised by
+      ``growth`` a step (see above).
+    growth: with ``patience``, the factor (> 1) by which a held-back unit's
+      mean is raised on each further spike; unused without ``patience``.
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
       which sharded leaves are split (as for :func:`clip_global`).
     sharded: which leaves are split over ``axis_name``: a bool, a pytree
@@ -830,7 +856,9 @@ def clip_zscore(
     who, "skip_update_on_spike", skip_update_on_spike
   )
   scope = _checks.check_choice(who, "scope", scope, SCOPES)
-  _checks.check_steps(who, "patience", patience)
+  if patience is not None:
+    _checks.check_steps(who, "patience", patience)
+  _checks.check_number("growth", growth, who=who, low=1.0, low_open=True)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
   leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
@@ -894,9 +922,23 @@ def clip_zscore(
     # After warm-up: detect a spike against the statistics so far.
     spike, value, boundary = spike_rule(g, mean, var, z_now)
     spike = spike & ~warming & measured.unit_finite
-    no_scale = var == 0  # equal norms so far: no spread to judge by
-    restart = spike & ((state.consecutive_spikes >= patience) | no_scale)
+    no_scale = (mean == 0) & (var == 0)  # only zero norms so far
+    restart = spike & no_scale
     spike = spike & ~restart
+    held = spike  # a spike against the statistics as they were
+    raised = jnp.zeros_like(spike)
+    if patience is not None:
+      # Held back `patience` spikes in a row: the mean first rises by
+      # `growth` (kept finite), the variance kept at the new mean's scale.
+      raised = spike & (state.consecutive_spikes >= patience)
+      big = jnp.finfo(mean.dtype).max
+      up = jnp.where(raised, jnp.minimum(growth * mean, big), mean)
+      var = rescaled(var, spread_exponent(mean), spread_exponent(up))
+      mean = up
+      spike_up, value_up, boundary_up = spike_rule(g, mean, var, z_now)
+      spike = jnp.where(raised, spike_up, spike)
+      value = jnp.where(raised, value_up, value)
+      boundary = jnp.where(raised, boundary_up, boundary)
     count, new_mean, new_var = running_moments(
       state.count,
       mean,
@@ -911,7 +953,7 @@ def clip_zscore(
 
     limit = jnp.minimum(jnp.where(spike, value, jnp.inf), cap)
     new_updates, stats, (restarted,) = measured.clip(
-      _nan_if_nan(limit, z_now), [restart]
+      _nan_if_nan(limit, z_now), [restart | raised]
     )
     threshold = jnp.minimum(jnp.where(warming, jnp.inf, boundary), cap)
     stats = stats[:3] + (_total(threshold, state.mean.dtype),)
@@ -920,7 +962,7 @@ def clip_zscore(
       count=count,
       mean=new_mean.astype(state.mean.dtype),
       var=new_var.astype(state.var.dtype),
-      consecutive_spikes=streak(state.consecutive_spikes, spike, finite),
+      consecutive_spikes=streak(state.consecutive_spikes, held, finite),
       restarts=jnp.where(
         finite,
         add_count(state.restarts, restarted.astype(jnp.int32)),
@@ -1225,7 +1267,8 @@ def clip_relative(
   beta: Scalar = 0.98,
   warmup_steps: Scalar = 100,
   warmup_max_norm: ScalarOrSchedule = 1.0,
-  patience: Scalar = 25,
+  patience: Optional[Scalar] = None,
+  growth: Scalar = 2.0,
   axis_name: AxisName = None,
   sharded: Any = True,
   leaf_stats: bool = False,
@@ -1240,21 +1283,37 @@ def clip_relative(
   on its own, ``g_hat_i = g_i min(1, factor gamma_i / ||g_i||)``, and
   ``gamma_i = beta gamma_i + (1 - beta) ||g_hat_i||``.
 
-  Differences from the paper: AdaGC is written there as part of AdamW (and
-  its divisions carry an epsilon); here it is a transformation to chain
-  before any optimizer and the ratios are exact. A NaN or infinite norm
-  leaves ``gamma`` and the step count untouched. Two changes keep a leaf
-  from being held back for good (in the paper ``gamma_i`` can only grow by
-  a factor ``1 + (1 - beta)(factor - 1)`` a step, and a zero gradient
-  during warm-up pins it at 0 for ever -- the normal state of LoRA's A
-  matrix at step 0):
+  With ``patience=None`` (the default) this is the paper's rule (its
+  Algorithm 1: ``factor`` is ``lambda_rel``, ``warmup_steps`` is
+  ``T_start``, ``warmup_max_norm`` is ``lambda_abs``), step for step, with
+  these differences:
 
+  * AdaGC is written there as part of AdamW (and its divisions carry an
+    epsilon); here it is a transformation to chain before any optimizer and
+    the ratios are exact;
+  * a NaN or infinite norm leaves ``gamma`` and the step count untouched;
   * a leaf whose gradient is exactly zero leaves its ``gamma_i`` as it was
-    (a zero norm has no scale); a leaf that had only zero gradients until
-    the warm-up ended takes its first nonzero norm as ``gamma_i``;
-  * when a leaf is clipped after ``patience`` clipped steps in a row, that
-    step passes unclipped and ``gamma_i`` restarts at its norm
-    (``restarts`` counts these).
+    (a zero norm has no scale), and a leaf that had only zero gradients
+    until the warm-up ended takes its first nonzero norm, unclipped, as
+    ``gamma_i``. In the paper a zero gradient during warm-up pins
+    ``gamma_i`` at 0 for ever, which is the normal state of LoRA's A matrix
+    at step 0.
+
+  In the paper's rule a leaf's threshold can rise by at most a factor
+  ``1 + (1 - beta)(factor - 1)`` a step (1.001 with the defaults): a lasting
+  rise of a leaf's norm is clipped for a long time (a tenfold one for about
+  2300 steps), and a run whose norms exceed ``warmup_max_norm`` starts with
+  every leaf clipped. ``patience`` (off by default) bounds this without
+  ever letting a spike through at its own size: once a leaf has been above
+  its limit ``factor * gamma_i`` on ``patience`` steps in a row, each
+  further step on which it is above it first multiplies ``gamma_i`` by
+  ``growth``, and then the paper's step runs on the raised value (the leaf
+  is clipped to ``factor * growth * gamma_i`` and the EMA continues from
+  ``growth * gamma_i``). The limit so grows geometrically from the clipped
+  level, by at most ``growth`` a step: a lasting new level ``L`` gets through
+  within about ``patience + log(L / (factor gamma_i)) / log(growth)`` steps,
+  while a spike on such a step comes out at most ``growth`` times the limit
+  the paper would have used. ``restarts`` counts these raised leaf-steps.
 
   Args:
     factor: the relative threshold (``lambda_rel`` in the paper; >= 1:
@@ -1267,8 +1326,12 @@ def clip_relative(
     warmup_steps: steps of global clipping that set the ``gamma_i`` (>= 1).
     warmup_max_norm: the global norm limit during warm-up (``lambda_abs``;
       >= 0): a number or a schedule, likewise.
-    patience: clipped steps in a row, per leaf, before a lasting new level
-      is accepted (>= 1).
+    patience: ``None`` (the default: the paper's rule), or the steps in a
+      row (>= 1) a leaf is held above its limit before its ``gamma_i`` is
+      raised by ``growth`` a step (see above).
+    growth: with ``patience``, the factor (> 1) by which a held-back leaf's
+      ``gamma_i`` is raised on each further step above its limit; unused
+      without ``patience``.
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
       which sharded leaves are split (as for :func:`clip_global`).
     sharded: which leaves are split over ``axis_name``: a bool, a pytree
@@ -1316,7 +1379,9 @@ def clip_relative(
   _schedules.check(
     who, "warmup_max_norm", warmup_max_norm, low=0.0, allow_inf=True
   )
-  _checks.check_steps(who, "patience", patience)
+  if patience is not None:
+    _checks.check_steps(who, "patience", patience)
+  _checks.check_number("growth", growth, who=who, low=1.0, low_open=True)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
   leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
@@ -1371,12 +1436,18 @@ def clip_relative(
     relative = jnp.where(factor_now == 0, 0.0, factor_now * gamma)
     over = ~warming & (norms > relative) & measured.unit_finite
     over = over & (factor_now > 0)  # a zero limit is not a new level
-    restart = over & (state.consecutive_clips >= patience)
-    over = over & ~restart
-    limit = jnp.where(
-      warming, warm_limit, jnp.where(restart, jnp.inf, relative)
-    )
-    new_updates, stats, (restarted,) = measured.clip(limit, [restart])
+    if patience is None:
+      raised = jnp.zeros_like(over)
+      base = gamma
+    else:
+      # Held back `patience` steps in a row: gamma first rises by `growth`
+      # (kept finite: a finite gamma is never mistaken for an unseen leaf).
+      raised = over & (state.consecutive_clips >= patience)
+      big = jnp.finfo(gamma.dtype).max
+      base = jnp.where(raised, jnp.minimum(growth * gamma, big), gamma)
+      relative = jnp.where(factor_now == 0, 0.0, factor_now * base)
+    limit = jnp.where(warming, warm_limit, relative)
+    new_updates, stats, (n_raised,) = measured.clip(limit, [raised])
     clipped = jnp.minimum(norms, limit)
     # A limit of 0 (a zero factor or warm-up limit) says nothing of the
     # norm's scale: gamma stays, as for a zero norm.
@@ -1385,7 +1456,7 @@ def clip_relative(
     new_gamma = jnp.where(
       warming,
       jnp.minimum(gamma, clipped),
-      jnp.where(unseen | restart, clipped, beta * gamma + (1 - beta) * clipped),
+      jnp.where(unseen, clipped, beta * base + (1 - beta) * clipped),
     )
     new_gamma = jnp.where(scaled, new_gamma, gamma)  # zero: no scale
     threshold = jnp.where(
@@ -1398,7 +1469,7 @@ def clip_relative(
       (
         jnp.minimum(state.count + 1, warmup_steps).astype(jnp.int32),
         new_gamma.astype(state.gamma.dtype),
-        add_count(state.restarts, restarted.astype(jnp.int32)),
+        add_count(state.restarts, n_raised.astype(jnp.int32)),
       ),
       (state.count, state.gamma, state.restarts),
     )

@@ -5,6 +5,7 @@ Each clipper is driven by a synthetic stream of gradient norms with spikes and
 compared, step by step, with a plain-Python/numpy restatement of its rule.
 """
 
+import inspect
 import math
 
 from absl.testing import parameterized
@@ -92,8 +93,10 @@ class ZClipRule:
   the clip value, take min with max_norm, scale by limit / (norm + 1e-6), and
   update mean then variance (with the new mean) with the clip value on a
   spike, the norm otherwise -- unless skip_update_on_spike on a spike. Not
-  in the reference (this package's restarts): a spike after ``patience``
-  spikes in a row, or against a variance of 0, is a new level.
+  in the reference: statistics of only zeros (mean and variance 0) take
+  the first nonzero norm as a new level, and with ``patience`` (opt-in) a
+  spike after ``patience`` spikes in a row first raises the mean by
+  ``growth`` and is judged against the raised mean.
   """
 
   def __init__(
@@ -107,10 +110,12 @@ class ZClipRule:
     clip_option="adaptive_scaling",
     clip_factor=1.0,
     skip_update_on_spike=False,
-    patience=25,
+    patience=None,
+    growth=2.0,
   ):
     self.alpha, self.z, self.max_norm, self.eps = alpha, z_thresh, max_norm, eps
     self.patience, self.run, self.restarts = patience, 0, 0
+    self.growth = growth
     self.warmup_steps, self.mode, self.option = warmup_steps, mode, clip_option
     self.factor, self.skip = clip_factor, skip_update_on_spike
     self.gathered = []
@@ -130,30 +135,23 @@ class ZClipRule:
         self.mean = sum(self.gathered) / n
         self.var = sum((x - self.mean) ** 2 for x in self.gathered) / n
       return (cap / (g + 1e-6) if g > cap else 1.0), cap
-    std = self.var**0.5
-    clip = None
-    if self.mode == "percentile":
-      boundary = self.mean + self.z * std
-      if g > boundary:
-        clip = boundary
-    else:
-      boundary = self.mean + self.z * (std + self.eps)
-      z = (g - self.mean) / (std + self.eps)
-      if z > self.z:
-        if self.option == "adaptive_scaling":
-          clip = (self.mean + self.z * std / (z / self.z)) * self.factor
-        else:
-          clip = self.mean
+    clip, boundary = self._judge(g)
     self.margins.append(abs(g - boundary) / boundary)
-    if clip is not None and (self.run >= self.patience or self.var == 0):
-      # This package's restart: a new level, taken in as such.
+    if clip is not None and self.mean == 0 and self.var == 0:
+      # This package's restart after only zeros: a new level.
       self.restarts += 1
       self.run = 0
       self.var = self.alpha * self.var + (1 - self.alpha) * (g - self.mean) ** 2
       self.mean = g
       factor = cap / g if g > cap else 1.0
       return factor, min(boundary, cap)
-    self.run = self.run + 1 if clip is not None else 0
+    held = clip is not None
+    if held and self.patience is not None and self.run >= self.patience:
+      # The opt-in rule: the mean rises by `growth`, then the usual step.
+      self.restarts += 1
+      self.mean *= self.growth
+      clip, boundary = self._judge(g)
+    self.run = self.run + 1 if held else 0
     limit = min(clip if clip is not None else g, cap)
     factor = limit / (g + 1e-6) if g > limit else 1.0
     if not (clip is not None and self.skip):
@@ -161,6 +159,20 @@ class ZClipRule:
       self.mean = self.alpha * self.mean + (1 - self.alpha) * x
       self.var = self.alpha * self.var + (1 - self.alpha) * (x - self.mean) ** 2
     return factor, min(boundary, cap)
+
+  def _judge(self, g):
+    """Returns (clip value or None, spike boundary) against the EMAs."""
+    std = self.var**0.5
+    if self.mode == "percentile":
+      boundary = self.mean + self.z * std
+      return (boundary if g > boundary else None), boundary
+    boundary = self.mean + self.z * (std + self.eps)
+    z = (g - self.mean) / (std + self.eps)
+    if z <= self.z:
+      return None, boundary
+    if self.option == "adaptive_scaling":
+      return (self.mean + self.z * std / (z / self.z)) * self.factor, boundary
+    return self.mean, boundary
 
   def mean_var(self):
     """The state's mean/var: the warm-up's running values, then the EMAs."""
@@ -181,13 +193,21 @@ def autoclip_rule(norms, percentile, history):
 
 
 def adagc_rule(
-  leaf_norms, factor, beta, warmup_steps, warmup_max_norm, patience=25
+  leaf_norms,
+  factor,
+  beta,
+  warmup_steps,
+  warmup_max_norm,
+  patience=None,
+  growth=2.0,
 ):
-  """Per step: per-leaf scale factors and gamma after the step (issue 4).
+  """Per step: per-leaf scale factors and gamma after the step: AdaGC's
+  rule (Wang et al. 2025, Algorithm 1).
 
-  With this package's two changes: a zero norm leaves gamma as it was (an
-  infinite gamma takes the first nonzero norm), and the clip after
-  ``patience`` clipped steps in a row is a restart (unclipped, gamma = norm).
+  With this package's change: a zero norm leaves gamma as it was (an
+  infinite gamma takes the first nonzero norm). With ``patience`` (opt-in),
+  a leaf above its limit after ``patience`` such steps in a row first has
+  its gamma multiplied by ``growth``, then takes the usual step.
   """
   gamma = np.full(leaf_norms.shape[1], np.inf)
   run = np.zeros(leaf_norms.shape[1], int)
@@ -199,12 +219,13 @@ def adagc_rule(
       new = np.minimum(gamma, norms * h)
     else:
       over = norms > factor * gamma
-      restart = over & (run >= patience)
-      over &= ~restart
-      factors = np.where(over, factor * gamma / norms, 1.0)
+      base = gamma
+      if patience is not None:
+        base = np.where(over & (run >= patience), growth * gamma, gamma)
+      factors = np.where(over, np.minimum(1.0, factor * base / norms), 1.0)
       clipped = norms * factors
       new = np.where(
-        np.isinf(gamma) | restart, clipped, beta * gamma + (1 - beta) * clipped
+        np.isinf(gamma), clipped, beta * base + (1 - beta) * clipped
       )
       run = np.where(over, run + 1, 0)
     gamma = np.where(norms > 0, new, gamma)
@@ -732,6 +753,216 @@ def test_relative_leaf_norm_stays_within_factor_of_gamma(leaf_norms):
     assert np.all(np.asarray(state.gamma) > 0)
 
 
+# --- Defaults follow the papers; patience is opt-in ---------------------------
+
+
+def _one_leaf_run(tx, norms):
+  """The output norm per step of a one-element leaf fed ``norms``."""
+  update = jax.jit(tx.update)
+  state = tx.init({"w": jnp.zeros(1)})
+  outs = []
+  for g in norms:
+    out, state = update({"w": jnp.array([g], jnp.float32)}, state)
+    outs.append(abs(float(out["w"][0])))
+  return np.array(outs), state
+
+
+def _rule_norms(norms, **kwargs):
+  """AdaGC's output norms for a one-leaf stream, with the defaults."""
+  full = dict(factor=1.05, beta=0.98, warmup_steps=100, warmup_max_norm=1.0)
+  full.update(kwargs)
+  column = np.asarray(norms, np.float64)[:, None]
+  return np.array([f[0] for f, _ in adagc_rule(column, **full)]) * column[:, 0]
+
+
+def test_relative_clips_a_spike_after_25_clipped_steps_by_default():
+  """Norms of 2 after a warm-up that clipped them to 1: gamma starts at 1
+  and every step after the warm-up is clipped (gamma grows by 1.001 a step).
+  After exactly 25 of them, spikes of 1000 and 800 come out at
+  ``1.05 * 1.001**25``, about 1.08, as the paper's rule gives.
+  """
+  norms = [2.0] * 125 + [1000.0, 800.0]
+  got, state = _one_leaf_run(optaxclip.clip_relative(), norms)
+  np.testing.assert_allclose(got, _rule_norms(norms), rtol=RTOL)
+  np.testing.assert_allclose(got[125], 1.05 * 1.001**25, rtol=1e-4)
+  assert got[126] < 1.1
+  assert int(state.restarts) == 0
+
+
+def test_relative_with_patience_raises_gamma_from_the_clipped_level():
+  """The opt-in rule on the same stream: the spike after 25 clipped steps
+  comes out at ``factor * growth * gamma``, about 2.15, and a lasting level
+  then gets through within a few doublings.
+  """
+  norms = [2.0] * 125 + [1000.0, 800.0] + [50.0] * 10
+  tx = optaxclip.clip_relative(patience=25, growth=2.0)
+  got, state = _one_leaf_run(tx, norms)
+  np.testing.assert_allclose(
+    got, _rule_norms(norms, patience=25, growth=2.0), rtol=RTOL
+  )
+  np.testing.assert_allclose(got[125], 2 * 1.05 * 1.001**25, rtol=1e-4)
+  assert got[126] < 2.2 * got[125]
+  np.testing.assert_allclose(got[-4:], 50.0, rtol=RTOL)  # the level passes
+  assert int(state.restarts) > 0
+
+
+def drifting_stream(steps=400, seed=0):
+  """Two leaves' norms: a drifting lognormal scale around 2 (above the
+  warm-up's limit of 1, so the paper's rule clips most steps), and three
+  spikes of 100x.
+  """
+  rng = np.random.default_rng(seed)
+  drift = np.cumsum(rng.normal(0.0, 0.02, steps))
+  norms = 2.0 * np.exp(drift)[:, None] * rng.lognormal(0.0, 0.2, (steps, 2))
+  for t, leaf in ((150, 0), (250, 1), (350, 0)):
+    norms[t, leaf] *= 100.0
+  return norms
+
+
+def test_relative_follows_the_papers_rule_on_a_drifting_stream():
+  """0 of 800 leaf-steps deviate from AdaGC's rule under the defaults, and
+  each spike comes out below 1.
+  """
+  norms = drifting_stream()
+  directions = {"a": np.ones(3) / np.sqrt(3), "b": np.ones(5) / np.sqrt(5)}
+  tx = optaxclip.clip_relative()
+  update = jax.jit(tx.update)
+  state = tx.init({k: jnp.zeros(v.shape) for k, v in directions.items()})
+  got = []
+  for n in norms:
+    g = {
+      k: jnp.asarray(n[i] * directions[k], jnp.float32)
+      for i, k in enumerate(directions)
+    }
+    out, state = update(g, state)
+    got.append([np.linalg.norm(np.asarray(out[k], np.float64)) for k in g])
+  want = np.array([f for f, _ in adagc_rule(norms, 1.05, 0.98, 100, 1.0)])
+  got = np.array(got) / norms
+  deviating = np.abs(got - want) > 1e-4 * want
+  assert int(deviating.sum()) == 0, np.argwhere(deviating)[:5]
+  assert np.mean(want[100:] < 1) > 0.5  # not vacuous: mostly clipped
+  for t, leaf in ((150, 0), (250, 1), (350, 0)):
+    assert norms[t, leaf] * got[t, leaf] < 1.0
+
+
+def test_zscore_follows_the_reference_after_equal_norms():
+  """A warm-up of equal norms (variance 0) then a new level: the
+  reference's rule clips every step to the mean, for ever; with the opt-in
+  ``patience`` the mean doubles a step from there until the level passes.
+  """
+  norms = [1.0] * 5 + [10.0] * 12
+  got, state = _one_leaf_run(optaxclip.clip_zscore(warmup_steps=5), norms)
+  np.testing.assert_allclose(got, [1.0] * 17, rtol=RTOL)
+  assert int(state.restarts) == 0
+  tx = optaxclip.clip_zscore(warmup_steps=5, patience=4, growth=2.0)
+  got, state = _one_leaf_run(tx, norms)
+  np.testing.assert_allclose(
+    got, [1.0] * 9 + [2.0, 4.0, 8.0] + [10.0] * 5, rtol=RTOL
+  )
+  assert int(state.restarts) == 4
+
+
+def test_zscore_takes_the_first_nonzero_norm_after_zeros():
+  """Statistics of zeros only have no scale: the first nonzero norm starts
+  them (the reference clips every later step to 0).
+  """
+  got, state = _one_leaf_run(
+    optaxclip.clip_zscore(warmup_steps=3), [0.0] * 3 + [2.0, 2.1, 1.9]
+  )
+  np.testing.assert_allclose(got, [0.0] * 3 + [2.0, 2.1, 1.9], rtol=RTOL)
+  assert int(state.restarts) == 1
+
+
+@pytest.mark.parametrize("fn", [optaxclip.clip_relative, optaxclip.clip_zscore])
+def test_patience_is_off_by_default(fn):
+  """The paper's (the reference's) rule: no escape rule unless asked for."""
+  parameters = inspect.signature(fn).parameters
+  assert parameters["patience"].default is None
+  assert parameters["growth"].default == 2.0
+
+
+RELATIVE_PATIENT = optaxclip.clip_relative(
+  1.05, warmup_steps=2, warmup_max_norm=1.0, patience=3, growth=2.0
+)
+ZSCORE_PATIENT = optaxclip.clip_zscore(
+  warmup_steps=3, alpha=0.9, patience=3, growth=2.0
+)
+JITTED.update(
+  {id(tx): jax.jit(tx.update) for tx in (RELATIVE_PATIENT, ZSCORE_PATIENT)}
+)
+# Levels between 1e-2 and 1e2, and spikes up to 1e8.
+levels = st.floats(1e-2, 1e2)
+spikes = st.floats(1e2, 1e8)
+
+
+@hypothesis.given(
+  st.lists(
+    st.tuples(
+      st.one_of(levels, spikes),
+      st.one_of(levels, spikes),
+      levels,
+    ),
+    min_size=16,
+    max_size=16,
+  )
+)
+@hypothesis.example(
+  [(2.0, 2.0, 2.0)] * 6 + [(1e6, 2.0, 2.0)] + [(2.0,) * 3] * 9
+)
+def test_relative_with_patience_never_passes_a_spike_at_its_own_size(
+  leaf_norms,
+):
+  """With the opt-in rule, each leaf's output norm after the warm-up is at
+  most ``factor * growth * gamma`` (gamma before the step), and at most
+  ``factor * gamma`` until the leaf has been above its limit ``patience``
+  steps in a row: a spike above that comes out clipped, never at its size.
+  The outputs are those of the rule restated in NumPy.
+  """
+  tx = RELATIVE_PATIENT
+  update = JITTED[id(tx)]
+  state = tx.init(tree(np.ones(3)))
+  norms = np.array(leaf_norms)
+  want = adagc_rule(norms, 1.05, 0.98, 2, 1.0, patience=3, growth=2.0)
+  for t, row in enumerate(norms):
+    gamma = np.asarray(state.gamma, np.float64)
+    run = np.asarray(state.consecutive_clips)
+    out, state = update(tree(row), state)
+    got = leaf_norms_of(out)
+    np.testing.assert_allclose(got, row * want[t][0], rtol=1e-4)
+    if t < 2:
+      continue
+    limit = 1.05 * gamma * np.where(run >= 3, 2.0, 1.0)
+    assert np.all(got <= limit * (1 + 1e-4)), (t, got, limit)
+    spike = row > limit * (1 + 1e-4)
+    assert np.all(got[spike] < row[spike])
+
+
+@hypothesis.given(st.lists(st.one_of(levels, spikes), min_size=16, max_size=16))
+@hypothesis.example([1.0, 1.1, 0.9] + [1e4] * 13)  # a lasting new level
+def test_zscore_with_patience_never_passes_a_spike_at_its_own_size(norms):
+  """With the opt-in rule, a step after the warm-up comes out at most
+  ``growth * m + z_thresh * (s + eps)`` (``m``, ``s`` the statistics before
+  the step), and at most ``m + z_thresh * (s + eps)`` when it is a spike
+  before the ``patience``-th in a row.
+  """
+  tx = ZSCORE_PATIENT
+  update = JITTED[id(tx)]
+  state = tx.init(global_tree(1.0))
+  for t, g in enumerate(norms):
+    m = float(state.mean)
+    s = float(optaxclip._adaptive.spread(state.mean, state.var))
+    run = int(state.consecutive_spikes)
+    out, state = update(global_tree(g), state)
+    got = global_norm_of(out)
+    assert got <= g * (1 + RTOL)
+    if t < 3:
+      continue
+    up = 2.0 if run >= 3 else 1.0
+    bound = up * m + 2.5 * (s + 1e-6)
+    if g > bound * (1 + 1e-4):
+      assert got <= bound * (1 + 1e-4), (t, g, got, bound)
+
+
 # --- Hyperparameter checks ----------------------------------------------------
 
 
@@ -770,6 +1001,17 @@ def test_relative_leaf_norm_stays_within_factor_of_gamma(leaf_norms):
     ),
     (lambda: optaxclip.clip_percentile(scope="unit"), ValueError, "scope"),
     (lambda: optaxclip.clip_relative(0.0), ValueError, "factor"),
+    (
+      lambda: optaxclip.clip_relative(patience=3, growth=1.0),
+      ValueError,
+      "clip_relative: growth must be > 1",
+    ),
+    (lambda: optaxclip.clip_relative(patience=0), ValueError, "patience"),
+    (
+      lambda: optaxclip.clip_zscore(growth=float("nan")),
+      ValueError,
+      "clip_zscore: growth must be a real number; got NaN",
+    ),
     (lambda: optaxclip.clip_relative(beta=1.5), ValueError, "beta"),
     (
       lambda: optaxclip.clip_relative(warmup_steps=0),

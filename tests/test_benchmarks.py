@@ -252,7 +252,7 @@ ISSUE10_NOW = {
   "guard_1e200": "skipped 0 of 2, nonfinite 0",
   "guard_after_zero_warmup": "skipped 0 of 200",
   "zscore_after_zero_warmup": "last out norm 1.41 of",
-  "relative_zero_leaf_once": "last out norm 1.41 of",
+  "relative_zero_leaf_once": "leaf a's last out norm 0.777 of",
   "clip_global_nan_leaf": "b nan, clip_fraction 1",
   "per_example_nonfinite_example": "sum [0.5, 0.0]",
   "adaptive_clipped_norm_on_inf": "update NaN: True, clipped_norm nan",

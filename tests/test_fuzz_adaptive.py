@@ -4,8 +4,11 @@ Each fix has a property here, beside the examples in test_adaptive.py and
 test_guard.py:
 
 * no absorbing state: after any history (zeros, equal norms, NaN/Inf, huge
-  and tiny norms), a new constant level of the norm is held back at most
-  ``patience`` steps in a row (``history`` steps for clip_percentile);
+  and tiny norms), a new constant level of the norm is held back a bounded
+  number of steps in a row: ``patience`` for guard, ``history`` for
+  clip_percentile, and for clip_zscore and clip_relative with their opt-in
+  ``patience``, ``patience`` plus the raises by ``growth`` that reach the
+  level (the histories and levels span 35 decades: 35 raises by 10);
 * float64: tiny and huge float64 norms keep float64 decisions, statistics
   and outputs (nothing flushed to zero, nothing counted as non-finite);
 * every scale: the z-score statistics (clip_zscore, guard's norm and loss
@@ -39,19 +42,26 @@ import optaxclip
 
 PATIENCE, WARMUP, HISTORY = 4, 3, 6
 ALPHA = 0.9
+GROWTH = 10.0
+RAISES = 35  # raises by GROWTH that cover the 35 decades drawn below
 CLIPPERS = {
   "zscore": lambda **kw: optaxclip.clip_zscore(
-    warmup_steps=WARMUP, patience=PATIENCE, alpha=ALPHA, **kw
+    warmup_steps=WARMUP, patience=PATIENCE, growth=GROWTH, alpha=ALPHA, **kw
   ),
   "zscore_skip": lambda **kw: optaxclip.clip_zscore(
     warmup_steps=WARMUP,
     patience=PATIENCE,
+    growth=GROWTH,
     skip_update_on_spike=True,
     mode="percentile",
     **kw,
   ),
   "zscore_leaf": lambda **kw: optaxclip.clip_zscore(
-    warmup_steps=WARMUP, patience=PATIENCE, scope="leaf", **kw
+    warmup_steps=WARMUP,
+    patience=PATIENCE,
+    growth=GROWTH,
+    scope="leaf",
+    **kw,
   ),
   "percentile": lambda **kw: optaxclip.clip_percentile(
     10.0, history=HISTORY, **kw
@@ -60,7 +70,11 @@ CLIPPERS = {
     50.0, history=HISTORY, scope="leaf", **kw
   ),
   "relative": lambda **kw: optaxclip.clip_relative(
-    warmup_steps=WARMUP, patience=PATIENCE, warmup_max_norm=math.inf, **kw
+    warmup_steps=WARMUP,
+    patience=PATIENCE,
+    growth=GROWTH,
+    warmup_max_norm=math.inf,
+    **kw,
   ),
 }
 GUARD = lambda **kw: optaxclip.guard(
@@ -128,7 +142,12 @@ def test_a_new_level_is_held_back_a_bounded_number_of_steps(
   state = tx.init(params)
   for g in history:
     _, state = update(tree(g), state, params)
-  bound = HISTORY if name.startswith("percentile") else PATIENCE
+  if name.startswith("percentile"):
+    bound = HISTORY
+  elif name == "guard":
+    bound = PATIENCE
+  else:  # raised by GROWTH a step once held back PATIENCE steps
+    bound = PATIENCE + RAISES + 1
   held = []  # per step at the new level: held back (skipped or cut)?
   for _ in range(bound + 6):
     out, state = update(tree(level), state, params)
