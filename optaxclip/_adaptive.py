@@ -1115,10 +1115,16 @@ def clip_percentile(
   are also kept sorted, so that a step costs one insertion and one removal
   (a few passes over ``history`` values per unit, no sort).
 
+  With the defaults (``percentile=10``, the paper's recommendation) this is
+  the paper's rule, exactly, for the first ``history`` (1024) steps.
   Differences from the paper: AutoClip keeps every norm since the start of
   training; this keeps the last ``history`` (a ring buffer in the state), so
   memory is fixed and the threshold follows the norm as training moves on:
-  a lasting new level passes within ``history`` steps whatever came before.
+  a lasting new level passes within ``history`` steps whatever came before,
+  while a norm passes unclipped only where it is at or below the
+  ``percentile``-th percentile of the window it enters (with the defaults,
+  every norm above the smallest tenth of the recent ones is clipped: a spike
+  never passes at its own size).
   A NaN or infinite norm is not recorded (one would otherwise stay in the
   history), nor does a norm of exactly zero count (it has no scale: after a
   run of zero gradients the first nonzero one is not clipped to 0; it takes

@@ -163,26 +163,43 @@ def _with_prefix(prefix: str, key: str) -> str:
   return f"{prefix.rstrip('/')}/{key}" if prefix else key
 
 
+def batch_shape(state: Any) -> tuple[int, ...]:
+  """The leading axes a registered state was batched over (``vmap``,
+  ``pmap``): the shape of its first statistic, a scalar per step; ``()``
+  for a state of one run.
+  """
+  value = getattr(state, _REGISTRY[type(state)][1][0], None)
+  return tuple(jnp.shape(_unwrap(value))) if value is not None else ()
+
+
 def _leaf_norm_items(key: str, state: Any) -> list[tuple[str, jax.Array]]:
-  """``(key, value)`` per leaf (or layer) of a state's ``leaf_norms``."""
+  """``(key, value)`` per leaf (or layer) of a state's ``leaf_norms``; a
+  value holds the batch axes of a batched state (:func:`batch_shape`).
+  """
   tree = getattr(state, "leaf_norms", None)
   if tree is None:
     return []
   if isinstance(tree, _telemetry.LeafNorms):
     values = _unwrap(tree.values)
     return [
-      (f"{key}/leaf_norm/{name}" if name else f"{key}/leaf_norm", values[i])
+      (
+        f"{key}/leaf_norm/{name}" if name else f"{key}/leaf_norm",
+        values[..., i],
+      )
       for i, name in enumerate(tree.names())
     ]
+  batch = len(batch_shape(state))
   items = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     name = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
     base = f"{key}/leaf_norm/{name}" if name else f"{key}/leaf_norm"
     value = _unwrap(leaf)
-    if jnp.ndim(value) == 0:
+    if jnp.ndim(value) == batch:
       items.append((base, value))
     else:
-      items.extend((f"{base}/{k}", value[k]) for k in range(value.shape[0]))
+      items.extend(
+        (f"{base}/{k}", value[..., k]) for k in range(value.shape[-1])
+      )
   return items
 
 
@@ -219,7 +236,8 @@ def stats(opt_state: Any, *, prefix: str = "") -> dict[str, jax.Array]:
   ``wandb.log(stats, step=step)`` (see the docs' "Logging" page).
 
   It reads values already in the state: calling it inside a jitted step adds
-  no pass over the gradients.
+  no pass over the gradients. A state batched by ``vmap`` or ``pmap`` gives
+  the same keys, each value with the batch axes (one entry per index).
 
   Args:
     opt_state: any pytree holding optaxclip states.
@@ -289,6 +307,11 @@ def leaf_norm_table(
     opt_state: any pytree holding optaxclip states.
     prefix: as for :func:`stats`.
 
+  A state batched by ``vmap`` or ``pmap`` (every field with leading batch
+  axes) gives one table per index: ``values`` then has those axes in front,
+  ``values[i]`` the norms of index ``i`` (states batched differently raise
+  a ``ValueError``).
+
   Returns:
     ``(names, values)``; an empty list and a ``(0,)`` array when no state
     keeps leaf norms.
@@ -304,21 +327,26 @@ def leaf_norm_table(
      Array([5., 1.], dtype=float32))
   """
   _check_prefix("leaf_norm_table", prefix)
-  names, values = [], []
+  names, values, batch, first = [], [], None, ""
   for key, state in _keyed_states(opt_state):
-    tree = getattr(state, "leaf_norms", None)
-    if tree is None:
+    if getattr(state, "leaf_norms", None) is None:
       continue
-    key = _with_prefix(prefix, key)
-    for name, leaf in _leaf_norm_items(key, state):
-      del leaf
-      names.append(name)
+    shape = batch_shape(state)
+    if batch is None:
+      batch, first = shape, key
+    elif shape != batch:
+      raise ValueError(
+        f"leaf_norm_table: every state must be batched alike (one table per "
+        f"index); got {first!r} batched {batch} and {key!r} {shape}."
+      )
+    names += [n for n, _ in _leaf_norm_items(_with_prefix(prefix, key), state)]
     values += [
-      jnp.ravel(_unwrap(x)).astype(jnp.float32) for x in jax.tree.leaves(tree)
+      jnp.reshape(_unwrap(x), shape + (-1,)).astype(jnp.float32)
+      for x in jax.tree.leaves(state.leaf_norms)
     ]
   if not values:
     return [], jnp.zeros((0,), jnp.float32)
-  return names, jnp.concatenate(values) if len(values) > 1 else values[0]
+  return names, jnp.concatenate(values, axis=-1)
 
 
 _MISSING = object()
