@@ -136,6 +136,10 @@ class GuardState(NamedTuple):
       global norm carried by the largest leaf or layer; else ``None``.
     top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
       flattened ``leaf_norms``; else ``None``.
+    skip_cause: why this step was skipped (int32): 0 when it went through,
+      else the counter it was counted in: 1 ``skipped_nonfinite``, 2
+      ``skipped_max_norm``, 3 ``skipped_spike``, 4 ``skipped_loss_spike``.
+      :func:`optaxclip.explain` reads it.
   """
 
   norm: jax.Array  # float scalar
@@ -163,6 +167,17 @@ class GuardState(NamedTuple):
   leaf_norms: Any = None  # LeafNorms: float32 (entries,), static structure
   top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
   top_leaf: Optional[jax.Array] = None  # int32 scalar
+  skip_cause: Optional[jax.Array] = None  # int32 scalar: SKIP_CAUSES index
+
+
+# GuardState.skip_cause's values: the cause counter each one is counted in.
+SKIP_CAUSES = (
+  None,
+  "skipped_nonfinite",
+  "skipped_max_norm",
+  "skipped_spike",
+  "skipped_loss_spike",
+)
 
 
 def _varying_axes(x: Any) -> frozenset:
@@ -304,6 +319,16 @@ def _split(new: Any, old: Any, keep: list, paths: list, keep_rest) -> Any:
       for (_, n), o in zip(flat, old_children)
     ],
   )
+
+
+def _cause_index(*hits) -> jax.Array:
+  """The :data:`SKIP_CAUSES` index of a step's cause (``hits`` from
+  :func:`_one_cause`, at most one of them true), 0 for none.
+  """
+  index = jnp.zeros((), jnp.int32)
+  for i, hit in enumerate(hits, start=1):
+    index = jnp.where(hit, jnp.int32(i), index)
+  return index
 
 
 def _one_cause(skip_any, *causes):
@@ -470,8 +495,10 @@ def guard(
 
     leaf_stats: also keep each leaf's L2 norm in the state (``leaf_norms``;
       :func:`optaxclip.stats` shows them as ``guard/leaf_norm/<path>``),
-      with ``top_leaf_share`` and ``top_leaf``, so that a skipped step says
-      which leaf blew up; from the same single pass over the gradients. A
+      with ``top_leaf_share`` and ``top_leaf``, so that
+      :func:`optaxclip.explain` says which leaf blew up on a skipped step
+      (the first leaf whose norm is NaN, or the one that carried most of
+      the squared norm); from the same single pass over the gradients. A
       leaf norm beyond float32's range reads +inf.
     layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
       (``nn.scan``): such a leaf reports one norm per layer. An int, a
@@ -601,6 +628,7 @@ def guard(
       else _adaptive.window_init(window, units, dtype),
       skipped_leaves=counter() if per_leaf else None,
       **_telemetry.init_fields(who, params, leaf_stats, layer_axis),
+      skip_cause=counter(),
     )
 
   def learn(count, mean, var, win, x, *, finite, take, restart):
@@ -811,6 +839,7 @@ def guard(
       step=_schedules.next_count(state.step),
       **loss_fields,
       **measured.telemetry._asdict(),
+      skip_cause=_cause_index(by_nonfinite, by_max_norm, by_spike, by_loss),
     )
 
   def _apply(updates, old_inner, params, skip, **extra_args):

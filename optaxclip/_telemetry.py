@@ -88,15 +88,16 @@ class LeafNorms:
 
   def tree(self) -> Any:
     """The norms as a pytree shaped like the updates: a scalar per leaf,
-    an ``(L,)`` vector per leaf with a layer axis.
+    an ``(L,)`` vector per leaf with a layer axis (with the leading axes of
+    a state batched by ``vmap`` or ``pmap`` in front of each).
     """
     out, at = [], 0
     for layers in self.layers:
       if layers is None:
-        out.append(self.values[at])
+        out.append(self.values[..., at])
         at += 1
       else:
-        out.append(self.values[at : at + layers])
+        out.append(self.values[..., at : at + layers])
         at += layers
     return jax.tree.unflatten(self.treedef, out)
 
