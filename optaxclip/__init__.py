@@ -38,6 +38,8 @@ from optaxclip._spam import clip_spikes_adaptive
 from optaxclip._spam import scale_by_norm_ema
 from optaxclip._spam import spam
 from optaxclip._spam import stable_spam
+from optaxclip._stable_adamw import StableAdamWState
+from optaxclip._stable_adamw import stable_adamw
 from optaxclip._static import ClipBlockRMSState
 from optaxclip._static import ClipGlobalState
 from optaxclip._static import ClipNormState
@@ -53,6 +55,8 @@ from optaxclip._stats import leaf_norm_table
 from optaxclip._stats import stats
 from optaxclip._stats import upgrade_state
 from optaxclip._telemetry import LeafNorms
+from optaxclip._watch import WatchState
+from optaxclip._watch import watch
 from optaxclip._wrappers import clipped
 
 __version__ = "0.1.0"
@@ -76,7 +80,9 @@ __all__ = (
   "ScaleByNormEmaState",
   "Sensitivity",
   "SpamState",
+  "StableAdamWState",
   "StableSpamState",
+  "WatchState",
   "Window",
   "clip_block_rms",
   "clip_by_global_norm",
@@ -103,7 +109,9 @@ __all__ = (
   "leaf_norms",
   "scale_by_norm_ema",
   "spam",
+  "stable_adamw",
   "stable_spam",
   "stats",
   "upgrade_state",
+  "watch",
 )

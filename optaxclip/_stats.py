@@ -286,6 +286,10 @@ def stats(opt_state: Any, *, prefix: str = "") -> dict[str, jax.Array]:
     if share is not None:
       out[f"{key}/top_leaf_share"] = _unwrap(share)
     out.update(_leaf_norm_items(key, state))
+    # A state with per-leaf statistics of its own names their keys.
+    items: Any = getattr(state, "stats_items", None)
+    if items is not None:
+      out.update(items(key))
   return out
 
 

@@ -669,6 +669,14 @@ BAD = [
     TypeError,
     "real number",
   ),
+  (
+    "stable_adamw",
+    {"learning_rate": 0.1, "b2": 1.0},
+    "b2",
+    ValueError,
+    "< 1",
+  ),
+  ("watch", {"leaf_stats": 1}, "leaf_stats", TypeError, "bool"),
 ]
 
 
@@ -713,6 +721,8 @@ def test_every_public_transformation_has_a_bad_argument_case():
     "clip_spikes",
     "clip_spikes_adaptive",
     "scale_by_norm_ema",
+    "stable_adamw",
+    "watch",
   }
   assert factories <= covered, factories - covered
   public = {n for n in optaxclip.__all__ if n[0].islower()}

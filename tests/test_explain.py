@@ -414,6 +414,29 @@ def test_leaf_stats_name_the_leaf_and_layer():
   ]
 
 
+_STABLE_ADAMW = optaxclip.stable_adamw(0.1).init(_PARAMS)
+CASES += [
+  (
+    _STABLE_ADAMW._replace(
+      max_rms=jnp.float32(3.0), scaled=_i(1), clip_fraction=jnp.float32(0.5)
+    ),
+    (
+      "stable_adamw divided the learning rate of 1 tensor (50%) by their RMS "
+      "(largest 3.0)"
+    ),
+  ),
+  (_STABLE_ADAMW, "stable_adamw scaled no tensor's step (largest RMS 0.0)"),
+  (
+    optaxclip.watch()
+    .init(_PARAMS)
+    ._replace(
+      update_norm=jnp.float32(0.5),
+      param_norm=jnp.float32(10.0),
+      update_to_param=jnp.float32(0.05),
+    ),
+    "watch saw an update of norm 0.5 on parameters of norm 10 (ratio 0.05)",
+  ),
+]
 
 
 # --- Issue 46: every sentence true ------------------------------------------
