@@ -539,6 +539,7 @@ def clip_spikes(
   )
 
   def init_fn(params):
+    _checks.check_float_leaves(params, f"{who}: params", real=True)
     return ClipSpikesState(
       count=jnp.zeros((), jnp.int32),
       nu=jax.tree.map(jnp.zeros_like, params),
@@ -611,6 +612,8 @@ def _scale_by_spam(
   who = "spam"
 
   def init_fn(params):
+    # Refused here, as at update: complex leaves have no SPAM moments.
+    _checks.check_float_leaves(params, f"{who}: params", real=True)
     return SpamState(
       count=jnp.zeros((), jnp.int32),
       mu=jax.tree.map(jnp.zeros_like, params),

@@ -397,6 +397,28 @@ def test_per_leaf_state_of_another_tree_is_an_error():
     optaxclip.scale_by_norm_ema().update({"a": jnp.ones(2)}, old)
 
 
+@pytest.mark.parametrize(
+  "name, make",
+  [
+    ("spam", lambda: optaxclip.spam(1e-3)),
+    ("clip_spikes", optaxclip.clip_spikes),
+    ("stable_spam", lambda: optaxclip.stable_spam(1e-3)),
+  ],
+)
+def test_complex_parameters_are_refused_at_init(name, make):
+  """The SPAM family's element-wise moments are real: a complex leaf is
+  refused when the state is built, with the function and the leaf named
+  (not accepted there and refused at the first update).
+  """
+  params = {"w": jnp.ones(2), "z": jnp.ones(3, jnp.complex64)}
+  with pytest.raises(
+    TypeError,
+    match=rf"^{name}: params leaf \['z'\] must be a real float .*; got "
+    r"dtype complex64\.$",
+  ):
+    make().init(params)
+
+
 def test_inject_hyperparams_learning_rate():
   p = _as_tree(_params())
   tx = optax.inject_hyperparams(optaxclip.spam)(learning_rate=LR, **SPAM_KW)
