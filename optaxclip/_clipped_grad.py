@@ -14,6 +14,7 @@ import optax
 
 from optaxclip import _checks
 from optaxclip import _ghost
+from optaxclip import _loss_audit
 from optaxclip import _norms
 from optaxclip import _per_example
 from optaxclip import _remat
@@ -384,6 +385,9 @@ def clipped_grad(
     else:
       real = ~jnp.asarray(is_padding_example, bool).reshape(batch)
     if method == "vmap":
+      # The audit's refusals (a loss that is not per example, or mixes
+      # examples) hold for both methods.
+      _audited_plan(params, args, group_of_leaf, batch)
       group_norms, grads, aux = _vmap_path(
         args, real, clips, group_of_leaf, batch
       )
@@ -503,9 +507,7 @@ def clipped_grad(
       losses, aux = split_(loss_fn_(p, *args[1:]))
       return losses.reshape(batch), aux
 
-    plan, fallback = _ghost.discover(
-      lambda p: apply_loss(p)[0], params, batch, group_of_leaf
-    )
+    plan, fallback = _audited_plan(params, args, group_of_leaf, batch)
     # A batch split over devices takes two passes: the caught layer inputs
     # and output gradients would be typed like the (unsplit) catchers.
     spans = any(
@@ -770,19 +772,45 @@ def clipped_grad(
     )
     return [_norms.Scaled(values[g], exponents[g]) for g in range(n_groups)]
 
+  def _audited_plan(params, args, group_of_leaf, batch):
+    """The ghost plan, from the traced loss (``_ghost.discover``); a loss
+    that is not per example, or mixes examples, is refused here.
+    """
+
+    def loss_of(p, batch_args):
+      full = list(args)
+      for i, b in zip(batch_argnums, batch_args):
+        full[i] = b
+      return split(loss_fn(p, *full[1:]))[0]
+
+    try:
+      return _ghost.discover(
+        loss_of,
+        params,
+        tuple(args[i] for i in batch_argnums),
+        batch,
+        group_of_leaf,
+      )
+    except _loss_audit.MixesExamples as err:
+      raise ValueError(
+        f"{WHO}: loss_fn mixes examples: {err}. A per-example gradient "
+        "has no meaning there: use per-example normalisation (LayerNorm, "
+        "GroupNorm) instead of batch statistics, and normalise the loss by "
+        "a constant."
+      ) from None
+    except ValueError as err:
+      if str(err).startswith("loss_fn must return"):
+        raise ValueError(f"{WHO}: {err}.") from None
+      raise
+
   def plan(params, *args):
-    """The ghost plan for these arguments: which parameter paths are
-    ghosted and which take the exact per-example path.
+    """The ghost plan for these arguments: per parameter path, ghosted or
+    exact and why (``str(plan)``; its ``ghosted`` and ``fallback`` lists).
     """
     args_ = (params, *args)
     batch = _batch_arg_size(args_, batch_argnums)
     _, group_of_leaf = _groups(l2_clip, params)
-    return _ghost.discover(
-      lambda p: split(loss_fn(p, *args))[0].reshape(batch),
-      params,
-      batch,
-      group_of_leaf,
-    )[0]
+    return _audited_plan(params, args_, group_of_leaf, batch)[0]
 
   # Attributes of the returned function (it stays a plain function, which
   # jax.jit and functools.partial take as it is).

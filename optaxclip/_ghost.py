@@ -79,6 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optaxclip import _loss_audit
 from optaxclip import _norms
 
 try:  # Flax is optional: without it every parameter takes the exact path.
@@ -106,6 +107,15 @@ def _kinds() -> dict:
   return kinds
 
 
+_KIND_NAMES = {
+  "dense": "Dense: from its layer's input and output gradient",
+  "dense_general": "DenseGeneral: from its layer's input and output gradient",
+  "embed": "Embed: from the token ids and the output gradient",
+  "direct": "its layer's own per-example gradient",
+  "nnx": "nnx layer: from its input and output gradient",
+}
+
+
 def _kind_of(module) -> Optional[str]:
   for cls, kind in _kinds().items():
     if type(module) is cls:  # a subclass may change the computation.
@@ -131,6 +141,8 @@ class Plan:
       layer sees them (under ``nn.scan``, without the stacked axis).
     containers: module path -> the keys, from the root of the parameter
       tree, of the mapping that holds the layer's parameters.
+    reasons: parameter path -> why it is ghosted or exact (``str(plan)``
+      lists them, one parameter a line).
   """
 
   covered: dict
@@ -140,6 +152,14 @@ class Plan:
   nnx_groups: dict = dataclasses.field(default_factory=dict)
   shapes: dict = dataclasses.field(default_factory=dict)
   containers: dict = dataclasses.field(default_factory=dict)
+  reasons: dict = dataclasses.field(default_factory=dict)
+
+  def __str__(self) -> str:
+    width = max((len(k) for k in self.reasons), default=0)
+    return "\n".join(
+      f"{k.ljust(width)}  {'ghost' if k in self.ghosted else 'exact'}: {why}"
+      for k, why in self.reasons.items()
+    )
 
 
 def _leaf_names(path) -> tuple:
@@ -152,92 +172,213 @@ def _leaf_names(path) -> tuple:
   return tuple(out)
 
 
+def _theta_shapes(module) -> dict:
+  return {k: np.shape(v) for k, v in module.variables.get("params", {}).items()}
+
+
+def _call_form(method, args, kwargs, batch_size) -> Optional[str]:
+  """None for a call the taps can read, ``module(x)`` with ``x`` batched
+  first; else why not.
+  """
+  x = args[0] if args else None
+  if method != "__call__":
+    return f"its layer is also called through `{method}`"
+  if len(args) != 1 or kwargs:
+    return "its layer is called with more than its input"
+  if x is None or not hasattr(x, "shape") or np.ndim(x) < 1:
+    return "its layer's input is not an array"
+  if np.shape(x)[0] != batch_size:
+    return f"its layer's input has no leading batch axis of size {batch_size}"
+  return None
+
+
+def _marked(theta: dict, x, specs: dict):
+  """``theta`` and ``x`` through markers of one new call (``_loss_audit``),
+  and the call's id.
+  """
+  call = _loss_audit.new_call()
+  marked = {
+    n: _loss_audit.marker(call, n, np.shape(v), specs)(v)
+    for n, v in theta.items()
+  }
+  x = _loss_audit.marker(call, _loss_audit.X, np.shape(x), specs)(x)
+  return call, marked, x
+
+
+def _marked_call(module, x, specs, call_paths, path):
+  """``module(x)`` computed from marked copies of its parameters and input
+  (see ``_loss_audit``), for the audit trace only.
+  """
+  theta = dict(module.variables.get("params", {}))
+  call, marked, x = _marked(theta, x, specs)
+  call_paths[call] = path
+  return _ModuleFn(module)(marked, x)
+
+
 def discover(
-  apply_loss: Callable, params: Any, batch_size: int, group_of_leaf: list
+  loss_of: Callable,
+  params: Any,
+  batch: tuple,
+  batch_size: int,
+  group_of_leaf: list,
 ) -> tuple[Plan, list]:
-  """Traces the loss once (``eval_shape``) and plans the ghost pass.
+  """Traces the loss once (``jax.make_jaxpr``) and plans the ghost pass.
+
+  A parameter is ghosted only when its layer is one the taps handle, called
+  once on an input batched along its leading axis, and the traced program
+  reads the parameter nowhere else (``_loss_audit``): every other parameter
+  takes the exact per-example path, with the reason in ``Plan.reasons``.
 
   Args:
-    apply_loss: ``params -> per-example losses`` (the batch bound).
+    loss_of: ``(params, batch) -> (B,)`` per-example losses.
     params: the parameters (arrays or shapes).
+    batch: the batch arguments (leading axis ``B``).
     batch_size: ``B``.
     group_of_leaf: per leaf of ``params`` (flattened), its clip group.
 
   Returns:
     The :class:`Plan` and, per leaf, whether it falls back (True).
+
+  Raises:
+    ValueError: the loss mixes examples (``_loss_audit.MixesExamples``), or
+      does not return ``(B,)`` losses.
   """
   with_paths = jax.tree_util.tree_flatten_with_path(params)[0]
   names = [_leaf_names(p) for p, _ in with_paths]
-  calls: dict = {}  # id(module) -> [module, path, kind, count, ok]
-  if nn is not None:
+  calls: dict = {}  # id(module) -> [module, path, kind, count, ok, shapes]
+  specs: dict = {}  # marker name -> _loss_audit.MarkerSpec
+  call_paths: dict = {}  # marker call -> module path (linen) or None (nnx)
+  nnx_reads: dict = {}  # leaf index -> per call, why it cannot be tapped
 
-    def record(next_fun, args, kwargs, context):
-      module = context.module
-      kind = _kind_of(module)
-      method = context.method_name
-      if (
-        kind is not None
-        and module.path is not None
-        and (method == "__call__" or not method.startswith(("_", "setup")))
-      ):
-        entry = calls.setdefault(
-          id(module), [module, tuple(module.path), kind, 0, True, None]
-        )
-        entry[3] += 1
-        x = args[0] if args else None
-        y = next_fun(*args, **kwargs)
-        if isinstance(x, (jax.Array, np.ndarray)) and isinstance(
-          y, (jax.Array, np.ndarray)
-        ):
-          entry[5] = (
-            jax.ShapeDtypeStruct(np.shape(x), x.dtype),
-            jax.ShapeDtypeStruct(np.shape(y), y.dtype),
-            {
-              k: np.shape(v)
-              for k, v in module.variables.get("params", {}).items()
-            },
-          )
-        ok = x is not None and (
-          context.method_name == "__call__"
-          and len(args) == 1
-          and not kwargs
-          and hasattr(x, "shape")
-          and x.ndim >= 1
-          and x.shape[0] == batch_size
-        )
-        if kind == "direct" or kind == "dense_general":
-          ok = ok and _direct_ok(module)
-        if kind == "dense_general" and ok:
-          ok = _dense_general_axes(module, x) is not None
-        entry[4] = entry[4] and ok
-        return y
+  marking = []  # non-empty inside a marked call: its own calls pass
+
+  def record(next_fun, args, kwargs, context):
+    module = context.module
+    kind = _kind_of(module)
+    method = context.method_name
+    if (
+      marking
+      or kind is None
+      or module.path is None
+      or not (method == "__call__" or not method.startswith(("_", "setup")))
+    ):
       return next_fun(*args, **kwargs)
+    path = tuple(module.path)
+    entry = calls.setdefault(id(module), [module, path, kind, 0, None, None])
+    entry[3] += 1
+    x = args[0] if args else None
+    why = _call_form(method, args, kwargs, batch_size)
+    if why is None and kind in ("direct", "dense_general"):
+      if not _direct_ok(module):
+        why = "its layer has batch_dims"
+      elif kind == "dense_general" and _dense_general_axes(module, x) is None:
+        why = "its layer contracts axes that are not the trailing ones"
+    entry[4] = entry[4] or why
+    ok = why is None
+    if ok:
+      marking.append(path)
+      try:
+        y = _marked_call(module, x, specs, call_paths, path)
+      finally:
+        marking.pop()
+    else:
+      y = next_fun(*args, **kwargs)
+    if isinstance(x, (jax.Array, np.ndarray)) and isinstance(
+      y, (jax.Array, np.ndarray)
+    ):
+      entry[5] = (
+        jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+        jax.ShapeDtypeStruct(np.shape(y), y.dtype),
+        _theta_shapes(module),
+      )
+    return y
 
-    with nn.intercept_methods(record):
-      nnx_calls = _nnx_discover(apply_loss, params, batch_size)
-  else:  # pragma: no cover
-    nnx_calls = {}
+  def traced(p, b):
+    leaf_index = {id(v): i for i, v in enumerate(jax.tree.leaves(p))}
+
+    def around(module, kind, method, original, args, kwargs):
+      theta = _nnx_variables(module, kind)
+      idx = {n: leaf_index.get(id(_value(v))) for n, v in theta.items()}
+      why = _call_form(method, args, kwargs, batch_size)
+      for i in idx.values():
+        if i is not None:
+          nnx_reads.setdefault(i, []).append(why)
+      if why is not None:
+        return original(module, *args, **kwargs)
+      old = {n: _value(v) for n, v in theta.items()}
+      call, marked, x = _marked(old, args[0], specs)
+      call_paths[call] = None
+      try:
+        for n, v in marked.items():
+          theta[n].set_value(v)
+        return original(module, x)
+      finally:
+        for n, v in old.items():
+          theta[n].set_value(v)
+
+    if nn is None:  # pragma: no cover
+      return loss_of(p, b)
+    with nn.intercept_methods(record), _nnx_patched(around):
+      return loss_of(p, b)
+
+  closed = jax.make_jaxpr(traced)(params, batch)
+  out = closed.out_avals[0] if closed.out_avals else None
+  if out is None or tuple(out.shape) != (batch_size,):
+    raise ValueError(
+      "loss_fn must return one loss per example, shape "
+      f"({batch_size},); got shape {None if out is None else tuple(out.shape)}"
+      " (return the per-example losses, not their mean or sum)"
+    )
+  n_params = len(with_paths)
+  n_batch = len(jax.tree.leaves(batch))
+  found = _loss_audit.audit(closed, n_params, [0] * n_batch, batch_size, specs)
 
   by_path: dict = {}
   shapes: dict = {}
   for module, path, kind, count, ok, call_shapes in calls.values():
     shapes[path] = call_shapes
-    good = ok and count == 1
     old = by_path.get(path)
-    by_path[path] = (
-      kind,
-      good and (old is None or old[1]),
-      tuple(module.variables.get("params", {}).keys()),
-    )
-  covered, kinds, fallback_flags, containers = {}, {}, [], {}
-  leaf_paths = []
-  for leaf_names, group in zip(names, group_of_leaf):
+    # How many times the layer is applied is the audit's to count (in the
+    # traced program, where a lifted transform's extra traces are gone).
+    del count
+    why = ok  # the first reason a call of it cannot be tapped, or None
+    # Two module objects at one path (a lifted transform traces its body
+    # more than once): the audit counts the applications in the program.
+    if old is not None:
+      why = why or old[1]
+    by_path[path] = (kind, why, tuple(module.variables.get("params", {})))
+
+  reasons: dict = {}
+  keystrs = [jax.tree_util.keystr(p) for p, _ in with_paths]
+
+  def audited(i: int, path, name) -> Optional[str]:
+    """Why leaf ``i`` is not provably read by its layer call alone."""
+    other = found.other_use[i]
+    if other is not None:
+      return f"also {other}"
+    uses = found.uses[i]
+    if len(uses) != 1:
+      return (
+        f"read by {len(uses)} layer calls (a weight applied in several "
+        "places needs the cross terms between its applications)"
+      )
+    call, used_as, same = uses[0]
+    if call_paths.get(call, path) != path or used_as != name:
+      return "read by another layer than its own"
+    if not same:
+      return "applied under a vectorising transformation (vmap)"
+    if call in found.repeated:
+      return f"its layer is applied more than once: {found.repeated[call]}"
+    return found.x_batched.get(call, "its layer's input is not marked")
+
+  covered, kinds, containers = {}, {}, {}
+  leaf_paths: list = []
+  for i, (leaf_names, group) in enumerate(zip(names, group_of_leaf)):
     # The layer a leaf belongs to is the LONGEST recorded module path its
     # names end with: a top-level ``Dense_0`` must not claim the kernel of a
-    # ``Dense_0`` nested in a block (that layer would go untapped and its
-    # share of the norm would be lost).
+    # ``Dense_0`` nested in a block.
     hit = None
-    for path, (kind, good, pnames) in by_path.items():
+    for path, (kind, why, pnames) in by_path.items():
       n = len(path)
       if (
         len(leaf_names) > n
@@ -245,40 +386,61 @@ def discover(
         and tuple(leaf_names[-n - 1 : -1]) == path
         and (hit is None or n > len(hit[0]))
       ):
-        hit = (path, kind, good)
-    if hit is None or not hit[2]:
-      fallback_flags.append(True)
-      leaf_paths.append(None)
+        hit = (path, kind, why)
+    leaf_paths.append(None)
+    if hit is None:
       continue
-    path, kind, _ = hit
+    path, kind, why = hit
+    why = why or audited(i, path, leaf_names[-1])
+    if why is not None:
+      reasons[keystrs[i]] = why
+      continue
     covered.setdefault(path, {})[leaf_names[-1]] = group
     containers[path] = tuple(leaf_names[:-1])
     kinds[path] = kind
-    fallback_flags.append(False)
-    leaf_paths.append(path)
-  # A module whose parameters are not all matched (one is in no leaf we know,
-  # or split oddly) is not tapped: its matched leaves fall back too.
+    leaf_paths[i] = path
+  # A layer is tapped only with all its parameters: one that falls back
+  # takes its layer's others with it.
   for path in list(covered):
     pnames = by_path[path][2]
     if set(covered[path]) != set(pnames):
+      missing = sorted(set(pnames) - set(covered[path]))
+      for i, p in enumerate(leaf_paths):
+        if p == path:
+          reasons[keystrs[i]] = (
+            f"its layer's {', '.join(missing)} is on the exact path"
+          )
+          leaf_paths[i] = None
       del covered[path]
-  keystrs = [jax.tree_util.keystr(p) for p, _ in with_paths]
-  final_flags = [
-    flag or path not in covered
-    for flag, path in zip(fallback_flags, leaf_paths)
+  nnx_groups = {}
+  for i, oks in nnx_reads.items():
+    why = next((w for w in oks if w is not None), None)
+    why = why or audited(i, None, found.uses[i][0][1] if found.uses[i] else "")
+    if why is None:
+      nnx_groups[i] = group_of_leaf[i]
+    else:
+      reasons[keystrs[i]] = why
+  flags = [
+    leaf_paths[i] is None and i not in nnx_groups for i in range(len(names))
   ]
-  nnx_groups = {i: group_of_leaf[i] for i in nnx_calls}
-  final_flags = [f and i not in nnx_groups for i, f in enumerate(final_flags)]
+  for i, flag in enumerate(flags):
+    if not flag:
+      path = leaf_paths[i]
+      kind = kinds[path] if path is not None else "nnx"
+      reasons[keystrs[i]] = _KIND_NAMES.get(kind, kind)
+    elif keystrs[i] not in reasons:
+      reasons[keystrs[i]] = "not a parameter of a layer the taps handle"
   plan = Plan(
     nnx_groups=nnx_groups,
     shapes={p: shapes[p] for p in covered},
     containers={p: containers[p] for p in covered},
     covered=covered,
     kinds=kinds,
-    fallback=[k for k, f in zip(keystrs, final_flags) if f],
-    ghosted=[k for k, f in zip(keystrs, final_flags) if not f],
+    fallback=[k for k, f in zip(keystrs, flags) if f],
+    ghosted=[k for k, f in zip(keystrs, flags) if not f],
+    reasons=reasons,
   )
-  return plan, final_flags
+  return plan, flags
 
 
 def _nnx_classes() -> dict:
@@ -294,20 +456,22 @@ def _value(variable):
   return get() if callable(get) else getattr(variable, "value", variable)
 
 
-def _nnx_params(module, kind) -> dict:
+def _nnx_variables(module, kind) -> dict:
   names = ("kernel", "bias") if kind == "dense" else ("embedding",)
   return {
-    n: _value(getattr(module, n))
-    for n in names
-    if getattr(module, n, None) is not None
+    n: getattr(module, n) for n in names if getattr(module, n, None) is not None
   }
 
 
+def _nnx_params(module, kind) -> dict:
+  return {n: _value(v) for n, v in _nnx_variables(module, kind).items()}
+
+
 @contextlib.contextmanager
-def _nnx_patched(handler):
+def _nnx_patched(around):
   """Routes every ``nnx.Linear`` / ``nnx.Embed`` call (and ``attend``)
-  through ``handler(module, kind, method, args, kwargs, y)`` for the time
-  of one trace: nnx modules have no method interceptors.
+  through ``around(module, kind, method, original, args, kwargs)`` for the
+  time of one trace: nnx modules have no method interceptors.
   """
   saved = []
   try:
@@ -319,51 +483,13 @@ def _nnx_patched(handler):
         saved.append((cls, method, original))
 
         def wrapper(self, *args, _f=original, _k=kind, _m=method, **kwargs):
-          return handler(self, _k, _m, args, kwargs, _f(self, *args, **kwargs))
+          return around(self, _k, _m, _f, args, kwargs)
 
         setattr(cls, method, wrapper)
     yield
   finally:
     for cls, method, original in saved:
       setattr(cls, method, original)
-
-
-def _nnx_discover(apply_loss, params, batch_size) -> dict:
-  """Traces ``apply_loss`` with the nnx layers recorded; returns the leaf
-  indices that exactly one supported call reads, once, with a batch input
-  (leaf index -> True).
-  """
-  uses: dict = {}  # leaf index -> number of calls reading it
-  bad: set = set()
-
-  def traced(p):
-    leaf_index = {id(v): i for i, v in enumerate(jax.tree.leaves(p))}
-
-    def record(module, kind, method, args, kwargs, y):
-      x = args[0] if args else None
-      ok = (
-        x is not None
-        and method == "__call__"
-        and len(args) == 1
-        and not kwargs
-        and hasattr(x, "shape")
-        and x.ndim >= 1
-        and x.shape[0] == batch_size
-      )
-      for v in _nnx_params(module, kind).values():
-        i = leaf_index.get(id(v))
-        if i is None:
-          continue
-        uses[i] = uses.get(i, 0) + 1
-        if not ok:
-          bad.add(i)
-      return y
-
-    with _nnx_patched(record):
-      return apply_loss(p)
-
-  jax.eval_shape(traced, params)
-  return {i: True for i, n in uses.items() if n == 1 and i not in bad}
 
 
 def _direct_ok(module) -> bool:
@@ -1023,8 +1149,8 @@ def forward(
       return apply_loss(params_)
     leaf_index = {id(v): i for i, v in enumerate(jax.tree.leaves(params_))}
 
-    def nnx_tap(module, kind, method, args, kwargs, y):
-      del kwargs
+    def nnx_tap(module, kind, method, original, args, kwargs):
+      y = original(module, *args, **kwargs)
       if method != "__call__":
         return y
       theta = _nnx_params(module, kind)
