@@ -161,7 +161,7 @@ class _TopLeaf(NamedTuple):
   share: float  # top_leaf_share
   norm: float  # its entry of leaf_norms
   norms: np.ndarray  # every entry of leaf_norms (float64)
-  index: int  # top_leaf
+  at: int  # top_leaf
 
 
 def _leaf_entries(view: _View) -> Optional[tuple[list[str], np.ndarray]]:
@@ -235,7 +235,7 @@ def _share_order(top: _TopLeaf) -> Optional[float]:
   share of (1, 2 or inf), read from the leaf norms themselves; None when
   they cannot tell (every other leaf negligible) or it is another order.
   """
-  others = np.delete(top.norms, top.index)
+  others = np.delete(top.norms, top.at)
   if not np.all(np.isfinite(top.norms)) or top.norm <= 0:
     return None
   if top.share == 1.0 and others.size and np.max(others) >= 0.5 * top.norm:
@@ -243,7 +243,7 @@ def _share_order(top: _TopLeaf) -> Optional[float]:
   fits = [
     p
     for p in (1.0, 2.0)
-    if abs(_share_for(top.norms, top.index, p) - top.share) <= _SHARE_TOL
+    if abs(_share_for(top.norms, top.at, p) - top.share) <= _SHARE_TOL
   ]
   return fits[0] if len(fits) == 1 else None
 
@@ -261,7 +261,7 @@ def _top_leaf_phrase(view: _View) -> str:
     )
   if not math.isfinite(top.norm):
     return f"; the largest leaf norm ({_num(top.norm)}) was {top.where}'s"
-  others = np.delete(top.norms, top.index)
+  others = np.delete(top.norms, top.at)
   if not np.any(others):
     return f"; all of the norm came from {top.where}"
   p = _share_order(top)
@@ -356,7 +356,7 @@ def _nonfinite(who: str, norm: float, what: str) -> str:
 def _global(who: str, view: _View) -> str:
   s = _clip_stats(view)
   if not math.isfinite(s.norm):
-    return _nonfinite(who, s.norm, "the whole update")
+    return _nonfinite(who, s.norm, "the whole update") + _top_leaf_phrase(view)
   blame = _top_leaf_phrase(view)
   if s.fraction > 0:
     bound = s.clipped if s.threshold is None else s.threshold
@@ -379,7 +379,9 @@ def _per_unit(units: str, label: str) -> Callable[[str, _View], str]:
   def sentence(who: str, view: _View) -> str:
     s = _clip_stats(view)
     if not math.isfinite(s.norm):
-      return _nonfinite(who, s.norm, f"the {units} holding it")
+      return _nonfinite(
+        who, s.norm, f"the {units} holding it"
+      ) + _top_leaf_phrase(view)
     limit = "" if s.threshold is None else f"; {label} {_num(s.threshold)}"
     if s.fraction > 0:
       return (
@@ -440,7 +442,9 @@ def _adaptive(kind: str) -> Callable[[str, _View], str]:
     s = _clip_stats(view)
     if not math.isfinite(s.norm):
       return (
-        _nonfinite(who, s.norm, "the units") + "; its statistics did not move"
+        _nonfinite(who, s.norm, "the units")
+        + "; its statistics did not move"
+        + _top_leaf_phrase(view)
       )
     if kind == "zscore":
       source = _spread(view)
@@ -504,7 +508,9 @@ def _relative(who: str, view: _View) -> str:
   s = _clip_stats(view)
   if not math.isfinite(s.norm):
     return (
-      _nonfinite(who, s.norm, "the units") + "; its statistics did not move"
+      _nonfinite(who, s.norm, "the units")
+      + "; its statistics did not move"
+      + _top_leaf_phrase(view)
     )
   phase = _relative_phase(view)
   blame = _top_leaf_phrase(view)
