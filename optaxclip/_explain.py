@@ -437,6 +437,17 @@ def _spread(view: _View) -> str:
   )
 
 
+def _units(view: _View) -> int:
+  """How many units an adaptive clipper judges apart: one (the tree), or
+  one per leaf (``scope="leaf"``), from its per-unit statistics.
+  """
+  for name in ("mean", "history"):
+    value = view.array(name)
+    if value is not None:
+      return int(value.size // (value.shape[0] if name == "history" else 1))
+  return 1
+
+
 def _adaptive(kind: str) -> Callable[[str, _View], str]:
   def sentence(who: str, view: _View) -> str:
     s = _clip_stats(view)
@@ -464,7 +475,7 @@ def _adaptive(kind: str) -> Callable[[str, _View], str]:
     else:
       bound = "no threshold yet: warming up"
     if s.fraction > 0:
-      if math.isclose(s.fraction, 1.0):
+      if _units(view) == 1:
         action = f"scaled the update by {_num(s.clipped / s.norm)}"
       else:
         action = f"scaled down {_pct(s.fraction)} of its units"
@@ -527,14 +538,14 @@ def _relative(who: str, view: _View) -> str:
       f"{_num(s.norm)} <= warmup_max_norm {limit})" + blame
     )
   if s.threshold is not None and math.isinf(s.threshold):
-    bound = "some leaves have no limit yet (no nonzero norm so far)"
+    bound = "some units have no threshold yet (no nonzero norm so far)"
   else:
     bound = f"threshold {limit}"
   if phase == "per-leaf":
     return (
       f"{who} scaled down {_pct(s.fraction)} of its leaves (norm "
-      f"{_num(s.norm)} -> {_num(s.clipped)}; {bound}, the L2 norm of the "
-      "leaves' limits, each a factor times the leaf's EMA norm)" + blame
+      f"{_num(s.norm)} -> {_num(s.clipped)}; {bound}; each leaf's limit is a "
+      "factor times its own EMA norm)" + blame
     )
   if s.fraction > 0:
     return (

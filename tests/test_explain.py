@@ -195,8 +195,7 @@ CASES = [
     ),
     (
       "clip_relative scaled down 40% of its leaves (norm 9.0 -> 3.0; "
-      "threshold 3.0, the L2 norm of the leaves' limits, each a factor times "
-      "the leaf's EMA norm)"
+      "threshold 3.0; each leaf's limit is a factor times its own EMA norm)"
     ),
   ),
   # A finite step for every step so far: the warm-up, one global clip.
@@ -639,7 +638,7 @@ def test_clip_relative_says_its_warm_up_clip_is_global():
   )
   # After the warm-up each leaf is held to 1.05 times its own EMA norm.
   assert said[2].startswith("clip_relative scaled down 100% of its leaves")
-  assert "each a factor times the leaf's EMA norm" in said[2]
+  assert "each leaf's limit is a factor times its own EMA norm" in said[2]
 
 
 def test_multisteps_between_updates_says_the_clipper_did_not_run():

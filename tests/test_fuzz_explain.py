@@ -364,7 +364,7 @@ def _check_relative(body: str, old, new, sentence: str) -> None:
     return
   warm = _f(old, "count") < WARMUP  # this step clipped by the warm-up rule
   said_warm = "in its warm-up" in body
-  said_per_leaf = "each a factor times the leaf's EMA norm" in body
+  said_per_leaf = "each leaf's limit is a factor times its own EMA norm" in body
   clipped = _f(new, "clip_fraction") > 0
   assert not (said_warm and not warm), sentence
   assert not (said_per_leaf and warm), sentence
