@@ -383,7 +383,7 @@ def clipped_grad(
     if is_padding_example is None:
       real = jnp.ones(batch, bool)
     else:
-      real = ~jnp.asarray(is_padding_example, bool).reshape(batch)
+      real = ~_per_example.padding_mask(WHO, is_padding_example, batch)
     if method == "vmap":
       # The audit's refusals (a loss that is not per example, or mixes
       # examples) hold for both methods.
@@ -439,7 +439,9 @@ def clipped_grad(
       return jax.grad(one)(params)
 
     c_args = _take(
-      args, argnums, lambda x: x.reshape(chunks, size, *x.shape[1:])
+      args,
+      argnums,
+      lambda x: jnp.asarray(x).reshape(chunks, size, *x.shape[1:]),
     )
     c_real = real.reshape(chunks, size)
 
@@ -738,7 +740,9 @@ def clipped_grad(
 
     fb_leaves = [leaves[i] for i in fb_idx]
     c_args = _take(
-      args, argnums, lambda x: x.reshape(chunks, size, *x.shape[1:])
+      args,
+      argnums,
+      lambda x: jnp.asarray(x).reshape(chunks, size, *x.shape[1:]),
     )
     in_axes = (
       None,
@@ -933,6 +937,14 @@ def dp_noise(
         "per-example norms clipped_grad returns."
       )
     example_norms = jnp.asarray(example_norms)
+    if example_norms.ndim != 1 or not jnp.issubdtype(
+      example_norms.dtype, jnp.floating
+    ):
+      raise ValueError(
+        "dp_noise: example_norms must be the (B,) float per-example norms "
+        "clipped_grad returns; got shape "
+        f"{example_norms.shape} and dtype {example_norms.dtype}."
+      )
     batch = example_norms.shape[0]
     _per_example.check_batch_for_count_noise(
       "dp_noise", batch, noise_multiplier, adaptive, no_noise
@@ -949,7 +961,7 @@ def dp_noise(
     real = (
       None
       if is_padding_example is None
-      else ~jnp.asarray(is_padding_example, bool)
+      else ~_per_example.padding_mask("dp_noise", is_padding_example, batch)
     )
     counts = _per_example.counts_from_norms(example_norms, clip, real)
     leaves, treedef = jax.tree.flatten(updates)

@@ -351,6 +351,8 @@ class ClipCounts(NamedTuple):
   clipped_norm_sum: jax.Array  # their norms after clipping
   clipped: jax.Array  # examples scaled down, zeroed ones included
   nonfinite: jax.Array  # examples zeroed for a non-finite norm
+  # The examples that count (padding does not); None: the whole batch.
+  examples: Any = None
 
 
 def counts_from_norms(
@@ -360,6 +362,7 @@ def counts_from_norms(
 
   ``real`` (``(B,)`` bool) marks the examples that count (padding does not).
   """
+  examples = None if real is None else _norms.count(real)
   real = jnp.ones(example_norms.shape, bool) if real is None else real
   finite = jnp.isfinite(example_norms) & real
   kept = jnp.where(finite, example_norms, 0)
@@ -369,6 +372,7 @@ def counts_from_norms(
     clipped_norm_sum=jnp.sum(jnp.minimum(kept, clip)),
     clipped=_norms.count(real & ~(example_norms <= clip)),
     nonfinite=_norms.count(real & ~jnp.isfinite(example_norms)),
+    examples=examples,
   )
 
 
@@ -376,6 +380,7 @@ def clip_and_sum(
   leaves: Sequence[jax.Array],
   clip: Any,
   scope: str = "global",
+  real: Optional[jax.Array] = None,
 ) -> tuple[list[jax.Array], jax.Array, ClipCounts]:
   """Clips each example of per-example ``leaves`` and sums them.
 
@@ -392,6 +397,8 @@ def clip_and_sum(
     leaves: per-example arrays with a common leading batch axis ``B``.
     clip: the clip norm (a scalar, ``inf`` for none).
     scope: ``"global"`` or ``"leaf"``.
+    real: ``(B,)`` bool, the examples that count; padding (False) is left
+      out of the sum and of every count. None: all of them.
 
   Returns:
     The per-leaf sums (accumulation dtype, no batch axis), the ``(B,)``
@@ -407,7 +414,7 @@ def clip_and_sum(
   if scope == "global":
     limits = [clip] * len(leaves)
     norms = [scaled_norms] * len(leaves)
-    counts = counts_from_norms(example_norms, clip)
+    counts = counts_from_norms(example_norms, clip, real)
   else:
     leaf_norms = [reported_norm(n) for n in scaled_leaf_norms]
     limit = clip / math.sqrt(len(leaves))
@@ -417,12 +424,17 @@ def clip_and_sum(
     clipped_norms = jax.vmap(_norms.combine_norms)(
       [jnp.minimum(n, limit) for n in leaf_norms]
     )
+    counted = jnp.ones_like(finite) if real is None else real
+    kept = finite & counted
     counts = ClipCounts(
-      norm_sum=jnp.sum(jnp.where(finite, example_norms, 0)),
-      clipped_norm_sum=jnp.sum(jnp.where(finite, clipped_norms, 0)),
-      clipped=_norms.count(was_clipped | ~finite),
-      nonfinite=_norms.count(~finite),
+      norm_sum=jnp.sum(jnp.where(kept, example_norms, 0)),
+      clipped_norm_sum=jnp.sum(jnp.where(kept, clipped_norms, 0)),
+      clipped=_norms.count(counted & (was_clipped | ~finite)),
+      nonfinite=_norms.count(counted & ~finite),
+      examples=None if real is None else _norms.count(real),
     )
+  if real is not None:
+    finite = finite & real
   sums = sum_clipped(leaves, norms, limits, finite)
   return sums, example_norms, counts
 
@@ -430,7 +442,9 @@ def clip_and_sum(
 def psum_counts(counts: ClipCounts, axis_name) -> ClipCounts:
   if not axis_name:
     return counts
-  return ClipCounts(*(jax.lax.psum(c, axis_name) for c in counts))
+  return ClipCounts(
+    *(None if c is None else jax.lax.psum(c, axis_name) for c in counts)
+  )
 
 
 def standard_normals(key, leaves, extra: int) -> tuple[list, jax.Array]:
@@ -570,8 +584,20 @@ def noise_and_adapt(
     sums = [s / jnp.asarray(divisor, s.real.dtype) for s in sums]
   new_clip = clip
   if adaptive:
-    centred = (batch - counts.clipped) - 0.5 * batch + count_noise
-    unclipped_share = jnp.clip(centred / batch + 0.5, 0.0, 1.0)
+    # Over the examples that count: padding is neither clipped nor not.
+    # Without noise the share is exact; with noise the noised, centred
+    # count is divided by the batch size, a public number (the number of
+    # real examples is not: dividing by it would release it unnoised), as
+    # Andrew et al. divide by the expected batch size.
+    examples = batch if counts.examples is None else counts.examples
+    unclipped = examples - counts.clipped
+    if no_noise:
+      unclipped_share = jnp.where(
+        examples > 0, unclipped / jnp.maximum(examples, 1), target_quantile
+      )
+    else:
+      centred = unclipped - 0.5 * examples + count_noise
+      unclipped_share = jnp.clip(centred / batch + 0.5, 0.0, 1.0)
     new_clip = adapt_clip_norm(
       clip, unclipped_share, target_quantile, quantile_lr
     )
@@ -619,6 +645,16 @@ def clip_per_example(
   rises to ``(noise_multiplier ** -2 - (2 * sigma_b) ** -2) ** -1/2``. This
   needs ``B > 10 * noise_multiplier``; a smaller batch raises a ValueError.
 
+  Padding: ``tx.update(per_example, state, is_padding_example=mask)``
+  (``(B,)`` bool, True for padding, as under Poisson sampling into a fixed
+  batch shape) leaves those examples out of the sum and of every statistic:
+  ``norm``, ``clipped_norm`` and ``clip_fraction`` are means over the real
+  examples, and the clip norm adapts to their unclipped share (exactly
+  without noise; with noise, the noised centred count of the real examples
+  over ``B``, a public number, as the paper divides by the expected batch
+  size). ``B`` still divides the sum for ``reduce="mean"``: a
+  data-independent divisor.
+
   An example whose norm is not finite (an Inf or NaN element) is zeroed,
   not summed: none of its other coordinates leaks into the result, and the
   number of such examples is the state's ``nonfinite`` (they count as
@@ -661,7 +697,7 @@ def clip_per_example(
       batch on one device.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`ClipPerExampleState`.
 
   References:
@@ -712,7 +748,7 @@ def clip_per_example(
 
   init_fn = noise_state_init(ClipPerExampleState, l2_clip, make_key)
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, *, is_padding_example=None):
     del params
     _checks.check_float_leaves(updates, "clip_per_example: updates")
     leaves, treedef = jax.tree.flatten(updates)
@@ -720,7 +756,11 @@ def clip_per_example(
     if not leaves:
       return updates, state
     paths = [p for p, _ in _checks.leaves_with_paths(updates)]
-    batch = _batch_size(leaves, paths) * _norms.axis_size(axis_name)
+    local = _batch_size(leaves, paths)
+    real = None
+    if is_padding_example is not None:
+      real = ~padding_mask(who, is_padding_example, local)
+    batch = local * _norms.axis_size(axis_name)
     check_batch_for_count_noise(
       "clip_per_example", batch, noise_multiplier, adaptive, no_noise
     )
@@ -729,7 +769,7 @@ def clip_per_example(
     clip = clip_at(
       who, l2_clip, state, adaptive, _norms.tree_accumulation_dtype(leaves)
     )
-    sums, _, counts = clip_and_sum(leaves, clip, scope)
+    sums, _, counts = clip_and_sum(leaves, clip, scope, real)
     if axis_name:
       sums = [jax.lax.psum(s, axis_name) for s in sums]
     counts = psum_counts(counts, axis_name)
@@ -750,7 +790,31 @@ def clip_per_example(
       ClipPerExampleState, counts, batch, noised, clip, state, l2_clip
     )
 
-  return optax.GradientTransformation(init_fn, _compiled.jit_update(update_fn))
+  def update(updates, state, params=None, *, is_padding_example=None, **extra):
+    del extra  # other transformations' extra arguments, in a chain
+    return jitted(
+      updates, state, params, is_padding_example=is_padding_example
+    )
+
+  jitted = _compiled.jit_update(update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update)
+
+
+def padding_mask(who: str, is_padding_example: Any, batch: int) -> jax.Array:
+  """``is_padding_example`` as a ``(batch,)`` bool array, or a clear error."""
+  shape = np.shape(is_padding_example)
+  if shape != (batch,):
+    raise ValueError(
+      f"{who}: is_padding_example must have shape ({batch},), one flag per "
+      f"example of the batch; got shape {shape}."
+    )
+  mask = jnp.asarray(is_padding_example)
+  if not (mask.dtype == bool or jnp.issubdtype(mask.dtype, jnp.integer)):
+    raise TypeError(
+      f"{who}: is_padding_example must be booleans (True for padding); got "
+      f"dtype {mask.dtype}."
+    )
+  return mask.astype(bool)
 
 
 def state_from_counts(
@@ -772,10 +836,13 @@ def state_from_counts(
     clip_norm = _schedules.value_at(
       l2_clip, count, who=_stats.short_name(cls), name="l2_clip"
     )
+  # Means over the examples that count (padding does not); 0 without any.
+  examples = batch if counts.examples is None else counts.examples
+  examples = jnp.maximum(jnp.asarray(examples, jnp.float32), 1)
   return cls(
-    norm=_stats.as_stat(counts.norm_sum / batch),
-    clipped_norm=_stats.as_stat(counts.clipped_norm_sum / batch),
-    clip_fraction=_stats.as_stat(counts.clipped / batch),
+    norm=_stats.as_stat(counts.norm_sum / examples),
+    clipped_norm=_stats.as_stat(counts.clipped_norm_sum / examples),
+    clip_fraction=_stats.as_stat(counts.clipped / examples),
     clip_norm=_stats.as_stat(clip_norm),
     key=noised.key,
     nonfinite=counts.nonfinite.astype(jnp.int32).reshape(()),
