@@ -803,11 +803,12 @@ def _reported(who: str, view: _View) -> str:
 def _batch_of(view_batch: tuple, node: Any, name: str) -> tuple[int, ...]:
   """The batch axes of a wrapper around a state batched as ``view_batch``."""
   if isinstance(node, _guard.GuardState):
-    shape = np.shape(node.consecutive_skips)
+    field = node.consecutive_skips
   elif isinstance(node, optax.MultiStepsState):
-    shape = np.shape(node.mini_step)
+    field = node.mini_step
   else:
-    shape = np.shape(node.last_finite)
+    field = node.last_finite
+  shape = np.shape(_stats._unwrap(field))  # noqa: SLF001
   if tuple(shape) != tuple(view_batch):
     raise ValueError(
       f"explain: the state at {name!r} is batched {tuple(view_batch)} but "
