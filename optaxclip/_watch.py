@@ -80,6 +80,18 @@ def _ratio(a: _norms.Scaled, b: _norms.Scaled) -> jax.Array:
   return jax.lax.stop_gradient(quotient).astype(jnp.float32)
 
 
+def _after(updates: Any, norm: _norms.Scaled) -> Any:
+  """``updates`` times an exact 1 computed from ``norm``: the same values,
+  which XLA cannot have before the parameters' norm. Applying them then
+  waits for that read of the parameters, so a step that donates the
+  parameters updates them in place; without the order, XLA copies every
+  donated parameter first (the read and the in-place write were unordered).
+  """
+  v = jax.lax.stop_gradient(norm.value)
+  one = jnp.where(jnp.isnan(v), 1, jnp.minimum(1, jnp.abs(v) + 1))
+  return jax.tree.map(lambda x: x * one.astype(x.dtype), updates)
+
+
 def _leaf_vector(
   who: str,
   leaves: Sequence[jax.Array],
@@ -113,7 +125,7 @@ def watch(
   """Records the update's norm, the parameters' norm and their ratio.
 
   An identity transformation for the end of a chain: the update passes
-  through unchanged, and the state keeps the global L2 norm of the update
+  through unchanged (bit for bit), and the state keeps the global L2 norm of the update
   (what the chain before it produced: the step the parameters will take),
   the global L2 norm of the parameters it applies to, and their ratio --
   the signals of Levanter's ``WatchConfig`` and OLMo-core's stability
@@ -188,7 +200,7 @@ def watch(
       p_norm = _norms.global_norm_scaled(
         p_leaves, 2.0, axis_name=axis_name, sharded=flags
       )
-      return updates, WatchState(
+      return _after(updates, p_norm), WatchState(
         _stats.as_stat(u_norm.as_float()),
         _stats.as_stat(p_norm.as_float()),
         _stats.as_stat(_ratio(u_norm, p_norm)),
@@ -203,7 +215,7 @@ def watch(
       state.leaf_norms, u_vector, sizes, u_norm, 2.0
     )
     old = state.leaf_update_to_param
-    return updates, WatchState(
+    return _after(updates, p_norm), WatchState(
       _stats.as_stat(u_norm.as_float()),
       _stats.as_stat(p_norm.as_float()),
       _stats.as_stat(_ratio(u_norm, p_norm)),
