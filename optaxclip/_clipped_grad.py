@@ -200,40 +200,58 @@ def clipped_grad(
     ``Embed`` (from the token ids); nnx ``Linear`` and ``Embed``;
   * exact for that layer only (its own per-example gradient under
     ``vmap``, memory ``B`` times the layer's parameters): linen ``Conv``,
-    ``Einsum``, ``LayerNorm``, ``RMSNorm``, ``DenseGeneral`` with
-    ``batch_dims``;
-  * all of these also under ``nn.scan``;
-  * fallback to the exact per-example gradient of that parameter: anything
-    else (a bare ``self.param``, a layer called twice such as a tied
-    embedding's ``attend``, a subclass of a listed layer, nnx layers other
-    than ``Linear`` and ``Embed``, a layer whose input has no leading batch
-    axis).
+    ``Einsum``, ``LayerNorm``, ``RMSNorm``;
+  * all of these also under ``nn.scan`` with stacked parameters
+    (``variable_axes={"params": 0}``);
+  * exact per-example gradient of that parameter (the fallback): anything
+    else, a ``DenseGeneral`` with ``batch_dims`` and a subclass of a listed
+    layer included.
 
-  ``fn.plan(params, *args)`` says which parameters are ghosted and which
-  fall back (its ``ghosted`` and ``fallback`` lists of parameter paths). The
-  ghost method assumes the leading axis of every layer's input is the batch
-  axis and that examples do not interact (no batch norm).
+  **Guarantee.** Each example's contribution to ``grads`` has norm at most
+  ``l2_clip`` (per group: its own clip norm), for every model and input, by
+  both methods. The ghost method earns it by construction: the loss is
+  traced once (``jax.make_jaxpr``) and a parameter is ghosted only when the
+  traced program reads it in exactly one supported layer call, once per
+  example, on an input batched along its leading axis. A parameter read
+  anywhere else -- by attribute (a tied embedding's
+  ``self.emb.embedding.T``), through another method (``attend``), by a
+  layer called twice, transformed before use, shared by every step of a
+  loop (``nn.scan`` with ``variable_broadcast``, ``nn.RNN``), applied under
+  ``nn.vmap``, inside a ``cond`` or ``while`` -- takes the exact path,
+  whatever its layer. ``fn.plan(params, *args)`` says, per parameter,
+  ghost or exact and why (``str(plan)``; its ``ghosted`` and ``fallback``
+  lists, and ``reasons``). Where the audit cannot prove a parameter's
+  ghost norm, the parameter is exact: never a wrong norm.
 
-  The returned function also takes keyword arguments
-  ``is_padding_example`` (``(B,)`` bool: padding for a fixed batch shape
-  under Poisson sampling; those examples contribute nothing and their norm
-  is reported as 0) and ``l2_clip`` (this call's clip norm, e.g. an adapted
+  **Refused.** A loss whose forward pass mixes examples has no per-example
+  gradient: batch normalisation with batch statistics, a loss divided by a
+  batch statistic, a time-major sequence scanned along its leading axis.
+  Both methods follow the batch axis through the traced program and raise
+  a ``ValueError`` naming the operation and the line that crosses it. They
+  refuse nothing that keeps examples apart; mixing inside a ``while`` loop,
+  or past a layout they cannot follow (after a scatter, say), goes
+  undetected. A loss that does not return one loss per example, shape
+  ``(B,)``, is refused too.
+
+  The returned function also takes keyword arguments ``is_padding_example``
+  (``(B,)`` bool: padding for a fixed batch shape under Poisson sampling;
+  those examples contribute nothing and their norm is reported as 0; any other
+  shape is refused) and ``l2_clip`` (this call's clip norm, e.g. an adapted
   one from :func:`dp_noise`'s state). An example whose gradient is not finite
   is left out (its ``norms`` entry is Inf or NaN): none of its coordinates
-  reaches ``grads``. A finite example whose norm exceeds the dtype's range
-  (or whose squared norm does: above about 1.8e19 in float32) is clipped
-  like any other, by both methods (its ``norms`` entry is the dtype's
-  largest value when the norm is beyond it): the norms are exact at every
-  size. (The ghost method squares each layer's factors as they are; on the
-  rare step where that overflows for a finite example, it recomputes the
-  norms of the chunks of the batch holding such examples exactly, one
-  more forward and backward pass of each, so ordinary steps pay nothing
-  for it in memory.) The ghost method applies the clip factor as a weight of the
-  backward pass, so an example whose factor ``C / |g_b|`` is below the
-  dtype's smallest normal number (a norm above ``C * 2**126``, 8.5e37 for
-  ``C = 1`` in float32) contributes nothing rather than its clipped
-  gradient (the vmap method scales exactly there too); either way no
-  example contributes more than ``C``.
+  reaches ``grads``. A finite example whose norm exceeds the dtype's range (or
+  whose squared norm does: above about 1.8e19 in float32) is clipped like any
+  other, by both methods (its ``norms`` entry is the dtype's largest value
+  when the norm is beyond it): the norms are exact at every size. (The ghost
+  method squares each layer's factors as they are; on the rare step where that
+  overflows for a finite example, it recomputes the norms of the chunks of the
+  batch holding such examples exactly, one more forward and backward pass of
+  each, so ordinary steps pay nothing for it in memory.) The ghost method
+  applies the clip factor as a weight of the backward pass, so an example
+  whose factor ``C / |g_b|`` is below the dtype's smallest normal number (a
+  norm above ``C * 2**126``, 8.5e37 for ``C = 1`` in float32) contributes
+  nothing rather than its clipped gradient (the vmap method scales exactly
+  there too); either way no example contributes more than ``C``.
 
   Its ``sensitivity`` attribute is a :class:`Sensitivity`: the L2
   sensitivity of ``grads`` for add/remove and replace-one adjacency.
@@ -831,10 +849,11 @@ class DpNoiseState(NamedTuple):
   """State of :func:`dp_noise`.
 
   Attributes:
-    norm: the mean per-example norm before clipping (examples in the sum).
+    norm: the mean per-example norm before clipping, over the real
+      (non-padding) examples (non-finite ones count as 0).
     clipped_norm: the mean per-example norm after clipping.
-    clip_fraction: the share of (non-padding) examples scaled down, zeroed
-      non-finite ones included.
+    clip_fraction: the share of the real (non-padding) examples scaled
+      down, zeroed non-finite ones included.
     clip_norm: the clip norm for the next step (pass it to the
       :func:`clipped_grad` function as ``l2_clip=``).
     key: the random key of the noise.
@@ -876,6 +895,11 @@ def dp_noise(
   :func:`clip_per_example` documents). The next step's ``C`` is
   ``state.clip_norm``: pass it to the clipped-gradient function as
   ``l2_clip=`` (a scalar clip norm only). No privacy accounting is done.
+
+  Padding (``is_padding_example``, shape ``(B,)``) counts nowhere: the
+  statistics are means over the real examples and the clip norm adapts to
+  their unclipped share, as :func:`clip_per_example` documents.
+  ``example_norms`` must be the ``(B,)`` norms; another shape is refused.
 
   Args:
     l2_clip: the clip norm ``C``: a number or a schedule (``step ->

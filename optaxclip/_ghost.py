@@ -48,10 +48,14 @@ parameters are matched by identity with the leaves the loss receives, so
 ``nnx.merge(graphdef, params)`` inside the loss is what it expects). Other
 nnx layers take the exact path.
 
-A parameter that no supported call covers exactly once per trace (a custom
-``self.param``, a module called twice such as a tied embedding's ``attend``,
-a layer whose input has no leading batch axis of size ``B``) is left to the
-exact per-example computation, for that parameter only.
+Which parameters the taps cover is decided from the traced program, not
+from the module calls alone (:func:`discover`, ``_loss_audit``): a
+parameter is ghosted only when the program reads it in exactly one tapped
+call, once per example, on an input batched along its leading axis. Every
+other parameter (a custom ``self.param``, a tied embedding read by
+attribute or through ``attend``, a layer called twice or shared by the
+steps of a loop, a parameter transformed before use) is left to the exact
+per-example computation, for that parameter (and its layer's others) only.
 
 References:
   Goodfellow, `Efficient Per-Example Gradient Computations

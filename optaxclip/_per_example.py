@@ -49,10 +49,10 @@ class ClipPerExampleState(NamedTuple):
 
   Attributes:
     norm: the mean per-example global L2 norm before clipping, over the
-      examples that entered the sum (non-finite ones count as 0).
+      real (non-padding) examples (non-finite ones count as 0).
     clipped_norm: the mean per-example global L2 norm after clipping.
-    clip_fraction: the share of examples scaled down (zeroed non-finite
-      examples included).
+    clip_fraction: the share of the real examples scaled down (zeroed
+      non-finite examples included).
     clip_norm: the clip norm the next step will use: ``l2_clip`` at the
       start, adapted after each step when ``target_quantile`` is set.
     key: the random key of the noise.
@@ -792,9 +792,7 @@ def clip_per_example(
 
   def update(updates, state, params=None, *, is_padding_example=None, **extra):
     del extra  # other transformations' extra arguments, in a chain
-    return jitted(
-      updates, state, params, is_padding_example=is_padding_example
-    )
+    return jitted(updates, state, params, is_padding_example=is_padding_example)
 
   jitted = _compiled.jit_update(update_fn)
   return optax.GradientTransformationExtraArgs(init_fn, update)
