@@ -50,7 +50,6 @@ from optaxclip import _compiled
 from optaxclip import _norms
 from optaxclip import _schedules
 from optaxclip import _sharding
-from optaxclip import _static
 from optaxclip import _stats
 from optaxclip import _telemetry
 from optaxclip._typing import AxisName
@@ -276,17 +275,12 @@ class _Measured:
     self.layout = None
     self.state_dtype = state_dtype
     self.telemetry = _telemetry.LeafStats()
-    flags = (
-      _static.sharded_flags(updates, sharded, who, axis_name)
-      if axis_name
-      else None
-    )
-    # For the per-leaf telemetry: each leaf is split over its flags' names.
+    # Per leaf, how it is split (with the dimensions a PartitionSpec
+    # declares: the per-layer telemetry refuses a split layer axis).
     splits = (
-      None
-      if flags is None
-      else [_sharding.LeafSharding(f, None) for f in flags]
+      _sharding.resolve(updates, sharded, axis_name, who) if axis_name else None
     )
+    flags = None if splits is None else [s.axes for s in splits]
     self.dtype = _norms.promote_types(
       state_dtype, _norms.tree_accumulation_dtype(self.leaves)
     )
@@ -813,7 +807,9 @@ def clip_zscore(
     layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
       (``nn.scan``): such a leaf reports one norm per layer. An int, a
       pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
-      None`` (as ``sharded``); each device must hold every layer.
+      None`` (as ``sharded``); each device must hold every layer (with
+      ``axis_name``, a leaf split across devices needs a PartitionSpec in
+      ``sharded`` that leaves its layer axis unsplit; else an error).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -1152,7 +1148,9 @@ def clip_percentile(
     layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
       (``nn.scan``): such a leaf reports one norm per layer. An int, a
       pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
-      None`` (as ``sharded``); each device must hold every layer.
+      None`` (as ``sharded``); each device must hold every layer (with
+      ``axis_name``, a leaf split across devices needs a PartitionSpec in
+      ``sharded`` that leaves its layer axis unsplit; else an error).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -1350,7 +1348,9 @@ def clip_relative(
     layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
       (``nn.scan``): such a leaf reports one norm per layer. An int, a
       pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
-      None`` (as ``sharded``); each device must hold every layer.
+      None`` (as ``sharded``); each device must hold every layer (with
+      ``axis_name``, a leaf split across devices needs a PartitionSpec in
+      ``sharded`` that leaves its layer axis unsplit; else an error).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a

@@ -571,7 +571,9 @@ def clip_norm(
     layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
       (``nn.scan``): such a leaf reports one norm per layer. An int, a
       pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
-      None`` (as ``sharded``); not an axis split over ``axis_name``.
+      None`` (as ``sharded``); not an axis split over ``axis_name`` (a
+      leaf split across devices needs a PartitionSpec in ``sharded`` that
+      says so; else an error).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -690,7 +692,9 @@ def clip_global(
       (``nn.scan``): such a leaf reports one norm per layer. An int for
       every leaf, a pytree prefix of ints/``None`` or a callable
       ``(path, leaf) -> int | None`` (as ``sharded``). Each device must
-      hold every layer (the axis is not split over ``axis_name``).
+      hold every layer (the axis is not split over ``axis_name``; a leaf
+      split across devices needs a PartitionSpec in ``sharded`` that says
+      so, else an error).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -809,7 +813,9 @@ def clip_block_rms(
     layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
       (``nn.scan``): such a leaf reports one norm per layer. An int, a
       pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
-      None`` (as ``sharded``); not an axis split over ``axis_name``.
+      None`` (as ``sharded``); not an axis split over ``axis_name`` (a
+      leaf split across devices needs a PartitionSpec in ``sharded`` that
+      says so; else an error).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -852,7 +858,7 @@ def clip_block_rms(
       state_norms=state.leaf_norms if leaf_stats else None,
       layer_axis=layer_axis,
       axis_name=axis_name,
-      splits=[_sharding.LeafSharding(f, None) for f in flags],
+      splits=splits,
     )
     roots = layout.pack_static(
       [
@@ -1010,7 +1016,9 @@ def clip_unitwise(
     layer_axis: with ``leaf_stats``, the stacking axis of stacked layers
       (``nn.scan``): such a leaf reports one norm per layer. An int, a
       pytree prefix of ints/``None`` or a callable ``(path, leaf) -> int |
-      None`` (as ``sharded``); not an axis split over ``axis_name``.
+      None`` (as ``sharded``); not an axis split over ``axis_name`` (a
+      leaf split across devices needs a PartitionSpec in ``sharded`` that
+      says so; else an error).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a

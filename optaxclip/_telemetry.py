@@ -202,17 +202,37 @@ def layer_axes(who: str, tree: Any, layer_axis: LayerAxis) -> list[Any]:
   return out
 
 
-def check_unsplit(who: str, splits, layers) -> None:
+def check_unsplit(who: str, splits, layers, paths=None) -> None:
   """A layer axis must not be split across devices: every device must hold
   every layer (its norms are then the same on all devices).
+
+  A leaf split over mapped axes whose dimensions are not declared
+  (``sharded=True`` or axis names, not a PartitionSpec) is refused too: its
+  layer axis may be the split one, and the per-layer sums of the devices
+  would then be added up as if they held the same layers (4 layers on 2
+  devices reported as 2 norms, each mixing two layers).
+  ``paths``: the leaves' paths, for messages (else their index).
   """
   for i, (s, layer) in enumerate(zip(splits, layers)):
-    if layer is None or s.dims is None or layer >= len(s.dims):
+    if layer is None:
+      continue
+    where = f"leaf {paths[i]}" if paths is not None else f"leaf #{i}"
+    if s.dims is None and s.axes:
+      raise ValueError(
+        f"{who}: layer_axis on the {where}, which is split over "
+        f"{s.axes} along dimensions not declared (sharded=True or axis "
+        "names): its per-layer norms would add up the layers of different "
+        "devices if its layer axis were the split one. Declare the split "
+        "with sharded= as a PartitionSpec for this leaf (every device must "
+        f"hold every layer: axis {layer} unsplit), or sharded=False if it "
+        "is not split."
+      )
+    if s.dims is None or layer >= len(s.dims):
       continue
     if s.dims[layer]:
       raise ValueError(
         f"{who}: layer_axis must not be an axis split across devices; got "
-        f"axis {layer} of leaf #{i}, split over {s.dims[layer]}."
+        f"axis {layer} of {where}, split over {s.dims[layer]}."
       )
 
 
@@ -447,6 +467,12 @@ def leaf_norm_names(tree: Any) -> list[str]:
   return names
 
 
+def _paths(tree: Any) -> list[str]:
+  """Each leaf's path, for messages (``jax.tree.leaves`` order)."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return [jax.tree_util.keystr(tuple(path)) or "<root>" for path, _ in flat]
+
+
 def _one_pass(
   who: str,
   leaves: Sequence[jax.Array],
@@ -458,6 +484,7 @@ def _one_pass(
   *,
   keyed: bool = False,
   several_units: bool = False,
+  paths: Optional[Sequence[str]] = None,
 ) -> tuple[_norms.UnitLayout, list[_norms.Scaled]]:
   """The packed pass of :func:`global_norm` and :func:`unit_norms`: the
   norms of the units split per layer (``fine_axes``), each summed over the
@@ -466,7 +493,7 @@ def _one_pass(
   """
   if splits is None:
     splits = [_sharding.LeafSharding((), None)] * len(leaves)
-  check_unsplit(who, splits, layers)
+  check_unsplit(who, splits, layers, paths)
   fine = fine_axes(leaves, unit_axes, layers)
   return _norms.unit_norms_packed(
     leaves,
@@ -502,7 +529,14 @@ def global_norm(
   """
   layers = layer_axes(who, updates, layer_axis)
   layout, norms = _one_pass(
-    who, leaves, ord, [None] * len(leaves), layers, axis_name, splits
+    who,
+    leaves,
+    ord,
+    [None] * len(leaves),
+    layers,
+    axis_name,
+    splits,
+    paths=_paths(updates),
   )
   vector, sizes = leaf_vector(layout, norms, layers, ord)
   total = _norms.reduce_norms(vector, ord)
@@ -545,6 +579,7 @@ def unit_norms(
     # Leaves of several units stacked (compile time on many leaves) unless
     # the per-leaf statistics below read one value per leaf of a part.
     several_units=not on,
+    paths=_paths(updates) if on else None,
   )
   coarse = coarse_norms(layout, norms, unit_axes, layers, ord)
   if not on:

@@ -1012,11 +1012,8 @@ def test_spike_clipping_inside_shard_map_is_per_coordinate():
 def test_a_leaf_split_along_its_layer_axis_is_named_in_the_error():
   """leaf_stats with layer_axis inside shard_map, the state built outside on
   the global shapes and the leaf split along its layer axis (the default
-  sharded=True): each device sees one layer of eight. The error says so
-  (it said "built for 1 leaves but the updates have 1"); a user's probe (5
-  Dec) found the case silent when init too ran inside shard_map, where the
-  local shape is all there is (documented: each device must hold every
-  layer).
+  sharded=True): each device sees one layer of eight. The error names the
+  leaf and asks for the split's dimensions.
   """
   mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
   w = np.arange(24, dtype=np.float32).reshape(8, 3)
@@ -1032,7 +1029,72 @@ def test_a_leaf_split_along_its_layer_axis_is_named_in_the_error():
 
   with pytest.raises(
     ValueError,
-    match=r"entries per leaf \[8\] but the updates give \[1\].*each device "
-    r"must hold every layer",
+    match=r"^clip_global: layer_axis on the leaf \['w'\], which is split "
+    r"over \('d',\) along dimensions not declared .* as a PartitionSpec",
   ):
     step(w, state)
+
+
+# 4 stacked layers of 3 values on a 2-device "stage" axis.
+STAGE_W = np.arange(1, 13, dtype=np.float32).reshape(4, 3)
+
+
+def _stage_leaf_norms(make, in_spec, w=STAGE_W):
+  """The leaf norms of ``make()``'s state, built and updated inside
+  shard_map over a 2-device ``stage`` axis, the leaf split by ``in_spec``.
+  """
+  mesh = jax.make_mesh(
+    (2,), ("stage",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2]
+  )
+
+  @jax.jit
+  @functools.partial(
+    jax.shard_map, mesh=mesh, in_specs=(in_spec,), out_specs=P()
+  )
+  def step(w_):
+    tx = make()
+    return tx.update({"w": w_}, tx.init({"w": w_}))[1].leaf_norms.values
+
+  return np.asarray(step(w))
+
+
+LAYER_CLIPPERS = {
+  "clip_global": lambda **kw: optaxclip.clip_global(100.0, **kw),
+  "clip_relative": lambda **kw: optaxclip.clip_relative(warmup_steps=1, **kw),
+  "guard": lambda **kw: optaxclip.guard(optax.sgd(1.0), max_norm=1e3, **kw),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_CLIPPERS))
+def test_layers_split_over_a_stage_axis_are_refused_not_mixed(name):
+  """4 layers on a 2-device "stage" axis, init and update inside shard_map
+  with the default sharded=True: each device holds layers (0, 1) or (2, 3),
+  and the per-layer norms were two, sqrt(L0**2 + L2**2) and sqrt(L1**2 +
+  L3**2). Now a clear error, and with a PartitionSpec the right numbers
+  where every device holds every layer (the split on another axis) and an
+  error where the layer axis is the split one.
+  """
+  make = LAYER_CLIPPERS[name]
+  default = functools.partial(
+    make, axis_name="stage", leaf_stats=True, layer_axis=0
+  )
+  with pytest.raises(
+    ValueError, match=rf"^{name}: layer_axis on the leaf \['w'\], which is"
+  ):
+    _stage_leaf_norms(default, P("stage", None))
+  split_layers = functools.partial(default, sharded=P("stage", None))
+  with pytest.raises(
+    ValueError,
+    match=rf"^{name}: layer_axis must not be an axis split across devices; "
+    r"got axis 0 of leaf \['w'\], split over \('stage',\)",
+  ):
+    _stage_leaf_norms(split_layers, P("stage", None))
+  w = np.concatenate(
+    [STAGE_W, STAGE_W[:, :1]], axis=1
+  )  # (4, 4): 2 columns each
+  split_columns = functools.partial(default, sharded=P(None, "stage"))
+  np.testing.assert_allclose(
+    _stage_leaf_norms(split_columns, P(None, "stage"), w),
+    np.linalg.norm(w.astype(np.float64), axis=1),
+    rtol=1e-6,
+  )
