@@ -665,3 +665,22 @@ def test_multisteps_between_updates_says_the_clipper_did_not_run():
   assert optaxclip.explain(state) == [
     "clip_global scaled the update by 0.2 (norm 5.0 > 1.0)"
   ]
+
+
+def test_apply_if_finite_skip_says_the_clipper_did_not_run():
+  tx = optax.apply_if_finite(
+    optax.chain(optaxclip.clip_global(1.0), optax.sgd(0.1)), 3
+  )
+  params = {"w": jnp.zeros(2)}
+  _, state = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)
+  assert optaxclip.explain(state) == [
+    "clip_global scaled the update by 0.2 (norm 5.0 > 1.0)"
+  ]
+  _, state = tx.update({"w": jnp.array([jnp.nan, 4.0])}, state, params)
+  assert optaxclip.explain(state) == [
+    (
+      "clip_global did not run this step (optax.apply_if_finite skipped the "
+      "step: a non-finite gradient); its statistics are from the last step it "
+      "ran"
+    )
+  ]
