@@ -88,6 +88,74 @@ class FlaxTest(absltest.TestCase):
     self.assertTrue(np.isfinite(float(loss)))
     self.assertLen(traces, 1)
 
+  def test_linen_train_state_with_the_loss_aware_guard(self):
+    """The pattern of the README and docs/spikes.md: apply_gradients passes
+    no value=, so a loss-aware guard behind it fails when traced; calling
+    tx.update with value=loss and building the state with .replace is
+    apply_gradients step for step, and skips the bad batch.
+    """
+    x, y = _data()
+    model = _Mlp()
+    params = model.init(jax.random.key(0), x)
+
+    def loss_fn(params, x, y):
+      return jnp.mean((model.apply(params, x) - y) ** 2)
+
+    def manual_step(state, x, y):
+      loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y)
+      updates, opt_state = state.tx.update(
+        grads, state.opt_state, state.params, value=loss
+      )
+      return state.replace(
+        step=state.step + 1,
+        params=optax.apply_updates(state.params, updates),
+        opt_state=opt_state,
+      )
+
+    def builtin_step(state, x, y):
+      grads = jax.grad(loss_fn)(state.params, x, y)
+      return state.apply_gradients(grads=grads)
+
+    guarded = optaxclip.guard(
+      optax.chain(optaxclip.clip_global(MAX_NORM), optax.adam(1e-3)),
+      loss_spike_z=3.0,
+      warmup_steps=3,
+    )
+    state = train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=guarded
+    )
+    with self.assertRaisesRegex(
+      ValueError, r"^guard: value must be passed to update when loss_spike_z"
+    ):
+      jax.jit(builtin_step)(state, x, y)
+
+    # The same as apply_gradients where the update takes no value: a guard
+    # without loss_spike_z ignores it.
+    plain = optaxclip.guard(
+      optax.chain(optaxclip.clip_global(MAX_NORM), optax.adam(1e-3))
+    )
+    want = got = train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=plain
+    )
+    for _ in range(3):
+      want = jax.jit(builtin_step)(want, x, y)
+      got = jax.jit(manual_step)(got, x, y)
+    np.testing.assert_array_equal(int(got.step), int(want.step))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+    step = jax.jit(manual_step)
+    skipped = []
+    for t in range(6):
+      before = state.params
+      state = step(state, x, 100.0 * y if t == 4 else y)
+      skipped.append(int(state.opt_state.skipped_loss_spike))
+      if t == 4:  # the bad batch: parameters unchanged
+        unchanged = jax.tree.map(np.array_equal, state.params, before)
+        self.assertTrue(all(jax.tree.leaves(unchanged)))
+    self.assertEqual(skipped, [0, 0, 0, 0, 1, 1])
+    self.assertEqual(int(state.step), 6)
+
   def test_nnx_optimizer(self):
     x, y = _data()
     model = _NnxMlp(nnx.Rngs(0))
