@@ -31,6 +31,7 @@ attention, MLP, LayerNorms, blocks under ``nn.scan``), per size:
   noisy: say so when quoting them).
 
     python benchmarks/ghost.py [--size small] [--batch 256] [--rounds 5]
+        [--tied] [--no-largest-batch]
 """
 
 import argparse
@@ -162,10 +163,21 @@ def main():
   parser.add_argument(
     "--rounds", type=int, default=5, help="interleaved timing rounds"
   )
+  parser.add_argument(
+    "--tied",
+    action="store_true",
+    help="the read-out tied to the token embedding (read by attribute: "
+    "the embedding takes the exact per-example path)",
+  )
+  parser.add_argument(
+    "--no-largest-batch",
+    action="store_true",
+    help="skip the search for the largest batch within --budget-mib",
+  )
   args = parser.parse_args()
   example = load_example()
   size = example.SIZES[args.size]
-  model = example.Transformer(**size)
+  model = example.Transformer(**size, tied=args.tied)
   params = model.init(
     jax.random.PRNGKey(0), jnp.zeros((1, size["length"]), jnp.int32)
   )
@@ -181,7 +193,9 @@ def main():
   n_params = sum(x.size for x in jax.tree.leaves(params))
   plan = optaxclip.clipped_grad(loss_fn, 1.0).plan(params, tokens)
   print(
-    f"{args.size} transformer {size}: P = {n_params} parameters; ghosted "
+    f"{args.size} transformer {size}"
+    f"{' (tied read-out)' if args.tied else ''}: P = {n_params} parameters; "
+    "ghosted "
     f"parameter arrays {len(plan.ghosted)}, exact fallback "
     f"{plan.fallback or 'none'}"
   )
@@ -207,6 +221,8 @@ def main():
   for name in fns:
     small[name], compiled[name] = temp_mib(fns[name], params, time_tokens)
   for name in ("ghost_bk", "ghost_2pass", "ghost_2pass_remat", "vmap"):
+    if args.no_largest_batch:
+      break
     batch, mib = largest_batch(
       fns[name],
       params,

@@ -70,7 +70,8 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
   """Token and position embeddings, scanned blocks, a LayerNorm and a
-  Dense read-out to the vocabulary.
+  Dense read-out to the vocabulary (or, with ``tied``, the token
+  embedding's transpose).
   """
 
   vocab: int
@@ -78,10 +79,12 @@ class Transformer(nn.Module):
   width: int
   heads: int
   layers: int
+  tied: bool = False  # the read-out is the token embedding's transpose
 
   @nn.compact
   def __call__(self, tokens):
-    x = nn.Embed(self.vocab, self.width)(tokens)
+    embed = nn.Embed(self.vocab, self.width)
+    x = embed(tokens)
     x = x + nn.Embed(self.length, self.width, name="positions")(
       jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     )
@@ -92,7 +95,12 @@ class Transformer(nn.Module):
       length=self.layers,
     )
     x, _ = blocks(self.width, self.heads, name="blocks")(x, None)
-    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+    x = nn.LayerNorm()(x)
+    if self.tied:
+      # Read by attribute: clipped_grad's ghost method puts the embedding
+      # on the exact per-example path (its plan says so).
+      return x @ embed.embedding.T
+    return nn.Dense(self.vocab)(x)
 
 
 def per_example_loss(model):
@@ -135,6 +143,11 @@ def parse_args(argv=None):
     default="small",
     help="model and sequence size",
   )
+  parser.add_argument(
+    "--tied",
+    action="store_true",
+    help="read out through the token embedding (tied weights)",
+  )
   flags.add_count(parser, "--steps", 200, "training steps")
   flags.add_count(parser, "--batch-size", 64, "sequences per step (B)")
   flags.add_dp(parser, noise_multiplier=0.5)
@@ -150,7 +163,7 @@ def main(argv=None):
   args = parse_args(argv)
 
   size = SIZES[args.size]
-  model = Transformer(**size)
+  model = Transformer(**size, tied=args.tied)
   key = jax.random.PRNGKey(args.seed)
   k_init, k_data, k_test = jax.random.split(key, 3)
   # Jitted: eagerly, flax's init runs (and compiles) op by op.
