@@ -482,3 +482,47 @@ def test_a_gradient_beyond_the_second_moments_range_steps_by_zero():
 if __name__ == "__main__":
   for name, value in _figures().items():
     print(f"{name}: {value:.3g}")
+
+
+def test_inside_shard_map_matches_one_device():
+  """A leaf split over the devices takes its RMS over the whole tensor."""
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  rng = np.random.default_rng(0)
+  params = {
+    "split": jnp.asarray(rng.normal(size=(16, 3)), jnp.float32),
+    "whole": jnp.asarray(rng.normal(size=(5,)), jnp.float32),
+  }
+  specs = {"split": P("d"), "whole": P()}
+  grads = [
+    jax.tree.map(
+      lambda x, s=s: jnp.asarray(rng.normal(size=x.shape)) * s, params
+    )
+    for s in (1.0, 1.0, 300.0)
+  ]
+  plain = optaxclip.stable_adamw(LR, **KW)
+  mapped = optaxclip.stable_adamw(LR, **KW, axis_name="d", sharded=specs)
+
+  def run(tx, p, gs):
+    state = tx.init(p)
+    for g in gs:
+      u, state = tx.update(g, state, p)
+      p = optax.apply_updates(p, u)
+    return p, state.rms.values
+
+  want_p, want_rms = run(plain, params, grads)
+  got_p, got_rms = jax.jit(
+    jax.shard_map(
+      lambda p, *gs: run(mapped, p, gs),
+      mesh=mesh,
+      in_specs=(specs, *[specs] * len(grads)),
+      out_specs=(specs, P()),
+    )
+  )(params, *grads)
+  np.testing.assert_allclose(np.asarray(got_rms), np.asarray(want_rms), 1e-6)
+  assert float(np.max(np.asarray(want_rms))) > 1  # the spike was scaled
+  for key in params:
+    np.testing.assert_allclose(
+      np.asarray(got_p[key]), np.asarray(want_p[key]), rtol=1e-6, atol=1e-7
+    )
