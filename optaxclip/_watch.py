@@ -125,9 +125,10 @@ def watch(
   """Records the update's norm, the parameters' norm and their ratio.
 
   An identity transformation for the end of a chain: the update passes
-  through unchanged (bit for bit), and the state keeps the global L2 norm of the update
-  (what the chain before it produced: the step the parameters will take),
-  the global L2 norm of the parameters it applies to, and their ratio --
+  through unchanged (bit for bit), and the state keeps the global L2 norm
+  of the update (what the chain before it produced: the step the
+  parameters will take), the global L2 norm of the parameters it applies
+  to, and their ratio --
   the signals of Levanter's ``WatchConfig`` and OLMo-core's stability
   monitor. :func:`optaxclip.stats` reports them as ``watch/update_norm``,
   ``watch/param_norm`` and ``watch/update_to_param``. Norms accumulate in
