@@ -526,3 +526,17 @@ def test_inside_shard_map_matches_one_device():
     np.testing.assert_allclose(
       np.asarray(got_p[key]), np.asarray(want_p[key]), rtol=1e-6, atol=1e-7
     )
+
+
+def test_state_round_trips_through_flax_serialization():
+  from flax import serialization
+
+  tx = optaxclip.stable_adamw(LR)
+  params = _tree(_params(), BF16)
+  state = tx.init(params)
+  for g in _grads(steps=2):
+    _, state = tx.update(_tree(g, BF16), state, params)
+  restored = serialization.from_bytes(
+    tx.init(params), serialization.to_bytes(state)
+  )
+  chex.assert_trees_all_equal(restored, state)

@@ -241,3 +241,16 @@ def test_norms_match_float64_at_every_magnitude(data, magnitude):
     want = u / p
     if 1e-37 < want < 1e37:
       np.testing.assert_allclose(float(state.update_to_param), want, 1e-5)
+
+
+def test_state_round_trips_through_flax_serialization():
+  from flax import serialization
+
+  tx = optaxclip.watch(leaf_stats=True, layer_axis={"blocks": 0, "dense": None})
+  params = _tree(7)
+  _, state = tx.update(_tree(8, scale=1e-3), tx.init(params), params)
+  restored = serialization.from_bytes(
+    tx.init(params), serialization.to_bytes(state)
+  )
+  chex.assert_trees_all_equal(restored, state)
+  assert optaxclip.stats(restored).keys() == optaxclip.stats(state).keys()
