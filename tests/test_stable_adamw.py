@@ -283,6 +283,28 @@ class ParityTest(chex.TestCase):
     self.assertLessEqual(figures["bfloat16 vs optimi's bfloat16 (ulps)"], 2.0)
     self.assertLessEqual(figures["bfloat16 vs float64 algorithm (ulps)"], 1.0)
 
+  def test_bfloat16_decay_is_compensated_too(self):
+    """With a strong fully decoupled decay (2% a step), torch-optimi's
+    bfloat16 arithmetic rounds the decayed parameter outside its Kahan
+    compensation and drifts from the exact algorithm; stable_adamw carries
+    the decay in the compensated increment and stays within an ulp.
+    """
+    params, grads = _params(), _grads()
+    lr, wd = _schedules()
+    kw = dict(KW, weight_decay=wd, decouple_lr=True, max_lr=LR)
+    ours, _ = _run(optaxclip.stable_adamw(lr, **kw), params, grads, BF16)
+    exact, _ = _run_reference(
+      StableAdamWReference(
+        [np.asarray(p).astype(BF16) for p in params], np.float64, lr, **kw
+      ),
+      [[np.asarray(x).astype(BF16) for x in g] for g in grads],
+    )
+    optimi, _ = _run_reference(
+      StableAdamWReference(params, BF16, lr, **kw), grads
+    )
+    self.assertLessEqual(_ulps(ours, exact), 1.0)
+    self.assertGreater(_ulps(optimi, exact), 2.0)
+
   def test_kahan_summation_keeps_small_steps(self):
     """Steps far below a bfloat16 ulp add up with the compensation, and are
     lost without it.
