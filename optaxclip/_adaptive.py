@@ -749,10 +749,10 @@ def clip_zscore(
     it is clipped only by ``max_norm``, the mean moves to it and the
     variance takes in the jump, ``v <- alpha v + (1 - alpha) g^2``. In the
     reference every later step is clipped to 0 (no update for ever);
-  * ``max_norm`` defaults to ``None``, as in the paper's algorithm (the
-    reference's constructor defaults ``max_grad_norm`` to 1.0: pass
-    ``max_norm=1.0`` for the same cap) and ``warmup_steps`` must be at
-    least 1 (the reference treats 0 as 1);
+  * ``max_norm`` defaults to ``None``: no fixed cap (the reference's
+    constructor defaults ``max_grad_norm`` to 1.0, which caps the norm at
+    every step, warm-up included; pass ``max_norm=1.0`` for that), and
+    ``warmup_steps`` must be at least 1 (the reference treats 0 as 1);
   * ``scope="leaf"`` (not in the reference) keeps statistics per leaf and
     clips each leaf on its own;
   * ``axis_name`` computes the norm across devices with a collective, like
