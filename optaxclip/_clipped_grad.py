@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 import math
 import numbers
 from typing import Any, NamedTuple, Optional, Union
@@ -160,6 +161,408 @@ def _quotient(a, b):
   return _norms.Scaled(
     a.value / jnp.where(mantissa > 0, mantissa, 1), a.exponent - b.exponent - e
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+  """What a clipped-gradient function carries: the loss and the options
+  every path reads.
+  """
+
+  loss_fn: Callable
+  batch_argnums: tuple
+  microbatch_size: Optional[int]
+  has_aux: bool
+  normalize: bool
+  gamma: float
+  bookkeeping: bool
+
+  def split(self, out):
+    """The loss's output as ``(losses, aux)`` (aux None without has_aux)."""
+    return out if self.has_aux else (out, None)
+
+
+def _vmap_path(setup, args, real, clips, group_of_leaf, batch):
+  """Exact: per-example gradients of each microbatch, clipped and summed
+  as they come (one pass: an example's factor needs its own norm only).
+  """
+  params = args[0]
+  argnums = setup.batch_argnums
+  size = setup.microbatch_size or batch
+  chunks = batch // size
+  n_groups = len(clips)
+  in_axes = (tuple(0 if i in argnums else None for i in range(len(args))),)
+
+  def per_example(example_args):
+    def one(p):
+      ex = _take((p, *example_args[1:]), argnums, lambda x: x[None])
+      return setup.split(setup.loss_fn(*ex))[0].reshape(())
+
+    return jax.grad(one)(params)
+
+  c_args = _take(
+    args,
+    argnums,
+    lambda x: jnp.asarray(x).reshape(chunks, size, *x.shape[1:]),
+  )
+  c_real = real.reshape(chunks, size)
+
+  def body(acc, i):
+    grads = jax.vmap(per_example, in_axes=in_axes)(
+      _take(c_args, argnums, lambda x: x[i])
+    )
+    leaves = jax.tree.leaves(grads)
+    leaf_norms, _ = _per_example.example_norms_scaled(leaves)
+    r = c_real[i]
+    group_norms = []
+    for g in range(n_groups):
+      members = [n for n, k in zip(leaf_norms, group_of_leaf) if k == g]
+      n = (
+        _per_example.stack_and_combine(members)
+        if members
+        else _norms.as_scaled(jnp.zeros(size, jnp.float32))
+      )
+      group_norms.append(
+        _norms.Scaled(jnp.where(r, n.value, 0), jnp.where(r, n.exponent, 0))
+      )
+    # Only an example holding an Inf or NaN is left out: a finite one
+    # whose norm exceeds the dtype's range is clipped.
+    keep = r & jnp.isfinite(_per_example.stack_and_combine(group_norms).value)
+    factors = _factors(group_norms, clips, setup.normalize, setup.gamma)
+    sums = _per_example.sum_clipped(
+      leaves,
+      [group_norms[k] for k in group_of_leaf],
+      [jnp.asarray(clips[k], jnp.float32) for k in group_of_leaf],
+      keep,
+      factors=[factors[k] for k in group_of_leaf],
+    )
+    stacked = (
+      jnp.stack([n.value for n in group_norms]),
+      jnp.stack([n.exponent for n in group_norms]),
+    )
+    return [a + s for a, s in zip(acc, sums)], stacked
+
+  leaves, treedef = jax.tree.flatten(params)
+  init = [
+    jnp.zeros(
+      x.shape, jnp.promote_types(_norms.accumulation_dtype(x.dtype), x.dtype)
+    )
+    for x in leaves
+  ]
+  acc, chunk_norms = jax.lax.scan(body, init, jnp.arange(chunks))
+  grads = jax.tree.unflatten(
+    treedef, [a.astype(x.dtype) for a, x in zip(acc, leaves)]
+  )
+  values, exponents = (
+    jnp.moveaxis(v, 1, 0).reshape(n_groups, batch) for v in chunk_norms
+  )
+  group_norms = [
+    _norms.Scaled(v, e) for v, e in zip(list(values), list(exponents))
+  ]
+  aux = setup.split(setup.loss_fn(*args))[1] if setup.has_aux else None
+  return group_norms, grads, aux
+
+
+def _ghost_norms(setup, args, group_of_leaf, n_groups, batch):
+  params = args[0]
+
+  def apply_loss(p):
+    losses, aux = setup.split(setup.loss_fn(p, *args[1:]))
+    return losses.reshape(batch), aux
+
+  plan, fallback = _audited_plan(setup, params, args, group_of_leaf, batch)
+  # A batch split over devices takes two passes: the caught layer inputs
+  # and output gradients would be typed like the (unsplit) catchers.
+  spans = any(
+    _norms.may_span_devices(jnp.asarray(leaf))
+    for i in setup.batch_argnums
+    for leaf in jax.tree.leaves(args[i])
+  )
+  one_pass = (
+    setup.bookkeeping and not spans and _ghost.can_bookkeep(plan, params)
+  )
+  losses, aux, vjp, fns = _ghost.forward(
+    apply_loss,
+    params,
+    plan,
+    batch,
+    n_groups,
+    catch=one_pass,
+    batch_arg=jnp.asarray(jax.tree.leaves(args[setup.batch_argnums[0]])[0]),
+  )
+  caught, rows = vjp(jnp.ones_like(losses))
+  fast, needs = _ghost.read_rows(rows, n_groups)
+  # The rare step where some finite example's fast squares overflowed:
+  # the exact squares, recomputed in a branch after the backward pass.
+  group_norms = jax.lax.cond(
+    jnp.any(needs),
+    lambda _: _exact_norms(
+      setup, args, plan, n_groups, batch, spans, fast, needs
+    ),
+    lambda _: fast,
+    None,
+  )
+  if any(fallback):
+    exact = _fallback_norms(
+      setup, args, fallback, group_of_leaf, n_groups, batch
+    )
+    group_norms = [
+      _per_example.stack_and_combine([a, b]) for a, b in zip(group_norms, exact)
+    ]
+  treedef = jax.tree.structure(params)
+
+  def by_group(grads_of_group):
+    """The parameters' gradients, each leaf from its group's weights."""
+    out = {}
+    for g in range(n_groups):
+      if g in group_of_leaf:
+        out[g] = jax.tree.leaves(grads_of_group(g))
+    return jax.tree.unflatten(
+      treedef, [out[k][i] for i, k in enumerate(group_of_leaf)]
+    )
+
+  def grads_fn(factors, keep, all_finite):
+    def shared(_):
+      if one_pass:
+        # Book-keeping: from the caught layer inputs and output
+        # gradients, no second backward pass.
+        return _ghost.weighted_grads(
+          plan,
+          params,
+          caught,
+          fns,
+          [f.astype(losses.dtype) for f in factors],
+          group_of_leaf,
+        )
+      # The second backward pass of the same forward, re-weighted.
+      return by_group(
+        lambda g: vjp(_ghost.like(factors[g].astype(losses.dtype), losses))[0]
+      )
+
+    # The shared backward runs outside the cond: inside a branch the
+    # forward's residuals are operands of the cond, which XLA keeps alive
+    # (and never overwrites) for the whole branch, e.g. the softmax, where
+    # a plain jax.grad writes the logits' cotangent in place of it. Only
+    # the rare recompute sits in a branch, after the residuals are dead.
+    grads = jax.lax.cond(
+      all_finite,
+      lambda g: g,
+      lambda g: _recompute_weighted(
+        setup, params, args, factors, keep, batch, spans, n_groups, by_group
+      ),
+      shared(None),
+    )
+    any_kept = jnp.any(keep)
+    grads = jax.tree.map(lambda g: jnp.where(any_kept, g, 0), grads)
+    return grads, aux
+
+  return group_norms, grads_fn
+
+
+def _recompute_weighted(
+  setup, params, args, factors, keep, batch, spans, n_groups, by_group
+):
+  """The weighted gradient ``sum_b w_b grad loss_b`` of the kept examples,
+  recomputed without the others.
+
+  An example with a non-finite gradient: a NaN activation times its zero
+  weight would still be NaN in the shared backward. Such examples are
+  replaced by a kept one (weight 0) and the weighted gradient recomputed,
+  in chunks (a bounded extra memory). The kept example is picked by a
+  masked sum over the batch (an all-reduce of one example where the batch
+  is split, no gather).
+  """
+  first = jnp.arange(batch) == jnp.argmax(keep)
+
+  def replace(x):
+    x = jnp.asarray(x)
+    shape = (batch,) + (1,) * (x.ndim - 1)
+    pick = jnp.where(
+      _ghost.batch_like(first, x).reshape(shape), x, jnp.zeros_like(x)
+    )
+    kept = (
+      jnp.any(pick, axis=0)
+      if x.dtype == bool
+      else jnp.sum(pick, axis=0, dtype=x.dtype)
+    )
+    return jnp.where(_ghost.batch_like(keep, x).reshape(shape), x, kept[None])
+
+  safe = _take(args, setup.batch_argnums, replace)
+  # Chunk c holds the examples b with b % chunks == c: the split axis
+  # stays whole, and a chunk is indexed along an unsplit one.
+  chunks = _recompute_chunks(batch, spans, setup.microbatch_size)
+  size = batch // chunks
+  c_args = _take(
+    safe,
+    setup.batch_argnums,
+    lambda x: x.reshape(size, chunks, *x.shape[1:]),
+  )
+  weights = jnp.stack(factors).reshape(n_groups, size, chunks)
+
+  def body(acc, i):
+    chunk_args = _take(
+      c_args,
+      setup.batch_argnums,
+      lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False),
+    )
+    w_i = jax.lax.dynamic_index_in_dim(weights, i, 2, keepdims=False)
+
+    def weighted(p, w):
+      chunk_losses = setup.split(setup.loss_fn(p, *chunk_args[1:]))[0]
+      chunk_losses = chunk_losses.reshape(size)
+      return jnp.sum(_ghost.like(w, chunk_losses) * chunk_losses)
+
+    grads = by_group(lambda g: jax.grad(weighted)(params, w_i[g]))
+    return jax.tree.map(jnp.add, acc, grads), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  return jax.lax.scan(body, zeros, jnp.arange(chunks))[0]
+
+
+def _exact_norms(setup, args, plan, n_groups, batch, spans, fast, needs):
+  """Per group, the ``(B,)`` norms of the ghosted parameters from the
+  exact squares (:func:`_ghost.forward` with ``exact=True``): a forward
+  and backward pass per chunk of the batch (as in the non-finite
+  recompute of ``grads_fn``), only for the chunks holding an example
+  that ``needs`` them; the others keep their ``fast`` norms.
+  """
+  params = args[0]
+
+  def exact_of(chunk_args, size):
+    def chunk_loss(p):
+      losses, aux = setup.split(setup.loss_fn(p, *chunk_args[1:]))
+      return losses.reshape(size), aux
+
+    losses, _, vjp, _ = _ghost.forward(
+      chunk_loss,
+      params,
+      plan,
+      size,
+      n_groups,
+      batch_arg=jnp.asarray(
+        jax.tree.leaves(chunk_args[setup.batch_argnums[0]])[0]
+      ),
+      exact=True,
+    )
+    return _ghost.read_rows(vjp(jnp.ones_like(losses))[1], n_groups)[0]
+
+  chunks = _recompute_chunks(batch, spans, setup.microbatch_size)
+  if chunks == 1:
+    return exact_of(args, batch)
+  size = batch // chunks
+  # Chunk c holds the examples b with b % chunks == c.
+  split_chunks = lambda x: x.reshape(size, chunks, *x.shape[1:])
+  c_args = _take(args, setup.batch_argnums, split_chunks)
+  c_needs = split_chunks(needs)
+  c_fast = jax.tree.map(split_chunks, fast)
+
+  def body(_, i):
+    def pick(x):
+      return jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False)
+
+    chunk_args = _take(c_args, setup.batch_argnums, pick)
+    out = jax.lax.cond(
+      jnp.any(pick(c_needs)),
+      lambda _: exact_of(chunk_args, size),
+      lambda _: jax.tree.map(pick, c_fast),
+      None,
+    )
+    return None, out
+
+  stacked = jax.lax.scan(body, None, jnp.arange(chunks))[1]
+  # (chunks, size) each: back to the batch's order.
+  return jax.tree.map(lambda v: v.T.reshape(batch), stacked)
+
+
+def _fallback_norms(setup, args, fallback, group_of_leaf, n_groups, batch):
+  """Per group, the ``(B,)`` norms (Scaled, exact beyond the dtype's
+  range) of the fallback leaves, from their exact per-example gradients
+  (the other leaves held constant).
+  """
+  params = args[0]
+  leaves, treedef = jax.tree.flatten(params)
+  fb_idx = [i for i, f in enumerate(fallback) if f]
+  size = setup.microbatch_size or batch
+  chunks = batch // size
+
+  def per_example(fb_leaves, example_args):
+    def one(fb):
+      full = list(leaves)
+      for i, x in zip(fb_idx, fb):
+        full[i] = x
+      p = jax.tree.unflatten(treedef, full)
+      ex = _take((p, *example_args[1:]), setup.batch_argnums, lambda x: x[None])
+      return setup.split(setup.loss_fn(*ex))[0].reshape(())
+
+    return jax.grad(one)(fb_leaves)
+
+  fb_leaves = [leaves[i] for i in fb_idx]
+  c_args = _take(
+    args,
+    setup.batch_argnums,
+    lambda x: jnp.asarray(x).reshape(chunks, size, *x.shape[1:]),
+  )
+  in_axes = (
+    None,
+    tuple(0 if i in setup.batch_argnums else None for i in range(len(args))),
+  )
+
+  def chunk(i):
+    grads = jax.vmap(per_example, in_axes=in_axes)(
+      fb_leaves, _take(c_args, setup.batch_argnums, lambda x: x[i])
+    )
+    leaf_norms, _ = _per_example.example_norms_scaled(grads)
+    norms = []
+    for g in range(n_groups):
+      members = [n for n, j in zip(leaf_norms, fb_idx) if group_of_leaf[j] == g]
+      norms.append(
+        _per_example.stack_and_combine(members)
+        if members
+        else _norms.as_scaled(jnp.zeros(size, jnp.float32))
+      )
+    return (
+      jnp.stack([n.value for n in norms]),
+      jnp.stack([n.exponent for n in norms]),
+    )
+
+  # (chunks, groups, size) each: chunk c holds examples c*size onwards.
+  values, exponents = (
+    jnp.moveaxis(v, 1, 0).reshape(n_groups, batch)
+    for v in jax.lax.map(chunk, jnp.arange(chunks))
+  )
+  return [_norms.Scaled(values[g], exponents[g]) for g in range(n_groups)]
+
+
+def _audited_plan(setup, params, args, group_of_leaf, batch):
+  """The ghost plan, from the traced loss (``_ghost.discover``); a loss
+  that is not per example, or mixes examples, is refused here.
+  """
+
+  def loss_of(p, batch_args):
+    full = list(args)
+    for i, b in zip(setup.batch_argnums, batch_args):
+      full[i] = b
+    return setup.split(setup.loss_fn(p, *full[1:]))[0]
+
+  try:
+    return _ghost.discover(
+      loss_of,
+      params,
+      tuple(args[i] for i in setup.batch_argnums),
+      batch,
+      group_of_leaf,
+    )
+  except _loss_audit.MixesExamples as err:
+    raise ValueError(
+      f"{WHO}: loss_fn mixes examples: {err}. A per-example gradient "
+      "has no meaning there: use per-example normalisation (LayerNorm, "
+      "GroupNorm) instead of batch statistics, and normalise the loss by "
+      "a constant."
+    ) from None
+  except ValueError as err:
+    if str(err).startswith("loss_fn must return"):
+      raise ValueError(f"{WHO}: {err}.") from None
+    raise
 
 
 def clipped_grad(
@@ -381,8 +784,15 @@ def clipped_grad(
     divided_by_batch_size=reduce == "mean",
   )
 
-  def split(out):
-    return out if has_aux else (out, None)
+  setup = _Setup(
+    loss_fn,
+    batch_argnums,
+    microbatch_size,
+    has_aux,
+    normalize,
+    gamma,
+    bookkeeping,
+  )
 
   def grad_fn(params, *args, is_padding_example=None, l2_clip=l2_clip):
     args = (params, *args)
@@ -405,16 +815,16 @@ def clipped_grad(
     if method == "vmap":
       # The audit's refusals (a loss that is not per example, or mixes
       # examples) hold for both methods.
-      _audited_plan(params, args, group_of_leaf, batch)
+      _audited_plan(setup, params, args, group_of_leaf, batch)
       group_norms, grads, aux = _vmap_path(
-        args, real, clips, group_of_leaf, batch
+        setup, args, real, clips, group_of_leaf, batch
       )
       norms = _per_example.reported_norm(
         _per_example.stack_and_combine(group_norms)
       )
     else:
       group_norms, grads_fn = _ghost_norms(
-        loss_fn, args, batch_argnums, group_of_leaf, len(clips), split, batch
+        setup, args, group_of_leaf, len(clips), batch
       )
       all_finite = jnp.all(
         jnp.isfinite(_per_example.stack_and_combine(group_norms).value)
@@ -438,393 +848,6 @@ def clipped_grad(
       grads = jax.tree.map(lambda g: g / batch, grads)
     return (grads, norms, aux) if has_aux else (grads, norms)
 
-  def _vmap_path(args, real, clips, group_of_leaf, batch):
-    """Exact: per-example gradients of each microbatch, clipped and summed
-    as they come (one pass: an example's factor needs its own norm only).
-    """
-    params = args[0]
-    argnums = batch_argnums
-    size = microbatch_size or batch
-    chunks = batch // size
-    n_groups = len(clips)
-    in_axes = (tuple(0 if i in argnums else None for i in range(len(args))),)
-
-    def per_example(example_args):
-      def one(p):
-        ex = _take((p, *example_args[1:]), argnums, lambda x: x[None])
-        return split(loss_fn(*ex))[0].reshape(())
-
-      return jax.grad(one)(params)
-
-    c_args = _take(
-      args,
-      argnums,
-      lambda x: jnp.asarray(x).reshape(chunks, size, *x.shape[1:]),
-    )
-    c_real = real.reshape(chunks, size)
-
-    def body(acc, i):
-      grads = jax.vmap(per_example, in_axes=in_axes)(
-        _take(c_args, argnums, lambda x: x[i])
-      )
-      leaves = jax.tree.leaves(grads)
-      leaf_norms, _ = _per_example.example_norms_scaled(leaves)
-      r = c_real[i]
-      group_norms = []
-      for g in range(n_groups):
-        members = [n for n, k in zip(leaf_norms, group_of_leaf) if k == g]
-        n = (
-          _per_example.stack_and_combine(members)
-          if members
-          else _norms.as_scaled(jnp.zeros(size, jnp.float32))
-        )
-        group_norms.append(
-          _norms.Scaled(jnp.where(r, n.value, 0), jnp.where(r, n.exponent, 0))
-        )
-      # Only an example holding an Inf or NaN is left out: a finite one
-      # whose norm exceeds the dtype's range is clipped.
-      keep = r & jnp.isfinite(_per_example.stack_and_combine(group_norms).value)
-      factors = _factors(group_norms, clips, normalize, gamma)
-      sums = _per_example.sum_clipped(
-        leaves,
-        [group_norms[k] for k in group_of_leaf],
-        [jnp.asarray(clips[k], jnp.float32) for k in group_of_leaf],
-        keep,
-        factors=[factors[k] for k in group_of_leaf],
-      )
-      stacked = (
-        jnp.stack([n.value for n in group_norms]),
-        jnp.stack([n.exponent for n in group_norms]),
-      )
-      return [a + s for a, s in zip(acc, sums)], stacked
-
-    leaves, treedef = jax.tree.flatten(params)
-    init = [
-      jnp.zeros(
-        x.shape, jnp.promote_types(_norms.accumulation_dtype(x.dtype), x.dtype)
-      )
-      for x in leaves
-    ]
-    acc, chunk_norms = jax.lax.scan(body, init, jnp.arange(chunks))
-    grads = jax.tree.unflatten(
-      treedef, [a.astype(x.dtype) for a, x in zip(acc, leaves)]
-    )
-    values, exponents = (
-      jnp.moveaxis(v, 1, 0).reshape(n_groups, batch) for v in chunk_norms
-    )
-    group_norms = [
-      _norms.Scaled(v, e) for v, e in zip(list(values), list(exponents))
-    ]
-    aux = split(loss_fn(*args))[1] if has_aux else None
-    return group_norms, grads, aux
-
-  def _ghost_norms(
-    loss_fn_, args, argnums, group_of_leaf, n_groups, split_, batch
-  ):
-    params = args[0]
-
-    def apply_loss(p):
-      losses, aux = split_(loss_fn_(p, *args[1:]))
-      return losses.reshape(batch), aux
-
-    plan, fallback = _audited_plan(params, args, group_of_leaf, batch)
-    # A batch split over devices takes two passes: the caught layer inputs
-    # and output gradients would be typed like the (unsplit) catchers.
-    spans = any(
-      _norms.may_span_devices(jnp.asarray(leaf))
-      for i in argnums
-      for leaf in jax.tree.leaves(args[i])
-    )
-    one_pass = bookkeeping and not spans and _ghost.can_bookkeep(plan, params)
-    losses, aux, vjp, fns = _ghost.forward(
-      apply_loss,
-      params,
-      plan,
-      batch,
-      n_groups,
-      catch=one_pass,
-      batch_arg=jnp.asarray(jax.tree.leaves(args[argnums[0]])[0]),
-    )
-    caught, rows = vjp(jnp.ones_like(losses))
-    fast, needs = _ghost.read_rows(rows, n_groups)
-    # The rare step where some finite example's fast squares overflowed:
-    # the exact squares, recomputed in a branch after the backward pass.
-    group_norms = jax.lax.cond(
-      jnp.any(needs),
-      lambda _: _exact_norms(
-        loss_fn_,
-        args,
-        argnums,
-        plan,
-        n_groups,
-        split_,
-        batch,
-        spans,
-        fast,
-        needs,
-      ),
-      lambda _: fast,
-      None,
-    )
-    if any(fallback):
-      exact = _fallback_norms(
-        loss_fn_,
-        args,
-        argnums,
-        fallback,
-        group_of_leaf,
-        n_groups,
-        batch,
-        split_,
-      )
-      group_norms = [
-        _per_example.stack_and_combine([a, b])
-        for a, b in zip(group_norms, exact)
-      ]
-    treedef = jax.tree.structure(params)
-
-    def by_group(grads_of_group):
-      """The parameters' gradients, each leaf from its group's weights."""
-      out = {}
-      for g in range(n_groups):
-        if g in group_of_leaf:
-          out[g] = jax.tree.leaves(grads_of_group(g))
-      return jax.tree.unflatten(
-        treedef, [out[k][i] for i, k in enumerate(group_of_leaf)]
-      )
-
-    def grads_fn(factors, keep, all_finite):
-      def shared(_):
-        if one_pass:
-          # Book-keeping: from the caught layer inputs and output
-          # gradients, no second backward pass.
-          return _ghost.weighted_grads(
-            plan,
-            params,
-            caught,
-            fns,
-            [f.astype(losses.dtype) for f in factors],
-            group_of_leaf,
-          )
-        # The second backward pass of the same forward, re-weighted.
-        return by_group(
-          lambda g: vjp(_ghost.like(factors[g].astype(losses.dtype), losses))[0]
-        )
-
-      def recompute(_):
-        # An example with a non-finite gradient: a NaN activation times its
-        # zero weight would still be NaN in the shared backward. Such
-        # examples are replaced by a kept one (weight 0) and the weighted
-        # gradient recomputed, in chunks (a bounded extra memory).
-        # The kept example is picked by a masked sum over the batch (an
-        # all-reduce of one example where the batch is split, no gather).
-        first = jnp.arange(batch) == jnp.argmax(keep)
-
-        def replace(x):
-          x = jnp.asarray(x)
-          shape = (batch,) + (1,) * (x.ndim - 1)
-          pick = jnp.where(
-            _ghost.batch_like(first, x).reshape(shape), x, jnp.zeros_like(x)
-          )
-          kept = (
-            jnp.any(pick, axis=0)
-            if x.dtype == bool
-            else jnp.sum(pick, axis=0, dtype=x.dtype)
-          )
-          return jnp.where(
-            _ghost.batch_like(keep, x).reshape(shape), x, kept[None]
-          )
-
-        safe = _take(args, argnums, replace)
-        # Chunk c holds the examples b with b % chunks == c: the split axis
-        # stays whole, and a chunk is indexed along an unsplit one.
-        chunks = _recompute_chunks(batch, spans, microbatch_size)
-        size = batch // chunks
-        c_args = _take(
-          safe, argnums, lambda x: x.reshape(size, chunks, *x.shape[1:])
-        )
-        weights = jnp.stack(factors).reshape(n_groups, size, chunks)
-
-        def body(acc, i):
-          chunk_args = _take(
-            c_args,
-            argnums,
-            lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False),
-          )
-          w_i = jax.lax.dynamic_index_in_dim(weights, i, 2, keepdims=False)
-
-          def weighted(p, w):
-            chunk_losses = split_(loss_fn_(p, *chunk_args[1:]))[0]
-            chunk_losses = chunk_losses.reshape(size)
-            return jnp.sum(_ghost.like(w, chunk_losses) * chunk_losses)
-
-          grads = by_group(lambda g: jax.grad(weighted)(params, w_i[g]))
-          return jax.tree.map(jnp.add, acc, grads), None
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return jax.lax.scan(body, zeros, jnp.arange(chunks))[0]
-
-      # The shared backward runs outside the cond: inside a branch the
-      # forward's residuals are operands of the cond, which XLA keeps alive
-      # (and never overwrites) for the whole branch, e.g. the softmax, where
-      # a plain jax.grad writes the logits' cotangent in place of it. Only
-      # the rare recompute sits in a branch, after the residuals are dead.
-      grads = jax.lax.cond(
-        all_finite, lambda g: g, lambda g: recompute(None), shared(None)
-      )
-      any_kept = jnp.any(keep)
-      grads = jax.tree.map(lambda g: jnp.where(any_kept, g, 0), grads)
-      return grads, aux
-
-    return group_norms, grads_fn
-
-  def _exact_norms(
-    loss_fn_, args, argnums, plan, n_groups, split_, batch, spans, fast, needs
-  ):
-    """Per group, the ``(B,)`` norms of the ghosted parameters from the
-    exact squares (:func:`_ghost.forward` with ``exact=True``): a forward
-    and backward pass per chunk of the batch (as in the non-finite
-    recompute of ``grads_fn``), only for the chunks holding an example
-    that ``needs`` them; the others keep their ``fast`` norms.
-    """
-    params = args[0]
-
-    def exact_of(chunk_args, size):
-      def chunk_loss(p):
-        losses, aux = split_(loss_fn_(p, *chunk_args[1:]))
-        return losses.reshape(size), aux
-
-      losses, _, vjp, _ = _ghost.forward(
-        chunk_loss,
-        params,
-        plan,
-        size,
-        n_groups,
-        batch_arg=jnp.asarray(jax.tree.leaves(chunk_args[argnums[0]])[0]),
-        exact=True,
-      )
-      return _ghost.read_rows(vjp(jnp.ones_like(losses))[1], n_groups)[0]
-
-    chunks = _recompute_chunks(batch, spans, microbatch_size)
-    if chunks == 1:
-      return exact_of(args, batch)
-    size = batch // chunks
-    # Chunk c holds the examples b with b % chunks == c.
-    split_chunks = lambda x: x.reshape(size, chunks, *x.shape[1:])
-    c_args = _take(args, argnums, split_chunks)
-    c_needs = split_chunks(needs)
-    c_fast = jax.tree.map(split_chunks, fast)
-
-    def body(_, i):
-      def pick(x):
-        return jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False)
-
-      chunk_args = _take(c_args, argnums, pick)
-      out = jax.lax.cond(
-        jnp.any(pick(c_needs)),
-        lambda _: exact_of(chunk_args, size),
-        lambda _: jax.tree.map(pick, c_fast),
-        None,
-      )
-      return None, out
-
-    stacked = jax.lax.scan(body, None, jnp.arange(chunks))[1]
-    # (chunks, size) each: back to the batch's order.
-    return jax.tree.map(lambda v: v.T.reshape(batch), stacked)
-
-  def _fallback_norms(
-    loss_fn_, args, argnums, fallback, group_of_leaf, n_groups, batch, split_
-  ):
-    """Per group, the ``(B,)`` norms (Scaled, exact beyond the dtype's
-    range) of the fallback leaves, from their exact per-example gradients
-    (the other leaves held constant).
-    """
-    params = args[0]
-    leaves, treedef = jax.tree.flatten(params)
-    fb_idx = [i for i, f in enumerate(fallback) if f]
-    size = microbatch_size or batch
-    chunks = batch // size
-
-    def per_example(fb_leaves, example_args):
-      def one(fb):
-        full = list(leaves)
-        for i, x in zip(fb_idx, fb):
-          full[i] = x
-        p = jax.tree.unflatten(treedef, full)
-        ex = _take((p, *example_args[1:]), argnums, lambda x: x[None])
-        return split_(loss_fn_(*ex))[0].reshape(())
-
-      return jax.grad(one)(fb_leaves)
-
-    fb_leaves = [leaves[i] for i in fb_idx]
-    c_args = _take(
-      args,
-      argnums,
-      lambda x: jnp.asarray(x).reshape(chunks, size, *x.shape[1:]),
-    )
-    in_axes = (
-      None,
-      tuple(0 if i in argnums else None for i in range(len(args))),
-    )
-
-    def chunk(i):
-      grads = jax.vmap(per_example, in_axes=in_axes)(
-        fb_leaves, _take(c_args, argnums, lambda x: x[i])
-      )
-      leaf_norms, _ = _per_example.example_norms_scaled(grads)
-      norms = []
-      for g in range(n_groups):
-        members = [
-          n for n, j in zip(leaf_norms, fb_idx) if group_of_leaf[j] == g
-        ]
-        norms.append(
-          _per_example.stack_and_combine(members)
-          if members
-          else _norms.as_scaled(jnp.zeros(size, jnp.float32))
-        )
-      return (
-        jnp.stack([n.value for n in norms]),
-        jnp.stack([n.exponent for n in norms]),
-      )
-
-    # (chunks, groups, size) each: chunk c holds examples c*size onwards.
-    values, exponents = (
-      jnp.moveaxis(v, 1, 0).reshape(n_groups, batch)
-      for v in jax.lax.map(chunk, jnp.arange(chunks))
-    )
-    return [_norms.Scaled(values[g], exponents[g]) for g in range(n_groups)]
-
-  def _audited_plan(params, args, group_of_leaf, batch):
-    """The ghost plan, from the traced loss (``_ghost.discover``); a loss
-    that is not per example, or mixes examples, is refused here.
-    """
-
-    def loss_of(p, batch_args):
-      full = list(args)
-      for i, b in zip(batch_argnums, batch_args):
-        full[i] = b
-      return split(loss_fn(p, *full[1:]))[0]
-
-    try:
-      return _ghost.discover(
-        loss_of,
-        params,
-        tuple(args[i] for i in batch_argnums),
-        batch,
-        group_of_leaf,
-      )
-    except _loss_audit.MixesExamples as err:
-      raise ValueError(
-        f"{WHO}: loss_fn mixes examples: {err}. A per-example gradient "
-        "has no meaning there: use per-example normalisation (LayerNorm, "
-        "GroupNorm) instead of batch statistics, and normalise the loss by "
-        "a constant."
-      ) from None
-    except ValueError as err:
-      if str(err).startswith("loss_fn must return"):
-        raise ValueError(f"{WHO}: {err}.") from None
-      raise
-
   def plan(params, *args):
     """The ghost plan for these arguments: per parameter path, ghosted or
     exact and why (``str(plan)``; its ``ghosted`` and ``fallback`` lists).
@@ -832,7 +855,7 @@ def clipped_grad(
     args_ = (params, *args)
     batch = _batch_arg_size(args_, batch_argnums)
     _, group_of_leaf = _groups(l2_clip, params)
-    return _audited_plan(params, args_, group_of_leaf, batch)[0]
+    return _audited_plan(setup, params, args_, group_of_leaf, batch)[0]
 
   # Attributes of the returned function (it stays a plain function, which
   # jax.jit and functools.partial take as it is).
