@@ -237,8 +237,8 @@ def clip_value(
 
   Non-finite gradients: a leaf that holds a NaN or an inf comes out all NaN
   (``optax.clip`` and torch would clip an inf to ``max_delta`` and hide it);
-  the other leaves are clipped as usual (see the README, "Non-finite
-  gradients").
+  the other leaves are clipped as usual (see the guide on precision and
+  non-finite input, ``docs/numerics.md``).
 
   Statistics: ``norm`` (``max |g|``) and ``clip_fraction`` are exact (the
   count of clipped elements to float32's precision, exact up to 2**24; an
