@@ -117,7 +117,7 @@ def pytest_sessionfinish(session):
 # short files fill in around them. An order only: a file missing here runs
 # after these, those with more tests first.
 LONGEST_FUZZ_FILES = (
-  "test_fuzz_ghostmem.py",
+  "test_fuzz_ghost_memory.py",
   "test_fuzz.py",
   "test_fuzz_numerics.py",
   "test_fuzz_sharding.py",

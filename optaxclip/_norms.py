@@ -673,8 +673,7 @@ def _drops_nan(x: jax.Array) -> bool:
   """Whether a plain max of ``x`` may drop a NaN: every float dtype.
 
   Not only float32 and float64: a float16 min of 4096 elements drops it
-  too (found by tests/test_fuzz_nanmax.py when float16 and bfloat16 were
-  left to the plain reductions).
+  too (tests/test_fuzz_nan_maxima.py checks every float dtype).
   """
   return jnp.issubdtype(x.dtype, jnp.floating)
 

@@ -131,41 +131,68 @@ def clip_value_complex(x, limit):
   return np.where(m > limit, x * limit / np.where(m > 0, m, 1), x)
 
 
+def guard_raised(mean, std, growth):
+  """The level ``guard`` judges a held-back statistic by after a raise:
+  ``max(mean, 0) + (growth - 1) * max(|mean|, std)``.
+  """
+  return max(mean, 0.0) + (growth - 1) * max(abs(mean), std)
+
+
 class GuardStat:
   """One statistic of ``guard`` (a norm, or the loss), restated in floats.
 
   ``window=None``: the plain mean and population variance of the first
   ``warmup`` values, then an EMA (mean first, the variance with the new
   mean). An int ``window``: ``np.mean`` and ``np.std(ddof=1)`` of the last
-  ``window`` values taken in (OLMo-core's SkipStepOptimizer rule). A
-  restart (after ``patience`` spikes in a row, or against a variance of 0)
-  moves the EMA to the value, or starts the window again from it.
+  ``window`` values taken in (OLMo-core's SkipStepOptimizer rule). A value
+  above ``mean + z * std`` is a spike (with a variance of 0, any value above
+  the mean). After ``patience`` spikes in a row, a further one first raises
+  the mean to :func:`guard_raised` (the window's values move with it, the
+  variance stays), kept whether the value then enters or not, and is judged
+  against ``raised + z * std``. Statistics of only zeros (mean and variance
+  0) restart at the first value above 0: the EMA moves to it, or the window
+  starts again from it.
   """
 
-  def __init__(self, z, window=None, warmup=25, patience=25, alpha=0.97):
+  def __init__(
+    self, z, window=None, warmup=25, patience=25, alpha=0.97, growth=2.0
+  ):
     self.z, self.window, self.warmup = z, window, warmup
-    self.patience, self.alpha = patience, alpha
+    self.patience, self.alpha, self.growth = patience, alpha, growth
     self.count = self.run = 0
     self.values, self.mean, self.var = [], 0.0, 0.0
+    self.held = self.raised = False
 
   def judge(self, x):
-    """Returns (bound, spike?, restart?, z-score) of ``x``."""
+    """Returns (bound, spike?, restart?, z-score) of ``x``; a raise moves
+    the statistics (``self.raised``), ``self.held`` is the spike before it.
+    """
     finite = math.isfinite(x)
     warming = self.count < self.warmup
     std = math.sqrt(self.var)
+    self.held = self.raised = False
+    bound, spike, restart = math.inf, False, False
+    if self.z is not None and not warming:
+      bound = self.mean + self.z * std
+      spike = finite and x > bound
+      restart = spike and self.mean == 0 and self.var == 0
+      self.held = spike = spike and not restart
+      self.raised = spike and self.run >= self.patience
+    if self.raised:
+      up = guard_raised(self.mean, std, self.growth)
+      self.values = [v + up - self.mean for v in self.values]
+      self.mean = up
+      bound = up + self.z * std
+      spike = x > bound
     z_score = (x - self.mean) / std if finite and not warming and std else 0.0
-    if self.z is None:
-      return math.inf, False, False, z_score
-    bound = math.inf if warming else self.mean + self.z * std
-    spike = finite and x > bound
-    restart = spike and (self.run >= self.patience or self.var == 0)
-    return bound, spike and not restart, restart, z_score
+    return bound, spike, restart, z_score
 
   def learn(self, x, take, spike, restart):
     """Takes ``x`` in (when finite and ``take``); ``spike`` as judged."""
+    del spike  # the streak counts the spikes before any raise
     if not math.isfinite(x):
       return
-    self.run = self.run + 1 if spike else 0
+    self.run = self.run + 1 if self.held else 0
     if self.window is not None:
       if restart:
         self.values, self.count = [x], 1

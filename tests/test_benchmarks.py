@@ -1,5 +1,6 @@
-"""benchmarks/run.py --quick, floors.py and exact_recompute.py run and write
-sane reports (so they never rot); run.py's command line.
+"""benchmarks/run.py --quick, floors.py and studies/exact_recompute.py run
+and write sane reports (so they never rot); run.py's command line; what
+benchmarks/edge_cases.py reports now.
 
 Speed itself is not tested here (timings belong to benchmarks/RESULTS.md);
 this checks that every row is measured and every figure is a positive number.
@@ -121,10 +122,13 @@ def test_quick_run_writes_a_sane_report(tmp_path):
     assert cells[2] in (("",) if cells[0] == "adam" else ("yes", "no"))
 
 
-def _import(name):
-  """A module of benchmarks/ (which put their folders on sys.path)."""
+def _import(name, folder="benchmarks"):
+  """A module of benchmarks/ or a folder below it (which put their folders
+  on sys.path).
+  """
   saved = list(sys.path)
   sys.path.insert(0, str(ROOT / "benchmarks"))
+  sys.path.insert(0, str(ROOT / folder))
   try:
     return importlib.import_module(name)
   finally:
@@ -166,7 +170,7 @@ def test_bad_arguments_are_errors(argv, message, capsys):
 def test_leaf_rounds_reach_the_compile_section(monkeypatch):
   """--leaf-rounds N: every clipper compiled in N interleaved rounds, and
   the section says how many (--rounds, for step times, did not reach it:
-  a table headed "three rounds" in session 26 had one).
+  a table headed "three rounds" had one).
   """
   run = _import("run")
   calls = []
@@ -229,8 +233,8 @@ def test_exact_recompute_runs_at_a_tiny_size():
   """Every variant measured, and the script's own check passed: each scale
   sends the sums where the variant's name says.
   """
-  rows = _rows_at_a_tiny_size("exact_recompute.py")
-  script = _import("exact_recompute")
+  rows = _rows_at_a_tiny_size("studies/exact_recompute.py")
+  script = _import("exact_recompute", "benchmarks/studies")
   assert [cells[0] for cells in rows] == list(script.variants())
   for cells in rows:
     _ratio(cells[1])
@@ -239,9 +243,9 @@ def test_exact_recompute_runs_at_a_tiny_size():
   assert [_ratio(cells[2]) for cells in direct] == [1.0] * len(script.CLIPPERS)
 
 
-# What each of issue 10's reports gives now (benchmarks/issue10_reports.py's
-# "now" column), so that the script neither rots nor drifts from the fixes.
-ISSUE10_NOW = {
+# What each edge case gives now (benchmarks/edge_cases.py's "now" column), so
+# that the script neither rots nor drifts from the fixes.
+EDGE_CASES_NOW = {
   "clip_norm_1e38": "out norm 1, norm 1.41e+38",
   "clip_relative_warmup_1e38": "out norm 1 (",
   "clip_per_example_1e38": "sum's out norm 1.5 (",
@@ -271,11 +275,11 @@ ISSUE10_NOW = {
 }
 
 
-def test_issue10_reports_as_they_are_now():
-  module = load_script("benchmarks/issue10_reports.py")
+def test_edge_cases_as_they_are_now():
+  module = load_script("benchmarks/edge_cases.py")
   got = {
     fn.__name__: module.result(fn, optaxclip) for _, _, fn in module.REPORTS
   }
-  assert set(got) == set(ISSUE10_NOW)
-  for name, want in ISSUE10_NOW.items():
+  assert set(got) == set(EDGE_CASES_NOW)
+  for name, want in EDGE_CASES_NOW.items():
     assert want in got[name], (name, got[name])

@@ -6,8 +6,13 @@
   ``scope="leaf"`` a skipped leaf's slots (Adam's ``mu`` and ``nu``) are
   bit for bit as they were while its update is zero;
 * no absorbing state: after any history, a lasting new level of the norm
-  and of the loss passes within a bounded number of steps, and then keeps
-  passing.
+  and of the loss passes within a bounded number of steps (``patience``
+  plus the raises by ``growth`` that reach it from the statistics' scale),
+  and then keeps passing;
+* no release: after any history, a norm (per leaf with ``scope="leaf"``)
+  or a loss above the bound it may be judged by -- ``m + z s``, or after
+  ``patience`` spikes in a row the raised ``max(m, 0) + (growth - 1)
+  max(|m|, s) + z s`` -- is never applied.
 
 The programs are jitted once per configuration (module level), so examples
 only run them.
@@ -24,9 +29,11 @@ import numpy as np
 import optax
 
 import fuzz_strategies as fz
+import np_refs
 import optaxclip
+from optaxclip import _adaptive
 
-PATIENCE, WARMUP = 3, 3
+PATIENCE, WARMUP, Z, GROWTH = 3, 3, 2.0, 2.0
 # Put from the host: an eager jnp.zeros compiles a program as the module is
 # collected, in every xdist worker.
 PARAMS = fz.to_jax({"a": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)})
@@ -34,8 +41,8 @@ CONFIGS = list(itertools.product((None, 4), ("global", "leaf")))
 TXS = {
   (window, scope): optaxclip.guard(
     optax.adam(0.1),
-    spike_z=2.0,
-    loss_spike_z=2.0,
+    spike_z=Z,
+    loss_spike_z=Z,
     max_norm=1e3,
     warmup_steps=WARMUP,
     patience=PATIENCE,
@@ -130,6 +137,62 @@ def test_counters_add_up_and_skips_leave_the_slots_as_they_were(config, stream):
     assert kept >= n_skipped
 
 
+def _spread(mean, var):
+  """The standard deviation of a state's ``(mean, var)`` (the variance is
+  kept scaled beyond 2**+-40).
+  """
+  e = _adaptive.spread_exponent_of(float(mean), np.float32)
+  return math.sqrt(float(var)) * 2.0**e
+
+
+def _stat_units(state):
+  """Per unit of the norm's statistics, then the loss's: ``(count, mean,
+  std, run)`` as floats.
+  """
+  units = []
+  for count, mean, var, run in zip(
+    *(
+      np.atleast_1d(np.asarray(getattr(state, f)))
+      for f in ("count", "mean", "var", "consecutive_spikes")
+    )
+  ):
+    units.append((int(count), float(mean), _spread(mean, var), int(run)))
+  m = state.loss_moments
+  loss = (int(m.count), float(m.mean), _spread(m.mean, m.var))
+  return units, (*loss, int(m.consecutive_spikes))
+
+
+def _raises(level, mean, std):
+  """Steps a statistic at ``(mean, std)`` may hold ``level`` back: none
+  below its bound, one for a restart of only zeros, else ``patience`` plus
+  the raises by ``GROWTH`` from ``(GROWTH - 1) max(|m|, s)`` up to it.
+  """
+  if mean == 0 and std == 0:
+    return 1
+  if level <= mean + Z * std:
+    return 0
+  scale = (GROWTH - 1) * max(abs(mean), std)
+  raises = math.ceil(math.log(level / scale, GROWTH)) if level > scale else 0
+  return PATIENCE + 2 + raises
+
+
+def _held_at_most(state, config, norm, loss):
+  """Steps in a row a lasting ``(norm, norm, loss)`` may be skipped after
+  ``state``: the norm's units' worst, then the loss's (its statistics see
+  only accepted steps).
+  """
+  level = norm if config[1] == "leaf" else norm * math.sqrt(2.0)
+  units, loss_unit = _stat_units(state)
+
+  def need(unit, x):
+    count, mean, std, _ = unit
+    if count < WARMUP:  # the level enters the warm-up: a scale near it
+      return WARMUP + PATIENCE + 4
+    return _raises(x, mean, std)
+
+  return max(need(u, level) for u in units) + need(loss_unit, loss)
+
+
 @hypothesis.given(
   config=st.sampled_from(CONFIGS),
   history=st.lists(steps, max_size=8),
@@ -148,24 +211,101 @@ def test_counters_add_up_and_skips_leave_the_slots_as_they_were(config, stream):
   + [(0.0, 890.0, math.nan), (0.5, math.nan, math.nan)],
   level=(100.0, 5.0),
 )
+# Equal losses (no spread) below 0, then a level above 0: the raise from a
+# negative mean goes above 0 at once.
+@hypothesis.example(
+  config=(4, "global"), history=[(1.0, 1.0, -4.0)] * 5, level=(1.0, 5.0)
+)
 def test_a_lasting_new_level_passes_within_bounded_steps(
   config, history, level
 ):
   after = [new for _, _, new in run(config, history)]
-  state = after[-1] if after else None
+  state = after[-1] if after else TXS[config].init(PARAMS)
   norm, loss = level
-  lasting = [(norm, norm, loss)] * (2 * (PATIENCE + 1) + WARMUP + 3)
+  most = _held_at_most(state, config, norm, loss)
+  lasting = [(norm, norm, loss)] * (most + WARMUP + 3)
   # The level's own run of skips: consecutive_skips also counts those of the
   # history it follows (NaN losses are skipped for as long as they last).
   runs, streak = [], 0
   for old, _, new in run(config, lasting, state):
     streak = streak + 1 if int(new.skipped) > int(old.skipped) else 0
     runs.append(streak)
-  # Held back at most (patience + 1) steps for the norm's statistics, then
-  # as many for the loss's (they only see steps that went through), then
-  # through for good.
-  assert max(runs) <= 2 * (PATIENCE + 1), runs
+  assert max(runs) <= most, (runs, most)
   assert runs[-WARMUP - 2 :] == [0] * (WARMUP + 2), runs
+
+
+def _bound(unit):
+  """The largest value a statistic ``(count, mean, std, run)`` lets through
+  (+inf while warming up, or for statistics of only zeros).
+  """
+  count, mean, std, run = unit
+  if count < WARMUP or (mean == 0 and std == 0):
+    return math.inf
+  if run >= PATIENCE:
+    return np_refs.guard_raised(mean, std, GROWTH) + Z * std
+  return mean + Z * std
+
+
+def _above(x, bound):
+  return math.isfinite(x) and x > bound + 1e-5 * (abs(bound) + abs(x))
+
+
+def _leaf_norms(g):
+  return {
+    k: float(np.sqrt(np.sum(np.square(np.asarray(v, np.float64)))))
+    for k, v in g.items()
+  }
+
+
+# Runs of one value: long enough to reach raises (PATIENCE spikes in a row).
+runs_of_steps = st.lists(
+  st.tuples(steps, st.integers(1, 2 * PATIENCE + 2)), max_size=6
+)
+
+
+@fz.examples(40)
+@hypothesis.given(config=st.sampled_from(CONFIGS), chunks=runs_of_steps)
+@hypothesis.example(  # a level, its raises and a spike above each bound
+  config=(None, "global"),
+  chunks=[((1.0, 1.0, 2.0), 4), ((300.0, 300.0, 2.0), 8)],
+)
+@hypothesis.example(
+  config=(4, "leaf"),
+  chunks=[((1.0, 2.0, 2.0), 4), ((1.0, 2.0, 90.0), 9)],
+)
+def test_a_value_above_the_bound_it_may_be_judged_by_is_never_applied(
+  config, chunks
+):
+  stream = [step for step, n in chunks for _ in range(n)]
+  leaf = config[1] == "leaf"
+  for (scale_a, scale_b, loss), (old, out, new) in zip(
+    stream, run(config, stream)
+  ):
+    units, loss_unit = _stat_units(old)
+    norms = _leaf_norms(gradient(scale_a, scale_b))
+    if leaf:
+      over = [_above(norms[k], _bound(u)) for k, u in zip("ab", units)]
+    else:
+      total = math.sqrt(norms["a"] ** 2 + norms["b"] ** 2)
+      over = [_above(total, _bound(units[0]))] * 2
+    if _above(float(loss), _bound(loss_unit)):
+      over = [True, True]
+    adam, adam_old = new.inner_state[0], old.inner_state[0]
+    for k, held in zip("ab", over):
+      if not held:
+        continue
+      np.testing.assert_array_equal(np.asarray(out[k]), 0.0)
+      for slot in ("mu", "nu"):
+        np.testing.assert_array_equal(
+          getattr(adam, slot)[k], getattr(adam_old, slot)[k]
+        )
+    if any(over):
+      assert int(new.consecutive_skips) > 0
+    # What went through is within the threshold it reports.
+    if not leaf and not int(new.consecutive_skips):
+      total = math.sqrt(norms["a"] ** 2 + norms["b"] ** 2)
+      if math.isfinite(total):
+        assert total <= float(new.threshold) * (1 + 1e-5), (total, new)
 
 
 # guard(scope="leaf") judging nothing (no spike test, no max_norm, non-finite

@@ -50,9 +50,12 @@ class GuardRule:
   Skip a step whose norm is NaN/Inf, above max_norm, or (after the warm-up
   of finite norms) above mean + spike_z * std; the statistics take in every
   finite norm, clamped at that spike bound, mean first, then the variance
-  with the new mean. A spike after ``patience`` skipped spikes in a row, or
-  against a variance of 0, is a restart instead: not a spike, the
-  mean moves to the norm and the variance takes in the jump.
+  with the new mean (a variance of 0 makes any norm above the mean a spike).
+  After ``patience`` spikes in a row, a further one first raises the mean
+  to ``np_refs.guard_raised`` and is judged against the raised bound; the
+  statistics go on from there. Against statistics of only zeros a norm
+  above 0 is a restart instead: not a spike, the mean moves to the norm and
+  the variance takes in the jump.
   """
 
   def __init__(
@@ -63,10 +66,12 @@ class GuardRule:
     alpha=0.97,
     warmup_steps=25,
     patience=25,
+    growth=2.0,
   ):
     self.skip_nonfinite, self.z, self.cap = skip_nonfinite, spike_z, max_norm
     self.alpha, self.warmup_steps = alpha, warmup_steps
     self.patience, self.run, self.restarts = patience, 0, 0
+    self.growth = growth
     self.gathered, self.mean, self.var = [], 0.0, 0.0
     self.margins = []
 
@@ -83,8 +88,14 @@ class GuardRule:
     if self.z is not None and not warming:
       bound = self.mean + self.z * self.var**0.5
     spike = finite and g > bound
-    restart = spike and (self.run >= self.patience or self.var == 0)
-    spike = spike and not restart
+    restart = spike and self.mean == 0 and self.var == 0
+    held = spike = spike and not restart
+    raised = held and self.run >= self.patience
+    if raised:
+      self.mean = np_refs.guard_raised(self.mean, std, self.growth)
+      bound = self.mean + self.z * std
+      spike = g > bound
+      self.z_score = (g - self.mean) / std if std else 0.0
     threshold = min(cap, math.inf if restart else bound)
     if finite and threshold < math.inf:
       self.margins.append(abs(g - threshold) / threshold)
@@ -99,9 +110,9 @@ class GuardRule:
       else:
         self.cause = "spike"
     if finite:
-      self.run = self.run + 1 if spike else 0
+      self.run = self.run + 1 if held else 0
+      self.restarts += restart or raised
       if restart:
-        self.restarts += 1
         self.var = (
           self.alpha * self.var + (1 - self.alpha) * (g - self.mean) ** 2
         )

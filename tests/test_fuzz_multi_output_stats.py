@@ -1,5 +1,5 @@
-"""Statistics of many units in one pass (issue 15 item 4, compile time on
-many leaves): ``_norms.combine_norms_each`` reduces several vectors of unit
+"""Statistics of many units in one pass (the compile time on many leaves):
+``_norms.combine_norms_each`` reduces several vectors of unit
 norms (and counts boolean vectors) in one multi-output reduction, each
 partial result carrying its own largest exponent. It equals a float64
 reference, with NaN and inf where the reference has them, for norms near

@@ -1,4 +1,5 @@
-"""Small leaves scaled in their packed parts (issue 15 item 4, compile time):
+"""Small leaves scaled in their packed parts (the compile time on many
+leaves):
 ``UnitLayout.scale`` and ``UnitLayout.scale_leafwise`` give, bit for bit,
 what each leaf scaled on its own by ``scale_leaf`` gives, for factors far
 below the smallest normal number (three exact multipliers), NaN and zero
@@ -13,7 +14,7 @@ import numpy as np
 
 import fuzz_strategies
 from optaxclip import _norms
-from test_fuzz_leafpack import many_small_leaves
+from test_fuzz_packed_norms import many_small_leaves
 
 # Exponents of the factor m * 2**e: ordinary ones, and ones for which only
 # the three exact multipliers keep a normal result (x near 3e38 times

@@ -1,8 +1,8 @@
-"""Small leaves packed for one reduction (issue 12's leaf_stats cost, issue
-15 item 4): the norms of leaves stacked as rows of one concatenation equal
-those of each leaf reduced on its own, and equal a float64 reference, on
-trees of many small leaves of mixed sizes and dtypes, with magnitudes near
-float32's largest value and subnormal ones, NaN and inf sprinkled.
+"""Small leaves packed for one reduction (``leaf_stats`` and the compile time
+on many leaves): the norms of leaves stacked as rows of one concatenation
+equal those of each leaf reduced on its own, and equal a float64 reference,
+on trees of many small leaves of mixed sizes and dtypes, with magnitudes
+near float32's largest value and subnormal ones, NaN and inf sprinkled.
 """
 
 import hypothesis

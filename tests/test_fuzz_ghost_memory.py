@@ -2,11 +2,11 @@
 
 The two-pass ghost step holds what a plain ``jax.grad`` holds: on a model
 whose logits dominate the activations, its temporary memory stays within a
-small share of one logits-sized buffer of the plain gradient's. (It used to
-hold one more: its second backward pass ran inside the non-finite
-``lax.cond``, whose operands, the forward's residuals, XLA keeps whole for
-the branch, so the logits' cotangent could not overwrite the softmax as in a
-plain ``jax.grad``.)
+small share of one logits-sized buffer of the plain gradient's. (Its second
+backward pass runs outside the non-finite ``lax.cond``: a branch's operands,
+the forward's residuals, are kept whole by XLA for the branch, so the
+logits' cotangent could not overwrite the softmax as in a plain
+``jax.grad``.)
 """
 
 import functools

@@ -1,5 +1,5 @@
-"""One-pass reductions kept whole by XLA:CPU (issue 15 item 4, compile time
-on many leaves; issue 10 item 10, clip_value's statistics cost):
+"""One-pass reductions kept whole by XLA:CPU (the compile time on many
+leaves, clip_value's statistics in one read):
 ``_norms._row_largest_and_count`` and ``_norms._largest_and_count``
 (clip_value's largest magnitude and count of ``|x| > limit``, per row or
 per leaf, compared as integers) must equal a NumPy oracle for every dtype

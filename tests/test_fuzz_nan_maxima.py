@@ -1,4 +1,4 @@
-"""Maxima keep NaN (issue 10, item 5).
+"""Maxima keep NaN.
 
 XLA:CPU (jaxlib 0.10, its YNNPACK reduction fusion) drops a NaN from a max
 or min reduction of 4096 elements or more: ``clip_value``'s ``max |g|`` and

@@ -1,4 +1,4 @@
-"""Stacked small leaves (issue 15, item 4, second round): clip_unitwise and
+"""Stacked small leaves: clip_unitwise and
 clip_norm(axis=...) stack kernels of one shape, clip_value reduces small
 leaves stacked, clip_global hands one copy of its factor to every leaf. Each
 gives the numbers of the same clipper on one leaf at a time (no stacking),

@@ -1,12 +1,10 @@
-"""clip_unitwise's per-unit factors computed once (issue 15, helper unitstep).
+"""clip_unitwise's per-unit factors computed once.
 
-``scale_leaf`` keeps a per-unit factor's multiplier rows in memory; each row
-used to compute the factor again from the norms and limits (a division and
-about a hundred instructions a unit and row: 34-37 ms of small kernels a
-step on a 4-block transformer, against about 4 ms with the factor in memory
-first). These properties check that the factor's trip through memory is
-exact (values, exponents, NaN and inf, derivatives) and that the rows'
-kernel does not divide.
+``scale_leaf`` keeps a per-unit factor's multiplier rows in memory, so that
+no row computes the factor again from the norms and limits (a division and
+about a hundred instructions a unit and row). These properties check that
+the factor's trip through memory is exact (values, exponents, NaN and inf,
+derivatives) and that the rows' kernel does not divide.
 """
 
 import re

@@ -1,5 +1,5 @@
-"""One factor for the whole tree in two multipliers (issue 10's compile
-regression of ``chain(clip_global, adam)`` on many leaves): where a static
+"""One factor for the whole tree in two multipliers (what keeps the
+compile of ``chain(clip_global, adam)`` on many leaves small): where a static
 bound keeps the factor at or above ``2**-252``, ``_norms.scale_all`` applies
 it in two steps, and gives, bit for bit, what each leaf scaled on its own in
 three steps (``scale_leaf``) gives, on XLA:CPU, for leaves of mixed dtypes
@@ -20,7 +20,7 @@ import numpy as np
 import fuzz_strategies
 import optaxclip
 from optaxclip import _norms
-from test_fuzz_leafpack import many_small_leaves
+from test_fuzz_packed_norms import many_small_leaves
 
 # Exponents of the factor m * 2**e (at most 1, at least 2**-252): ordinary
 # ones, and ones that need a power of two beyond float32's range (x near
