@@ -315,6 +315,14 @@ def discover(
       try:
         for n, v in marked.items():
           theta[n].set_value(v)
+      except Exception:  # noqa: BLE001
+        # A variable that cannot take the marked value here (an nnx
+        # transform's own trace): the call stays unmarked, so the program
+        # reads its parameters outside any marker and they are exact.
+        for n, v in old.items():
+          theta[n].set_value(v)
+        return original(module, *args, **kwargs)
+      try:
         return original(module, x)
       finally:
         for n, v in old.items():
