@@ -35,11 +35,12 @@ Usage::
   python benchmarks/run.py --quick         # tiny sizes: checks that it runs
   python benchmarks/run.py --only a compile
 
-Only a full run (every section, full sizes) writes ``benchmarks/RESULTS.md``;
-``--quick`` and ``--only`` runs write ``benchmarks/out/RESULTS.md`` (``--out``
-to change either). At full sizes each section runs in a fresh process: XLA's
-CPU allocator keeps what a section used, and (a) to (c) in one process need
-more than 24 GB.
+Only a full run (every section, full sizes) writes ``benchmarks/RESULTS.md``
+(its part before ``## Other benchmarks``, where the other scripts' latest
+runs are kept); ``--quick`` and ``--only`` runs write
+``benchmarks/out/RESULTS.md`` (``--out`` to change either). At full sizes
+each section runs in a fresh process: XLA's CPU allocator keeps what a
+section used, and (a) to (c) in one process need more than 24 GB.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ import optaxclip
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SCRATCH = ROOT / "benchmarks" / "out" / "RESULTS.md"
+# RESULTS.md's heading of the other scripts' latest runs, which a full run
+# keeps as they are (it rewrites what comes before).
+OTHER_SCRIPTS = "## Other benchmarks"
 SECTIONS = ("a", "b", "c", "compile", "leaves")
 # Run only when asked for (--only telemetry): not part of a full run.
 EXTRA_SECTIONS = ("telemetry",)
@@ -668,6 +672,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
   return args
 
 
+def kept_part(out: pathlib.Path) -> str:
+  """What a run writing ``out`` keeps of it: RESULTS.md from
+  ``OTHER_SCRIPTS`` on (the other scripts' runs), else nothing.
+  """
+  if out != RESULTS or not out.exists():
+    return ""
+  text = out.read_text(encoding="utf-8")
+  at = text.find(f"\n{OTHER_SCRIPTS}\n")
+  return "" if at < 0 else "\n" + text[at + 1 :].rstrip("\n") + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
   args = parse_args(argv)
   sizes = Sizes.quick() if args.quick else Sizes()
@@ -694,6 +709,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   ]
   out = args.out
   out.parent.mkdir(parents=True, exist_ok=True)
+  kept = kept_part(out)
   spawn = multiprocessing.get_context("spawn")
   heading = None
   for key in SECTIONS + EXTRA_SECTIONS:
@@ -716,13 +732,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         lines += pool.submit(run_section, key, sizes).result()
     # A crash or a kill late in the run keeps the tables so far.
     out.write_text(
-      "\n".join([*lines, "(run in progress)"]) + "\n", encoding="utf-8"
+      "\n".join([*lines, "(run in progress)"]) + "\n" + kept,
+      encoding="utf-8",
     )
   if importlib.util.find_spec("torch") is None:
     lines.append("PyTorch is not installed: no cross-framework row.")
   text = "\n".join(lines).rstrip() + "\n"
   print(text)
-  out.write_text(text, encoding="utf-8")
+  out.write_text(text + kept, encoding="utf-8")
   harness.log(f"written to {out}")
   return 0
 

@@ -149,6 +149,26 @@ def test_only_a_full_run_writes_the_committed_report():
   )
 
 
+def test_a_full_run_keeps_the_other_benchmarks(tmp_path, monkeypatch):
+  """A full run rewrites run.py's part of RESULTS.md and keeps the other
+  scripts' runs, from ``## Other benchmarks`` on; other outputs keep nothing.
+  """
+  run = _import("run")
+  results = tmp_path / "RESULTS.md"
+  monkeypatch.setattr(run, "RESULTS", results)
+  assert run.kept_part(results) == ""
+  results.write_text(
+    "# old run\n\n| a |\n\n## Other benchmarks\n\n### ghost\n\n| b |\n\n",
+    encoding="utf-8",
+  )
+  assert (
+    run.kept_part(results) == "\n## Other benchmarks\n\n### ghost\n\n| b |\n"
+  )
+  assert run.kept_part(tmp_path / "other.md") == ""
+  committed = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+  assert f"\n{run.OTHER_SCRIPTS}\n" in committed
+
+
 @pytest.mark.parametrize(
   "argv, message",
   [

@@ -19,8 +19,8 @@ says (a direct step on trusted sums, the others on none).
 The last column is the median over rounds of the step's time over the same
 clipper's direct step in the same round.
 
-Usage: ``python benchmarks/exact_recompute.py [--rounds N]`` (about a
-minute on 2 CPU cores). Prints a markdown table.
+Usage: ``python benchmarks/studies/exact_recompute.py [--rounds N]``
+(about a minute on 2 CPU cores). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import pathlib
 import statistics
 import sys
 
-# This checkout's optaxclip and benchmarks, not installed ones:
+# This checkout's optaxclip and benchmarks/ (harness), not installed ones:
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     table, params, grads, args.rounds, budget_s=30.0, grads_of=grads_of
   )
   command = (
-    f"python benchmarks/exact_recompute.py --rounds {args.rounds} "
+    f"python benchmarks/studies/exact_recompute.py --rounds {args.rounds} "
     f"--leaves {args.leaves} --size {args.size}"
   )
   print(report(command, results))

@@ -1,8 +1,8 @@
 """Step time of ``clip_percentile(scope="leaf")`` on many tiny leaves.
 
-Issue 15 item 5: the per-leaf AutoClip used to sort its whole history
-(``history`` x leaves) every step. It now keeps the window sorted and does
-one removal and one insertion per step. This times a jitted, donated step
+Does keeping the per-leaf window sorted (one removal and one insertion a
+step) pay over sorting the whole history (``history`` x leaves) every step?
+This times a jitted, donated step
 (update + apply_updates) of ``chain(clipper, adam)`` against adam's on
 ``--leaves`` leaves of 4 float32 elements, for several ``history`` lengths,
 and the old rule (a full sort of the window per step, restated here as
@@ -10,7 +10,7 @@ and the old rule (a full sort of the window per step, restated here as
 round after round; each figure is the median over rounds of its time over
 adam's in the same round (the machine is shared and noisy).
 
-    python benchmarks/percentile_step.py [--leaves 300] [--histories 1024,4096]
+    python benchmarks/studies/percentile_step.py --leaves 300 --histories 1024
 """
 
 import argparse

@@ -9,7 +9,7 @@ leaves of ``--size`` float32 elements. Variants run interleaved, round after
 round; each figure is the median over rounds of its time over the default's
 in the same round (the machine is shared and noisy).
 
-    python benchmarks/guard_step.py [--leaves 64] [--size 16384] [--rounds 15]
+    python benchmarks/studies/guard_step.py [--leaves 64] [--rounds 15]
 """
 
 import argparse

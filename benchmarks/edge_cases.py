@@ -1,15 +1,17 @@
-"""Issue 10's reports, then and now.
+"""What the clippers return at the edges, at an earlier commit and now.
 
-Issue 10 ("Trust at the edges") listed what the first release got wrong at
-the edges, each with an example. This runs every example on the package as
-it was at a commit (``--before``, default 04da0db: the last commit before
-the issue's fixes) and on this checkout, and prints what each returned, one
-row per example, numbered as the issue's items (item 10's step times are
-``benchmarks/value_formulations.py``'s and ``floors.py``'s). An example
-that raised shows the exception's type and the start of its message.
+One example per edge case the first release got wrong: magnitudes above
+2**126, second-order derivatives, float64 beyond float32's range, states a
+run never leaves, non-finite gradients, an infinite clip norm, eager calls,
+``stats()`` and argument validation. Each runs on the package as it was at
+a commit (``--before``, default 04da0db: the code before the edge-case
+fixes) and on this checkout; the script prints what each returned, one row
+per example, grouped by subject. An example that raised shows the
+exception's type and the start of its message. (``clip_value``'s step times
+are ``floors.py``'s.)
 
-    python benchmarks/issue10_reports.py            # about a minute
-    python benchmarks/issue10_reports.py --before 04da0db --only 1 5
+    python benchmarks/edge_cases.py            # about a minute
+    python benchmarks/edge_cases.py --before 04da0db --only magnitude nonfinite
 
 The sharded example needs two devices: the script asks XLA for 8 CPU
 devices before JAX starts.
@@ -71,7 +73,7 @@ def _run(tx, grads, steps: int = 1, params=None):
   return out, state
 
 
-# --- 1. Magnitudes above 2**126 ---------------------------------------------
+# --- Magnitudes above 2**126 --------------------------------------------------
 
 
 def clip_norm_1e38(m):
@@ -105,7 +107,7 @@ def clip_global_tiny_factor(m):
   return f"out norm {_norm(out):.3g} (limit 1e-3)"
 
 
-# --- 2. Second-order derivatives -------------------------------------------
+# --- Second-order derivatives -----------------------------------------------
 
 
 def hessians(m):
@@ -136,7 +138,7 @@ def hessians(m):
   )
 
 
-# --- 3. float64 -------------------------------------------------------------
+# --- float64 ------------------------------------------------------------------
 
 
 def _x64(fn):
@@ -170,7 +172,7 @@ def guard_1e200(m):
   )
 
 
-# --- 4. States a run never leaves --------------------------------------------
+# --- States a run never leaves ------------------------------------------------
 
 
 def _history(tx, first, then, n_first, n_then, params=None):
@@ -204,7 +206,7 @@ def relative_zero_leaf_once(m):
   return f"leaf a's last out norm {_norm(outs[-1]['a']):.3g} of 1.41"
 
 
-# --- 5. Non-finite handling --------------------------------------------------
+# --- Non-finite handling ------------------------------------------------------
 
 
 def clip_global_nan_leaf(m):
@@ -235,7 +237,7 @@ def adaptive_clipped_norm_on_inf(m):
   )
 
 
-# --- 6, 7, 8, 9 -------------------------------------------------------------
+# --- Arguments, eager calls, stats(), validation ------------------------------
 
 
 def per_example_inf_clip(m):
@@ -330,64 +332,84 @@ def validation(which):
 
 
 REPORTS: list[tuple[str, str, Callable[[Any], str]]] = [
-  ("1", "clip_norm(1) of [1e38, -1e38]", clip_norm_1e38),
-  ("1", "clip_relative()'s warm-up of a 1e38 leaf", clip_relative_warmup_1e38),
-  ("1", "clip_per_example(1) of a 1e38 example", clip_per_example_1e38),
+  ("magnitude", "clip_norm(1) of [1e38, -1e38]", clip_norm_1e38),
   (
-    "1",
+    "magnitude",
+    "clip_relative()'s warm-up of a 1e38 leaf",
+    clip_relative_warmup_1e38,
+  ),
+  ("magnitude", "clip_per_example(1) of a 1e38 example", clip_per_example_1e38),
+  (
+    "magnitude",
     "clip_global(1) of [1e38, 1e38, 1, 1] on 2 devices",
     clip_global_sharded_1e38,
   ),
-  ("1", "clip_global(1e-3) of a 1.4e37 gradient", clip_global_tiny_factor),
-  ("2", "jax.hessian through update", hessians),
   (
-    "3",
+    "magnitude",
+    "clip_global(1e-3) of a 1.4e37 gradient",
+    clip_global_tiny_factor,
+  ),
+  ("derivative", "jax.hessian through update", hessians),
+  (
+    "float64",
     "float64 norm 1e-50: clip_percentile / clip_relative",
     percentile_and_relative_1e_50,
   ),
-  ("3", "guard, float64 norm 1.4e200", guard_1e200),
+  ("float64", "guard, float64 norm 1.4e200", guard_1e200),
   (
-    "4",
+    "stuck",
     "guard(spike_z=3) after 5 zero norms, then 1s",
     guard_after_zero_warmup,
   ),
-  ("4", "clip_zscore after 5 zero norms, then 1s", zscore_after_zero_warmup),
-  ("4", "clip_relative, leaf a zero on step 0 only", relative_zero_leaf_once),
-  ("5", "clip_global(1) of {a: [nan], b: [1e6]}", clip_global_nan_leaf),
   (
-    "5",
+    "stuck",
+    "clip_zscore after 5 zero norms, then 1s",
+    zscore_after_zero_warmup,
+  ),
+  (
+    "stuck",
+    "clip_relative, leaf a zero on step 0 only",
+    relative_zero_leaf_once,
+  ),
+  ("nonfinite", "clip_global(1) of {a: [nan], b: [1e6]}", clip_global_nan_leaf),
+  (
+    "nonfinite",
     "clip_per_example(1): example [nan, 1e6] beside [0.5, 0]",
     per_example_nonfinite_example,
   ),
   (
-    "5",
+    "nonfinite",
     "clip_zscore on an inf step after warm-up",
     adaptive_clipped_norm_on_inf,
   ),
-  ("6", "clip_per_example(l2_clip=inf)", per_example_inf_clip),
+  ("argument", "clip_per_example(l2_clip=inf)", per_example_inf_clip),
   (
-    "7",
+    "eager",
     "eager inject_hyperparams(clip_global) update",
     eager_injected_clip_global,
   ),
   (
-    "8",
+    "stats",
     "stats() beside a user's NamedTuple named ClipGlobalState",
     stats_foreign_namedtuple,
   ),
   (
-    "8",
+    "stats",
     "stats() of named_chain 'x/clip' beside 'x' > 'clip'",
     stats_colliding_paths,
   ),
-  ("8", "stats() outside jit, 1000-leaf Adam state", stats_time_1000_leaves),
   (
-    "8",
+    "stats",
+    "stats() outside jit, 1000-leaf Adam state",
+    stats_time_1000_leaves,
+  ),
+  (
+    "stats",
     "guard's counters in stats() (documented float32 before, int32 now)",
     guard_counter_dtype,
   ),
   *[
-    ("9", which, validation(which))
+    ("validation", which, validation(which))
     for which in (
       "warmup_steps=2**31",
       'sharded="no"',
@@ -410,7 +432,7 @@ def result(fn, module) -> str:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
-    description="Issue 10's reported examples on an earlier commit and now."
+    description="The edge cases on an earlier commit and now."
   )
   parser.add_argument(
     "--before",
@@ -420,19 +442,19 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--only",
     nargs="+",
-    choices=sorted({item for item, _, _ in REPORTS}),
-    help="items to run (default: all)",
+    choices=sorted({subject for subject, _, _ in REPORTS}),
+    help="subjects to run (default: all)",
   )
   args = parser.parse_args(argv)
   before = versions.import_at(args.before, pathlib.Path(tempfile.mkdtemp()))
   now = versions.import_at(".", pathlib.Path(tempfile.mkdtemp()))
-  print(f"| item | example | {args.before} | now |")
+  print(f"| subject | example | {args.before} | now |")
   print("|---|---|---|---|")
-  for item, example, fn in REPORTS:
-    if args.only and item not in args.only:
+  for subject, example, fn in REPORTS:
+    if args.only and subject not in args.only:
       continue
     cells = [result(fn, m).replace("|", "/") for m in (before, now)]
-    print(f"| {item} | {example} | {cells[0]} | {cells[1]} |", flush=True)
+    print(f"| {subject} | {example} | {cells[0]} | {cells[1]} |", flush=True)
   return 0
 
 

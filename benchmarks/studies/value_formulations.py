@@ -1,7 +1,7 @@
 """clip_value's statistics: formulations of max |g| and the clip count.
 
-Issue 10 item 10 asks for ``chain(clip_value, adam)`` within 1.10x of adam
-with statistics that still say how much was clipped. Each variant below is
+How cheaply can ``chain(clip_value, adam)`` keep statistics that say how
+much was clipped (the target: within 1.10x of adam)? Each variant below is
 the element clip chained before adam on tree (a) of run.py (64 float32
 leaves of 400k), timed as ``benchmarks/harness.py`` times (median of
 per-round ratios, one process, variants interleaved). The clip does not
@@ -9,9 +9,9 @@ wait for the statistics unless said; ``per-element policy`` turns an inf
 into NaN element by element instead of making the whole leaf NaN (which
 needs a full pass before the clip).
 
-Usage: ``python benchmarks/value_formulations.py [--rounds N]`` (about 3
-minutes on 2 CPU cores). Prints a markdown table; the figures are in
-FLOORS.md.
+Usage: ``python benchmarks/studies/value_formulations.py [--rounds N]``
+(about 3 minutes on 2 CPU cores). Prints a markdown table; the figures are
+in FLOORS.md.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import argparse
 import pathlib
 import sys
 
-# This checkout's optaxclip and benchmarks, not installed ones:
+# This checkout's optaxclip and benchmarks/ (harness), not installed ones:
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp
@@ -43,9 +43,9 @@ def _stateless(update):
 
 
 def _float_largest_and_count(x):
-  """``(max |x|, count of |x| > MAX_DELTA)`` as clip_value took them before
-  session 25: one two-output reduction of floats whose max keeps NaN by a
-  select in its merge (XLA:CPU does not vectorise it).
+  """``(max |x|, count of |x| > MAX_DELTA)`` as one two-output
+  reduction of floats whose max keeps NaN by a select in its merge
+  (XLA:CPU does not vectorise it).
   """
   a = jnp.abs(x)
   zero = jnp.zeros((), jnp.float32)
@@ -165,7 +165,9 @@ def main(argv=None) -> int:
   results = harness.time_variants(
     variants, params, grads, args.rounds, budget_s=40.0
   )
-  command = f"python benchmarks/value_formulations.py --rounds {args.rounds}"
+  command = (
+    f"python benchmarks/studies/value_formulations.py --rounds {args.rounds}"
+  )
   print(harness.ratio_report(command, VARIANTS, results))
   return 0
 
