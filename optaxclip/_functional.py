@@ -275,9 +275,36 @@ def leaf_norms(
   return jax.tree.unflatten(treedef, out)
 
 
+def _check_not_a_transformation(
+  who: str, tree: Any, limit: Any, transformation: str
+) -> None:
+  """A functional clip called as optax's transformation of the same name
+  (a number where the tree goes, no limit) is pointed to the optaxclip
+  transformation.
+  """
+  if limit is not None:
+    return
+  if isinstance(tree, (int, float)) or (
+    hasattr(tree, "shape") and np.ndim(tree) == 0
+  ):
+    raise TypeError(
+      f"optaxclip.{who}(tree, limit) clips a tree of gradients and returns "
+      f"it; got the number {tree!r} and no limit. The transformation to "
+      f"chain before the optimizer is optaxclip.{transformation}({tree!r})"
+      f"{_OPTAX_TWIN.get(who, '')}."
+    )
+  raise TypeError(f"{who}: the limit is required after the tree.")
+
+
+# optax's transformations spelled as optaxclip's functions.
+_OPTAX_TWIN = {
+  "clip_by_global_norm": ", the counterpart of optax.clip_by_global_norm"
+}
+
+
 def clip_by_global_norm(
   tree: Any,
-  max_norm: Scalar,
+  max_norm: Optional[Scalar] = None,
   *,
   norm: Optional[Scalar] = None,
   ord: Ord = 2,
@@ -302,7 +329,9 @@ def clip_by_global_norm(
 
   Args:
     tree: a pytree of float or complex arrays.
-    max_norm: the largest global norm the tree may keep (>= 0).
+    max_norm: the largest global norm the tree may keep (>= 0); required.
+      (``optaxclip.clip_by_global_norm(1.0)``, optax's transformation
+      spelling, raises a TypeError that points to :func:`clip_global`.)
     norm: the norm to clip by; ``None`` measures the tree's ``ord``-norm.
     ord: the norm's order when measured: any p >= 1, or ``inf``; ``None``
       means 2.
@@ -331,6 +360,7 @@ def clip_by_global_norm(
     Array([1.5, 2. ], dtype=float32)
   """
   who = "clip_by_global_norm"
+  _check_not_a_transformation(who, tree, max_norm, "clip_global")
   _checks.check_number("max_norm", max_norm, who=who, low=0.0, allow_inf=True)
   _checks.check_number(
     "norm", norm, who=who, low=0.0, allow_inf=True, allow_none=True
@@ -347,7 +377,7 @@ def clip_by_global_norm(
 
 def clip_by_norm(
   tree: Any,
-  max_norm: Scalar,
+  max_norm: Optional[Scalar] = None,
   *,
   ord: Ord = 2,
   axis: Axis = None,
@@ -364,7 +394,8 @@ def clip_by_norm(
 
   Args:
     tree: a pytree of float or complex arrays.
-    max_norm: the largest norm a leaf (or slice) may keep (>= 0).
+    max_norm: the largest norm a leaf (or slice) may keep (>= 0); required
+      (``optaxclip.clip_by_norm(1.0)`` points to :func:`clip_norm`).
     ord: the norm's order: any p >= 1, or ``inf``; ``None`` means 2.
     axis: the axis or axes a norm spans; ``None`` for the whole leaf.
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
@@ -390,6 +421,7 @@ def clip_by_norm(
            [0.8, 0. ]], dtype=float32)
   """
   who = "clip_by_norm"
+  _check_not_a_transformation(who, tree, max_norm, "clip_norm")
   _checks.check_number("max_norm", max_norm, who=who, low=0.0, allow_inf=True)
   p = _checks.check_ord("ord", ord, who=who)
   axis = _checks.check_axis("axis", axis, who=who)

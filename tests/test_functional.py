@@ -226,3 +226,15 @@ def test_axis_name_inside_shard_map_gives_the_whole_norm():
   np.testing.assert_allclose(per["w"], np_refs.pnorm(tree["w"], 2), rtol=RTOL)
   want, _ = np_refs.tf_clip_by_global_norm(leaves, 1.0)
   np.testing.assert_allclose(clipped["w"], want[1], rtol=RTOL, atol=ATOL)
+
+
+def test_a_transformation_spelling_points_to_the_transformation():
+  # optax.clip_by_global_norm(1.0) is a transformation; optaxclip's
+  # function of that name clips a tree: called the optax way, it says
+  # which transformation to use.
+  with pytest.raises(TypeError, match=r"optaxclip\.clip_global\(1\.0\)"):
+    optaxclip.clip_by_global_norm(1.0)
+  with pytest.raises(TypeError, match=r"optaxclip\.clip_norm\(0\.5\)"):
+    optaxclip.clip_by_norm(0.5)
+  with pytest.raises(TypeError, match="limit is required"):
+    optaxclip.clip_by_global_norm({"a": jnp.ones(2)})
