@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 from jax.extend import core as jex_core
+import jax.numpy as jnp
 
 # A value's batch axis: None (the value does not depend on the batch), an
 # axis index (the example index is the outermost factor of that axis), or
@@ -267,6 +268,10 @@ class _Walker:
         self.misuse(value, "read inside a `while` loop")
       lost = any(v.axis is not None for v in vals)
       return [_V(LOST) if lost else _NONE for _ in eqn.outvars]
+    if name == "convert_element_type" or name in _IDENTITY:
+      # A cast between float dtypes (mixed precision) or a copy is the
+      # parameter itself to the taps: its gradient is the same values.
+      return self.passthrough(eqn, vals)
     for v in vals:
       if v.leaf is not None and self.other[v.leaf] is None:
         self.other[v.leaf] = f"read by `{name}`{_where(eqn)}"
@@ -280,6 +285,23 @@ class _Walker:
       _V(a, None, marks if a is None else frozenset(), r)
       for a, r in zip(outs, rows)
     ]
+
+  def passthrough(self, eqn, vals: list) -> list:
+    """Each output is its operand (a float cast or a copy): the parameter,
+    the marks and the rows go through; a cast to a non-float dtype is a
+    read of the parameter.
+    """
+    outs = []
+    for v, out in zip(vals, eqn.outvars):
+      dtype = getattr(out.aval, "dtype", None)
+      leaf = v.leaf
+      floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+      if leaf is not None and not floating:
+        if self.other[leaf] is None:
+          self.other[leaf] = f"read by `{eqn.primitive.name}`{_where(eqn)}"
+        leaf = None
+      outs.append(_V(v.axis, leaf, v.marks, v.rows))
+    return outs
 
   def follow_rows(self, eqn, vals: list, outs: list) -> list:
     """Each output's rows (see :class:`_V`): a call's rows keep to one axis

@@ -355,3 +355,23 @@ def test_clip_per_example_leaves_padding_out():
     np.testing.assert_allclose(
       getattr(padded, field), getattr(alone, field), rtol=1e-6
     )
+
+
+def test_parameters_cast_for_mixed_precision_stay_ghosted():
+  # A float cast is the parameter itself to the taps (its gradient is the
+  # same values); a scaled one is not.
+  x = RNG.normal(size=(3, 4)).astype(np.float32)
+  model = nn.Dense(2, dtype=jnp.bfloat16)
+  params = run_fast(model.init, jax.random.PRNGKey(5), x)
+
+  def loss(p, x):
+    p = jax.tree.map(lambda w: w.astype(jnp.bfloat16), p)
+    out = model.apply(p, x.astype(jnp.bfloat16)).astype(jnp.float32)
+    return jnp.sum(out**2, axis=1)
+
+  fn = optaxclip.clipped_grad(loss, 1.0)
+  plan = fn.plan(params, x)
+  assert plan.fallback == [], str(plan)
+  ghost = run_fast(fn, params, x)[1]
+  exact = run_fast(optaxclip.clipped_grad(loss, 1.0, method="vmap"), params, x)
+  np.testing.assert_allclose(ghost, exact[1], rtol=2e-2)
