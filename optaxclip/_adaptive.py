@@ -537,7 +537,7 @@ def ema_mean_var(alpha, mean, var, x, e):
   The mean is computed as ``mean + (1-a)*(x-mean)``, equal up to rounding:
   a value equal to the mean leaves it exactly as it was (ZClip's form
   drifts by an ulp a step on a constant stream, and the variance that the
-  drift builds up made the constant value itself a spike). ``var`` in and
+  drift builds up makes the constant value itself a spike). ``var`` in and
   out held with exponent ``e``, as :func:`welford`'s.
   """
   new_mean = mean + (1 - alpha) * (x - mean)

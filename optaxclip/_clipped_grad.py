@@ -689,19 +689,14 @@ def clipped_grad(
       and the clip factors (the layer's own VJP with weighted output
       gradients); it applies when every parameter is in a tapped linen
       layer and the batch is not split over devices, otherwise two passes
-      are taken. The rule for the default, from interleaved measurements
-      (``benchmarks/RESULTS.md``, median of per-round ratios): memory
-      decides unless one pass is clearly faster. Two passes hold what a
-      plain ``jax.grad`` holds and the per-layer norm computation (1.10x
-      its temporary memory on the example's medium transformer), one pass
+      are taken. The default follows memory, since one pass is not
+      consistently faster: two passes hold what a plain ``jax.grad`` holds
+      and the per-layer norm computation (about a tenth more), one pass
       also every layer's kept values, which under ``nn.scan`` add to all
-      the layers' residuals (1.39x). One pass skips the second backward
-      pass, but its time advantage is not consistent on the shared CPU
-      (the time of a plain ``jax.grad``, one pass against two: 0.99x and
-      1.13x on the wide transformer, 1.28x and 1.21x on the medium one,
-      1.11x and 1.38x in an earlier medium run). Take ``True`` where the
-      backward pass is costly (long sequences, deep attention) and memory
-      is not the limit.
+      the layers' residuals. One pass saves the second backward pass, a
+      gain that varies from model to model (figures in
+      ``docs/performance.md``). Take ``True`` where the backward pass is
+      costly (long sequences, deep attention) and memory is not the limit.
     remat: ``None`` (nothing rematerialised), or a Flax linen module class
       (or a tuple of them), typically the model's transformer block: every
       call of such a module inside ``loss_fn`` is rematerialised
@@ -710,17 +705,13 @@ def clipped_grad(
       intermediates when they get there. Under ``nn.scan`` this is per
       layer: the residuals stacked over the layers shrink to the layers'
       inputs. The ghost method then holds less than a plain ``jax.grad``
-      without remat (the example's medium transformer at batch 256, from
-      ``benchmarks/RESULTS.md``: 437 MiB of temporary memory against 890
-      for the plain gradient and 980 for ghost without remat, 0.061 of the
-      vmap path's 7202 MiB, which remat leaves unchanged: per-example
-      gradients dominate it). The price is one more forward pass of those
-      modules per backward pass (two with two passes): there 1.08x the
-      step time of ghost without remat and 1.54x that of a plain
-      ``jax.grad`` without remat (batch 32, median of 7 interleaved rounds
-      on a loaded CPU: noisy). Results are unchanged (the same
+      without remat, and a small fraction of what the vmap path holds
+      (remat leaves that unchanged: per-example gradients dominate it).
+      The price is one more forward pass of those modules per backward
+      pass (two with two passes). Results are unchanged (the same
       operations). Applies to every method; book-keeping keeps what it
-      keeps of every layer all the same (785 MiB there with remat).
+      keeps of every layer all the same (figures in ``docs/dp.md`` and
+      ``docs/performance.md``).
 
   Returns:
     A function with ``loss_fn``'s arguments (plus the keywords above)

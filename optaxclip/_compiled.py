@@ -6,8 +6,8 @@ Two layers. :func:`jit_update` puts one transformation's update under
 transformation it builds with the same configuration shares one compiled
 update. That matters for ``optax.inject_hyperparams``, which calls the factory
 again at every update with the hyperparameters as fresh arrays: each call
-built new closures, hence a new ``jax.jit`` and a new compilation (120 to
-300 ms a call on a CPU). With the decorator, the array arguments become
+built new closures, hence a new ``jax.jit`` and a new compilation of the
+update at every step. With the decorator, the array arguments become
 arguments of one shared jitted function, keyed on the factory and its other
 (static) arguments.
 """
@@ -34,7 +34,7 @@ def jit_update(update_fn: Callable) -> Callable:
   inlined into the step's program. Called eagerly (a loop without ``jit``, a
   notebook), the second call reuses the compiled program; without it, every
   call would trace and compile the norms' ``lax.cond`` branches and custom
-  reductions again (0.1 to 0.4 s a call on a CPU). Extra arguments (of
+  reductions again (figures in ``docs/performance.md``). Extra arguments (of
   :func:`guard`) that are arrays or numbers, such as a loss ``value``, are
   traced arguments; some may hold functions, such as optax's line searches'
   ``value_fn``, which ``jit`` cannot take: a call with them runs as written.

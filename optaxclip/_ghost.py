@@ -22,8 +22,8 @@ example does one ``lax.cond``, after the backward pass, recompute the
 squares of the examples' chunks of the batch exactly, from factors scaled
 per example by powers of two (``forward(..., exact=True)``; see
 ``clipped_grad``). A choice per layer would keep every layer's input and
-output gradient alive until its branch ran (1163 against 980 MiB of
-temporary memory on the example's medium transformer).
+output gradient alive until its branch runs, adding to the step's
+temporary memory on every step.
 
 Per layer kind:
 
@@ -692,8 +692,8 @@ def _layer_sq_norms(
   norm beyond float32's range included; the flags are 0. The exact form
   costs scaled copies of the factors (chunk by chunk), which is why it is
   only taken on the rare step that needs it (``exact_norms``), not beside
-  the fast one in every layer: a per-layer choice kept every layer's
-  factors alive until its own choice was made.
+  the fast one in every layer: a per-layer choice would keep every layer's
+  factors alive until its own choice is made.
   """
   batch = x.shape[0]
   if kind == "dense" or kind == "dense_general":

@@ -3,8 +3,9 @@
 A transformation that keeps per-element state (a second moment, Adam's
 moments) does a few element-wise operations per leaf. On a model written
 without ``scan`` (hundreds of tiny leaves) that is a few dozen instructions
-per leaf for XLA to optimize, on top of the optimizer's own: SPAM's
-clipping before Adam compiled in 2.5x-3.2x Adam's time on 300 leaves. Here
+per leaf for XLA to optimize, on top of the optimizer's own: stepped leaf
+by leaf, SPAM's clipping before Adam takes several times Adam's compile
+time on a few hundred leaves (``docs/performance.md``). Here
 small leaves of one size and the same dtypes are concatenated into one
 vector per state slot, the element-wise step runs once on each vector, and
 each leaf takes its elements back by a gather whose constant indices XLA

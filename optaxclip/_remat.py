@@ -17,7 +17,7 @@ modules per backward pass (the ghost method's two passes recompute twice).
 References:
   Chen et al., `Training Deep Nets with Sublinear Memory Cost
   <https://arxiv.org/abs/1604.06174>`_, 2016 (gradient checkpointing);
-  ``jax.checkpoint`` and ``flax.linen.remat``, whose documentation was read.
+  the documentation of ``jax.checkpoint`` and ``flax.linen.remat``.
 """
 
 from __future__ import annotations

@@ -125,8 +125,8 @@ def first_value(value: Any, **bounds: Any) -> Any:
 
 
 def count_of(state: Any, field: str = "count") -> jax.Array:
-  """The step count kept in ``state``: 0 for ``None`` (fixed-threshold
-  clippers were stateless, and ``update(g, None)`` still works for them).
+  """The step count kept in ``state``: 0 for ``None`` (a fixed-threshold
+  clipper also takes ``update(g, None)``, as a stateless one would).
   """
   if state is None:
     return jnp.zeros((), jnp.int32)

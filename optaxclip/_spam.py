@@ -328,13 +328,14 @@ def _second_moment(b2: Any, nu: jax.Array, g: jax.Array) -> jax.Array:
   """``b2 nu + (1 - b2) g^2`` with the new term capped at ``(1 - b2)`` times
   the dtype's largest value: a finite element whose square overflows
   (``|g|`` above about 8000 in float16 with ``b2 = 0.999``, about 5.8e20 in
-  float32) left the moment inf for good (every later ``g^2 > threshold nu``
-  false: clipping switched off until a reset), where the capped one decays.
-  Capping the sum instead made XLA copy the donated moment, and a new form
-  of the EMA rounded float16 elements differently in packed and per-leaf
-  steps; this one rounds as before.
+  float32) would leave the moment inf for good (every later
+  ``g^2 > threshold nu`` false: clipping switched off until a reset), where
+  the capped one decays. The new term is capped, not the sum: capping the
+  sum makes XLA copy the donated moment. The EMA keeps the uncapped form's
+  operations in their order, so that packed and per-leaf steps round
+  float16 elements alike.
   """
-  # (1 - b2) g g as before, in that order (the same roundings), capped.
+  # (1 - b2) g g, in that order (the uncapped EMA's roundings), capped.
   new = (1 - b2) * g * g
   return b2 * nu + jnp.minimum(new, (1 - b2) * jnp.finfo(new.dtype).max)
 
@@ -348,7 +349,7 @@ def _spikes(
   is 0 is not judged (a deviation from SPAM's reference, which clips it to
   0): its moment has seen nothing since the last reset, or only squares
   that underflowed (float16 elements below about 5.5e-3 with ``b2 =
-  0.999``), and clipping it to 0 zeroed such elements for good.
+  0.999``), and clipping it to 0 would zero such elements for good.
   """
   threshold = jnp.asarray(threshold)
   limit = threshold.astype(nu.dtype) * nu
@@ -384,10 +385,10 @@ def _clipped_before_update(
   moment's update then reads the clip and the count of its spikes
   (``counted``), so that XLA orders every read of the old moment before
   its in-place update. Otherwise, as XLA:CPU fuses the clip into each of
-  its consumers (the moment's update and the optimizer's), each read the
-  old moment again, and XLA copied every moment first to keep it (a
-  kernel, a read and a write per leaf: clip_spikes' step on the
-  transformer tree 3.6x -> 2.8x adam's without them).
+  its consumers (the moment's update and the optimizer's), each would read
+  the old moment again, and XLA would copy every moment first to keep it:
+  a kernel, a read and a write per leaf at every step
+  (``docs/performance.md``).
   """
   g = _norms._materialized(_clip_to_moment(g, nu, *spikes))  # noqa: SLF001
   return g, nu + (0 * counted).astype(nu.dtype)
@@ -410,8 +411,7 @@ def _spike_counter(
   trees). The moments are stacked as stored and zeroed in their parts, so
   that each leaf's zeroed moment stays fused into its own update. A leaf of
   its own part is counted by the caller next to its clip, which computes the
-  same test: a pass of its own here read a large leaf again (clip_spikes'
-  step on the transformer tree 3.9x -> 4.2x adam's).
+  same test: a pass of its own here would read a large leaf once more.
   """
   n = len(leaves)
   # Inside shard_map, leaves that vary across devices apart from the others.
@@ -499,7 +499,7 @@ def clip_spikes(
   A coordinate whose ``nu`` is 0 is not judged: its gradient stayed exactly
   zero since the last reset, or its squared term underflowed (float16
   elements below about 5.5e-3 with ``b2 = 0.999``). The reference clips it to
-  zero until the next reset, which zeroed such float16 gradients at every
+  zero until the next reset, which zeroes such float16 gradients at every
   step (a deviation, as the non-finite one above); a spike there passes
   unclipped. In float16, ``nu`` below float16's smallest normal number
   (6.1e-5) is a count of subnormal steps rather than an EMA (``b2 nu``
@@ -909,13 +909,13 @@ def clip_spikes_adaptive(
     # T_hat directly: T_hat = (gamma3 T + (1 - gamma3) max|g|) / c_k with
     # T = T_hat' c_k' (the step before) is a weighted sum of T_hat' and
     # max|g| with weights of order 1, so that no product by 1 - gamma3
-    # underflows (the reference's T, for max|g| below about 1e-35 in
-    # float32, did: T_hat was then 0 or NaN).
+    # underflows (the reference's T does, for max|g| below about 1e-35 in
+    # float32: T_hat is then 0 or NaN).
     k = _ema_step_count(state.count + 1, interval)
     k_before = _ema_step_count(state.count, interval)
     # c_k, c_k' and 1 - gamma3 in one expm1, so that 1 - gamma3 is computed
     # as c_k is and w_new is exactly 1 on the first step (from a constant
-    # count of 1 it came out an ulp above 1).
+    # count of 1 it would come out an ulp above 1).
     correction, before, first = _one_minus_power(
       gamma3, jnp.stack([k, jnp.maximum(k_before, 1), jnp.minimum(k, 1)]), dtype
     )
@@ -1043,7 +1043,7 @@ def scale_by_norm_ema(
   then divided by its exact norm (the reference, dividing by an overflowed
   float32 norm, returns NaN there). The bias-corrected EMAs are
   capped likewise (the division may round above the largest value, which
-  made the target 0). A leaf holding a NaN or an inf comes out NaN and
+  would make the target 0). A leaf holding a NaN or an inf comes out NaN and
   leaves its EMAs as they were (in the reference, they stay NaN for good).
   With ``eps = 0``, a leaf whose ``v`` is 0 while ``m`` is not (squares
   that underflowed even at ``v``'s scale) is rescaled to norm 1, the ratio
@@ -1113,10 +1113,9 @@ def scale_by_norm_ema(
     correction2 = _one_minus_power(gamma2, k, dtype)
     # One vector of the leaves' norms and EMAs, whatever the number of
     # leaves: a few kernels, not a few per leaf (compile time on many-leaf
-    # trees: 5.9x adam's on 300 small leaves when computed leaf by leaf).
-    # The EMAs are stored as vectors too: a scalar per leaf in the state
-    # took a kernel per leaf and field to write back (2.75x -> 2.04x adam's
-    # compile time on 300 small leaves).
+    # trees; docs/performance.md). The EMAs are stored as vectors too: a
+    # scalar per leaf in the state would take a kernel per leaf and field
+    # to write back.
     flags = _split_flags(updates, sharded, who, axis_name)
     layout, exact = _leaf_norm_scaled(leaves, 2.0, flags, axis_name)
     n = exact.as_float().astype(dtype)
@@ -1134,7 +1133,7 @@ def scale_by_norm_ema(
     # at an exponent that holds the new square and the old nu, then kept
     # with mu's, mu held at least 2**-22 of sqrt(nu) above 0 (after steps of
     # zero norms mu decays faster than nu when gamma1 < gamma2; at 0, nu
-    # saturated and lost its history; see _adaptive.kept_moments).
+    # would saturate and lose its history; see _adaptive.kept_moments).
     # Two kernels read the stored mu (nu's update, for its old scale) and one
     # overwrites it in place: XLA copies the vector first (a few bytes).
     # At e_new the square is at most 2**80 (2**976 in float64): no cap.

@@ -249,19 +249,17 @@ def clip_value(
   ``max_delta``'s (integer maxima keep NaN without a select, and XLA:CPU
   vectorises them); small leaves are stacked and reduced along their rows
   the same way. That read is the cost: XLA:CPU fuses no reduction into the
-  clip's or Adam's element-wise loop, so the floor is ``adam + read``
-  (1.10x to 1.22x Adam's step). ``chain(clip_value, adam)`` measured
-  1.23x, 1.27x and 1.48x Adam's step on benchmarks' trees (a) to (c),
-  against 2.2x to 2.4x with the same statistics as a reduction of floats
-  (benchmarks/RESULTS.md, session 25). Statistics from a sample alone
+  clip's or Adam's element-wise loop, so the floor is one extra read of
+  the gradients, and the integers' reduction sits near it; the same
+  statistics as a reduction of floats, whose NaN-keeping maximum runs as a
+  scalar loop, cost several times more. Statistics from a sample alone
   cost less but give up the exact ``norm``, the exact count and the
-  leaf-wise non-finite policy (benchmarks/value_formulations.py;
-  FLOORS.md).
+  leaf-wise non-finite policy (figures and the formulations tried in
+  ``docs/performance.md``).
 
   ``stats="sampled"`` is that cheaper formulation, for when the step's cost
-  matters more than exact statistics: the clip no longer waits for a pass
-  over the leaf (1.08x Adam's step against the default's 1.22x and
-  ``optax.clip``'s 1.00x on tree (a); benchmarks/RESULTS.md, session 27).
+  matters more than exact statistics: the clip waits for no pass over the
+  leaf, which brings its step close to ``optax.clip``'s.
   Each element is judged on its own, as ``optax.clip`` and torch do,
   except that an inf element becomes NaN (it is never hidden as
   ``max_delta``); the other elements of its leaf are clipped as usual.
@@ -331,8 +329,8 @@ def clip_value(
       if sampled and not jnp.iscomplexobj(x):
         # The element-wise policy: x - x is NaN at an inf or NaN element
         # and +0 elsewhere, so that y - (x - x) is y, -0 included. Two
-        # operations an element in the loop of Adam's moments, where a NaN
-        # poison on both bounds cost 0.1x Adam's step (tree (a)).
+        # operations an element in the loop of Adam's moments, cheaper
+        # there than a NaN poison on both bounds.
         y = y - (x - x)
       out.append(y)
     new_state = _value_state(

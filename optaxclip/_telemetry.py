@@ -64,8 +64,8 @@ class LeafNorms:
 
   One array, not a pytree of a thousand scalars: every output of a compiled
   step costs compile time (copy insertion, layout assignment), and a state
-  with one output per leaf made compiling a step on 1000 leaves 1.3x slower
-  (benchmarks/RESULTS.md). The structure travels as the pytree node's
+  with one output per leaf would make compiling a step on a thousand
+  leaves markedly slower. The structure travels as the pytree node's
   static data, so the paths are known without storing strings.
 
   Attributes:

@@ -85,7 +85,7 @@ def _after(updates: Any, norm: _norms.Scaled) -> Any:
   which XLA cannot have before the parameters' norm. Applying them then
   waits for that read of the parameters, so a step that donates the
   parameters updates them in place; without the order, XLA copies every
-  donated parameter first (the read and the in-place write were unordered).
+  donated parameter first (the read and the in-place write being unordered).
   """
   v = jax.lax.stop_gradient(norm.value)
   one = jnp.where(jnp.isnan(v), 1, jnp.minimum(1, jnp.abs(v) + 1))
