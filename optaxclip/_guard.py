@@ -31,11 +31,12 @@ class LossMoments(NamedTuple):
 
   Attributes:
     count: finite losses of accepted steps gathered for the warm-up, at most
-      ``warmup_steps`` (back to 1 when a window restarts).
+      ``warmup_steps`` (back to 1 when a window of only zeros restarts).
     mean: the mean of the loss (warm-up mean then EMA, or the window's).
     var: the variance of the loss, likewise (with the scale of
       :class:`ClipZscoreState`'s ``var`` outside ``2**-41`` to ``2**40``).
-    consecutive_spikes: loss spikes in a row skipped so far.
+    consecutive_spikes: losses in a row above the spike bound of the
+      statistics as they were before any raise (see :func:`guard`).
     window: the last ``window`` accepted losses (``None`` for the EMA).
   """
 
@@ -92,16 +93,19 @@ class GuardState(NamedTuple):
     consecutive_skips: skipped steps in a row, ending with this one (0 when
       this step went through).
     count: finite norms gathered for the warm-up, at most ``warmup_steps``
-      (with ``window``: norms of steps that went through, back to 1 when the
-      window restarts).
+      (with ``window``: norms of steps that went through, back to 1 when a
+      window of only zeros restarts).
     mean: the mean of the norm (the warm-up's plain mean, then an EMA; with
       ``window``, the mean of the window).
     var: the variance of the norm, likewise (with the scale of
       :class:`ClipZscoreState`'s ``var`` outside ``2**-41`` to ``2**40``).
     inner_state: the state of the guarded transformation.
-    consecutive_spikes: spikes in a row skipped so far.
-    restarts: how often the statistics (of the norm or of the loss)
-      restarted at a new level.
+    consecutive_spikes: norms in a row above the spike bound of the
+      statistics as they were before any raise (see :func:`guard`).
+    restarts: steps on which statistics (of the norm, per leaf with
+      ``scope="leaf"``, or of the loss) moved to a new level: a first
+      value above 0 after only zeros, or a mean raised after ``patience``
+      spikes in a row (each unit and each statistic counted).
     step: updates so far, skipped ones included (int32, saturating): the
       step at which a schedule of ``max_norm``, ``spike_z`` or
       ``loss_spike_z`` is evaluated.
@@ -222,30 +226,98 @@ def _zeros_like_struct(struct: jax.ShapeDtypeStruct) -> jax.Array:
   return _vary(zeros, _varying_axes(struct))
 
 
-def _judge(x, finite, count, mean, var, run, *, z, warmup_steps, patience):
+class _Judged(NamedTuple):
+  """The verdict of :func:`_judge` on one statistic, per unit."""
+
+  mean: jax.Array  # the mean it was judged by (raised where ``raised``)
+  var: jax.Array  # the variance, kept with that mean's scale
+  bound: jax.Array  # the spike bound it was judged by (+inf: none)
+  spike: jax.Array  # above that bound: skipped
+  held: jax.Array  # above the bound before any raise (the streak's)
+  restart: jax.Array  # a first nonzero value after only zeros
+  raised: jax.Array  # judged against the raised level
+  z_score: jax.Array  # against ``mean``; 0 where undefined
+
+
+def _above(x, finite, mean, std, z):
+  """The spike bound ``mean + z * std`` and whether ``x`` is above it.
+
+  A value equal to the mean up to rounding is no spike, however small the
+  variance: a constant stream's moments carry rounding noise (a mean one ulp
+  off, a variance of 1e-16), against which its own value would read as a
+  spike at every step.
+  """
+  bound = mean + z * std
+  eps = jnp.finfo(x.dtype).eps
+  rounding = 4 * eps * jnp.maximum(jnp.abs(x), jnp.abs(mean))
+  return bound, finite & (x > bound) & (x - mean > rounding)
+
+
+def _raised_level(mean, std, growth):
+  """The level a held-back statistic is judged by after a raise:
+  ``max(mean, 0) + (growth - 1) * max(|mean|, std)``, kept finite.
+
+  ``growth * mean`` for a positive mean above its spread. A negative mean
+  (a signed loss) rises above 0 at once: ``mean + (growth - 1) |mean|``
+  would, with ``growth`` below 2 and no spread, only approach 0 and never
+  pass a positive level. Above 0 unless mean and spread are both 0 (the
+  statistics of only zeros, which restart instead).
+  """
+  scale = jnp.maximum(jnp.abs(mean), std)
+  step = (jnp.asarray(growth, mean.dtype) - 1) * scale
+  up = jnp.maximum(mean, 0) + step
+  return jnp.minimum(up, jnp.finfo(mean.dtype).max)
+
+
+def _judge(
+  x, finite, count, mean, var, run, *, z, warmup_steps, patience, growth
+):
   """The spike test of one statistic (per unit) against its moments.
 
-  Returns ``(bound, spike, restart, z_score)``: the spike bound (+inf while
-  warming up or without ``z``), whether ``x`` is a spike to skip, whether
-  it restarts the statistics instead (after ``patience`` spikes in a row,
-  or against a variance of 0), and its z-score (0 where undefined).
+  Statistics that have seen only zeros (mean and variance exactly 0: no
+  scale) take the first value above 0 as a new level (``restart``). Else a
+  value above ``mean + z * std`` is a spike (with a variance of 0, any value
+  above the mean); once ``run`` (``patience`` or more) spikes in a row came
+  before it, the mean is first raised to :func:`_raised_level` (the variance
+  kept, at the new mean's scale) and the value is judged against that.
   """
   warming = count < warmup_steps
   std = _adaptive.spread(mean, var)
-  judged = ~warming & finite & (std > 0)
-  z_score = jnp.where(judged, (x - mean) / jnp.where(judged, std, 1), 0)
   no = jnp.zeros(jnp.shape(x), bool)
   if z is None:
-    return jnp.full(jnp.shape(x), jnp.inf, x.dtype), no, no, z_score
-  bound = jnp.where(warming, jnp.inf, mean + z * std)
-  # A value equal to the mean up to rounding is no spike, however small the
-  # variance: a constant stream's moments carry rounding noise (a mean one
-  # ulp off, a variance of 1e-16), against which its own value read as a
-  # spike again and again.
-  rounding = 4 * jnp.finfo(x.dtype).eps * jnp.maximum(jnp.abs(x), jnp.abs(mean))
-  spike = finite & (x > bound) & (x - mean > rounding)
-  restart = spike & ((run >= patience) | (var == 0))
-  return bound, spike & ~restart, restart, z_score
+    bound, spike = jnp.full(jnp.shape(x), jnp.inf, x.dtype), no
+    restart = held = raised = no
+  else:
+    bound, spike = _above(x, finite, mean, std, z)
+    bound = jnp.where(warming, jnp.inf, bound)
+    spike = spike & ~warming
+    restart = spike & (mean == 0) & (var == 0)
+    held = spike & ~restart
+    raised = held & (run >= patience)
+    up = jnp.where(raised, _raised_level(mean, std, growth), mean)
+    e_up = _adaptive.spread_exponent(up)
+    e_from = _adaptive.spread_exponent(mean)
+    var = jnp.where(raised, _adaptive.rescaled(var, e_from, e_up), var)
+    bound_up, spike_up = _above(x, finite, up, std, z)
+    bound = jnp.where(raised, bound_up, bound)
+    spike = jnp.where(raised, spike_up, held)
+    mean = up
+  judged = ~warming & finite & (std > 0)
+  z_score = jnp.where(judged, (x - mean) / jnp.where(judged, std, 1), 0)
+  return _Judged(mean, var, bound, spike, held, restart, raised, z_score)
+
+
+def _shifted(win: Window, by: jax.Array, where: jax.Array) -> Window:
+  """``win`` with the values of the units ``where`` moved by ``by`` (kept
+  finite): their mean moves by ``by``, their spread stays.
+  """
+  values = win.values
+  rows = jnp.arange(values.shape[0]).reshape((-1,) + (1,) * by.ndim)
+  big = jnp.finfo(values.dtype).max
+  moved = jnp.clip(values + by, -big, big)
+  return win._replace(
+    values=jnp.where(where & (rows < win.filled), moved, values)
+  )
 
 
 def _is_masked(node: Any) -> bool:
@@ -354,6 +426,7 @@ def guard(
   alpha: Scalar = 0.97,
   warmup_steps: Scalar = 25,
   patience: Scalar = 25,
+  growth: Scalar = 2.0,
   axis_name: AxisName = None,
   sharded: Any = True,
   loss_spike_z: Optional[ScalarOrSchedule] = None,
@@ -405,21 +478,40 @@ def guard(
   the mean are spikes (OLMo-core takes ``|x - m|``, so it also skips a
   sudden drop of the loss); its warm-up is ``max(20, window // 2)``
   recorded values, the current one included (pass
-  ``warmup_steps=max(20, window // 2) - 1`` for the same); a restart (below)
-  empties the window. NaN/Inf values never enter any statistics.
+  ``warmup_steps=max(20, window // 2) - 1`` for the same). NaN/Inf values
+  never enter any statistics. Statistics with no spread (variance exactly
+  0, e.g. a warm-up of equal norms) judge any value above their mean a
+  spike.
 
-  **No absorbing state.** When the statistics cannot rise -- a warm-up of
-  equal values (variance 0: all zeros when a loss is switched on by a
-  schedule, or masked batches), a window that skipped spikes never enter --
-  a spike that comes after ``patience`` skipped spikes in a row is taken as
-  a new level instead: it passes (unless ``max_norm`` or a NaN/Inf stops
-  it), and the statistics restart there (the EMA's mean moves to it and
-  its variance takes in the jump; a window starts again from it, warm-up
-  included). ``restarts`` counts these. So at most ``patience`` spikes in a
-  row are skipped, for the norm and for the loss. Statistics with no
-  spread (variance exactly 0) cannot judge a spike: the first value above
-  their mean restarts them at once. A level above ``max_norm`` is skipped
-  for as long as it lasts: that is the fixed limit asked for.
+  **No absorbing state.** Statistics can fall behind a lasting new level:
+  a window never takes in the values it skipped, the loss's statistics see
+  only accepted steps, equal values have no spread, and a jump far beyond
+  the spread lifts an EMA slowly. So once a statistic has been above its
+  spike bound ``m + z s`` on ``patience`` steps in a row, each further such
+  step first raises its mean to ``u = max(m, 0) + (growth - 1) c``, with
+  ``c = max(|m|, s)`` (``growth * m`` for a positive mean above its spread;
+  a negative mean of a signed loss rises above 0), its spread kept, and is
+  then judged against the raised bound ``u + z s``: skipped above it,
+  through below it. The raise stays whether the step passes or not (the
+  EMA continues from ``u``; a window's values move by ``u - m``; the loss's
+  statistics keep it on a skipped step). The level judged by so grows by
+  ``growth`` a raise: a lasting level ``L`` is skipped on at most
+  ``patience + max(0, ceil(log(L / ((growth - 1) c)) / log(growth)))``
+  steps in a row (``c`` when the first raise comes; ``patience`` when ``L
+  <= (growth - 1) c``), then passes for good unless ``max_norm`` or a
+  NaN/Inf stops it.
+  What the rule never does: let a value through above the bound it was
+  judged by (``m + z s``, or ``u + z s`` on a raised step), so a spike
+  never passes at its own size unless it lies within that raised bound;
+  and skip a step without counting it (``skipped_spike``,
+  ``skipped_loss_spike``). ``restarts`` counts the raised steps. The one
+  exception: statistics that have seen only zeros (mean and variance
+  exactly 0: the gradients of an unused leaf, a loss switched on by a
+  schedule) have no scale, and the first value above 0 passes and starts
+  them (the EMA's mean moves to it and its variance takes in the jump; a
+  window starts again from it, warm-up included); ``restarts`` counts these
+  too. A level above ``max_norm`` is skipped for as long as it lasts: that
+  is the fixed limit asked for.
 
   **Per tensor.** With ``scope="leaf"``, each leaf of the gradient (each
   parameter tensor) has its own norm statistics, ``max_norm`` applies to
@@ -476,8 +568,11 @@ def guard(
       ``window``).
     warmup_steps: finite values to gather before spikes are detected (>= 1),
       for the norm and for the loss.
-    patience: spikes in a row skipped before a lasting new level is
-      accepted (>= 1), for the norm and for the loss.
+    patience: steps in a row above the spike bound (>= 1) before the
+      statistics' mean is raised by ``growth`` a step (see above), for the
+      norm and for the loss.
+    growth: how fast a held-back statistic's level is raised on each
+      further spike (> 1): to ``max(m, 0) + (growth - 1) max(|m|, s)``.
     axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over
       which sharded leaves are split (as for :func:`clip_global`).
     sharded: which leaves are split over ``axis_name``: a bool, a pytree
@@ -569,6 +664,7 @@ def guard(
   _checks.check_probability("alpha", alpha, who=who)
   _checks.check_steps(who, "warmup_steps", warmup_steps)
   _checks.check_steps(who, "patience", patience)
+  _checks.check_number("growth", growth, who=who, low=1.0, low_open=True)
   axis_name = _checks.check_sharding(who, axis_name, sharded)
   leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
   _schedules.check(
@@ -631,13 +727,17 @@ def guard(
       skip_cause=counter(),
     )
 
-  def learn(count, mean, var, win, x, *, finite, take, restart):
-    """The statistics after taking ``x`` in where ``finite & take``."""
+  def learn(count, old_mean, judged, win, x, *, finite, take):
+    """The statistics after taking ``x`` in where ``finite & take``, from
+    those ``judged`` by (a raise is kept whether ``x`` enters or not: a
+    window's values move with the mean).
+    """
+    restart = judged.restart
     if win is None:
       count, mean, var = _adaptive.running_moments(
         count,
-        mean,
-        var,
+        judged.mean,
+        judged.var,
         x,
         alpha=alpha,
         warmup_steps=warmup_steps,
@@ -646,6 +746,7 @@ def guard(
         restart=restart,
       )
       return count, mean, var, None
+    win = _shifted(win, judged.mean - old_mean, judged.raised)
     count, win, mean, var = _adaptive.rolling_moments(
       count,
       win,
@@ -699,7 +800,7 @@ def guard(
       else _schedules.value_at(max_norm, state.step, who=who, name="max_norm"),
       dtype,
     )
-    bound, spike, restart, z_score = _judge(
+    judged = _judge(
       g,
       finite,
       state.count,
@@ -711,7 +812,9 @@ def guard(
       else _schedules.value_at(spike_z, state.step, who=who, name="spike_z"),
       warmup_steps=warmup_steps,
       patience=patience,
+      growth=growth,
     )
+    bound, spike, z_score = judged.bound, judged.spike, judged.z_score
     # An infinite norm is above any finite bound, whatever skip_nonfinite.
     # A NaN bound (from a schedule) skips the step.
     spike_skip = spike | (jnp.isinf(g) & (bound < jnp.inf)) | jnp.isnan(bound)
@@ -723,30 +826,29 @@ def guard(
       skip = skip | nonfinite
 
     no = jnp.zeros((), bool)
-    loss_skip = loss_nonfinite = loss_spike = l_restart = loss_finite = no
-    loss_spike_skip = no
-    loss = l_mean = l_var = l_z = jnp.zeros((), dtype)
+    loss_skip = loss_nonfinite = loss_finite = loss_spike_skip = no
+    loss = jnp.zeros((), dtype)
+    l_judged: Optional[_Judged] = None
     if loss_aware:
       moments = state.loss_moments
       loss = loss_of(extra_args, dtype)
       loss_finite = jnp.isfinite(loss)
-      l_mean = moments.mean.astype(dtype)
-      l_var = moments.var.astype(dtype)
-      l_bound, loss_spike, l_restart, l_z = _judge(
+      l_judged = _judge(
         loss,
         loss_finite,
         moments.count,
-        l_mean,
-        l_var,
+        moments.mean.astype(dtype),
+        moments.var.astype(dtype),
         moments.consecutive_spikes,
         z=_schedules.value_at(
           loss_spike_z, state.step, who=who, name="loss_spike_z"
         ),
         warmup_steps=warmup_steps,
         patience=patience,
+        growth=growth,
       )
       # A NaN bound (from a schedule) skips the step, as a spike would.
-      loss_spike_skip = loss_spike | jnp.isnan(l_bound)
+      loss_spike_skip = l_judged.spike | jnp.isnan(l_judged.bound)
       loss_nonfinite = ~loss_finite if skip_nonfinite else no
       loss_skip = loss_spike_skip | loss_nonfinite
       skip = skip | loss_skip
@@ -769,38 +871,41 @@ def guard(
     count, new_mean, new_var, new_window = learn(
       state.count,
       mean,
-      var,
+      judged,
       state.window,
       jnp.where(spike, bound, g) if window is None else g,
       finite=finite,
       take=jnp.ones((), bool) if window is None else applied,
-      restart=restart,
     )
-    threshold = jnp.minimum(cap, jnp.where(restart, jnp.inf, bound))
-    restarts = _adaptive.add_count(state.restarts, restart)
+    threshold = jnp.minimum(cap, jnp.where(judged.restart, jnp.inf, bound))
+    restarts = _adaptive.add_count(
+      state.restarts, judged.restart | judged.raised
+    )
     loss_fields = {}
     if loss_aware:
+      assert l_judged is not None
       moments = state.loss_moments
       l_count, l_mean, l_var, l_window = learn(
         moments.count,
-        l_mean,
-        l_var,
+        moments.mean.astype(dtype),
+        l_judged,
         moments.window,
         loss,
         finite=loss_finite,
         take=jnp.any(applied),
-        restart=l_restart,
       )
-      restarts = _adaptive.add_count(restarts, l_restart)
+      restarts = _adaptive.add_count(
+        restarts, l_judged.restart | l_judged.raised
+      )
       loss_fields = dict(
         loss=loss.astype(moments.mean.dtype),
-        loss_z_score=l_z.astype(moments.mean.dtype),
+        loss_z_score=l_judged.z_score.astype(moments.mean.dtype),
         loss_moments=LossMoments(
           count=l_count,
           mean=l_mean.astype(moments.mean.dtype),
           var=l_var.astype(moments.var.dtype),
           consecutive_spikes=_adaptive.streak(
-            moments.consecutive_spikes, loss_spike, loss_finite
+            moments.consecutive_spikes, l_judged.held, loss_finite
           ),
           window=l_window,
         ),
@@ -824,7 +929,7 @@ def guard(
       var=new_var.astype(state.var.dtype),
       inner_state=new_inner,
       consecutive_spikes=_adaptive.streak(
-        state.consecutive_spikes, spike, finite
+        state.consecutive_spikes, judged.held, finite
       ),
       restarts=restarts,
       skipped_nonfinite=_adaptive.add_count(

@@ -413,6 +413,9 @@ def test_skips_exactly_nonfinite_or_capped_steps(norms):
     (dict(alpha=1.0), ValueError, "alpha"),
     (dict(warmup_steps=0), ValueError, "warmup_steps"),
     (dict(skip_nonfinite="yes"), TypeError, "skip_nonfinite"),
+    (dict(patience=0), ValueError, "patience"),
+    (dict(growth=1.0), ValueError, "growth"),
+    (dict(growth=float("nan")), ValueError, "growth"),
   ],
 )
 def test_bad_hyperparameters_fail_at_construction(kwargs, error, message):
@@ -423,6 +426,136 @@ def test_bad_hyperparameters_fail_at_construction(kwargs, error, message):
 def test_inner_must_be_a_transformation():
   with pytest.raises(TypeError, match="inner must be"):
     optaxclip.guard(optax.sgd)
+
+
+# ------------------------------- no release: a held-back level is raised
+
+
+def guarded_run(tx, norms, losses=None):
+  """Runs ``tx`` on gradients of the given global norms (and losses); per
+  step, whether it went through and the state after it.
+  """
+  params = grads(1.0)
+  state = tx.init(params)
+  if losses is None:
+    update = jax.jit(lambda g, s, v: tx.update(g, s, params))
+    losses = [0.0] * len(norms)
+  else:
+    update = jax.jit(lambda g, s, v: tx.update(g, s, params, value=v))
+  out = []
+  for norm, loss in zip(norms, losses):
+    _, state = update(grads(norm), state, jnp.float32(loss))
+    out.append((int(state.consecutive_skips) == 0, state))
+  return out
+
+
+def held_at_most(level, mean, std, patience=25, growth=2.0):
+  """Guard's bound on the steps in a row a lasting ``level`` is skipped,
+  from the statistics ``(mean, std)`` it meets (whose scale only grows
+  while it is held back).
+  """
+  scale = (growth - 1) * max(abs(mean), std)
+  return patience + max(0, math.ceil(math.log(level / scale, growth)))
+
+
+def spread_of(mean, var):
+  e = optaxclip._adaptive.spread_exponent_of(float(mean), np.float32)
+  return math.sqrt(float(var)) * 2.0**e
+
+
+def check_level_released(test, steps, start, level, mean, std):
+  """From ``start`` on (a lasting ``level``): skipped on at most the bound
+  in a row, through for good after, every raise counted, and nothing
+  applied above the threshold it was judged by.
+  """
+  applied = [a for a, _ in steps[start:]]
+  first = applied.index(True)
+  test.assertLessEqual(first, held_at_most(level, mean, std))
+  test.assertTrue(all(applied[first:]), applied)
+  # Raised from the step after `patience` spikes to the one that passed.
+  raised = int(steps[start + first][1].restarts) - int(
+    steps[start - 1][1].restarts
+  )
+  test.assertEqual(raised, first - 25 + 1)
+  return first
+
+
+class GuardRaiseTest(chex.TestCase):
+  @parameterized.parameters(None, 8)
+  def test_a_lasting_spike_after_noisy_norms_is_raised_to_not_released(
+    self, window
+  ):
+    rng = np.random.default_rng(0)
+    noisy = list(np.exp(0.1 * rng.standard_normal(25)))
+    tx = optaxclip.guard(optax.sgd(1.0), spike_z=3.0, window=window)
+    steps = guarded_run(tx, noisy + [1000.0] * 60)
+    warm = steps[24][1]
+    mean, std = float(warm.mean), spread_of(warm.mean, warm.var)
+    # The 26th and 27th spikes in a row are skipped too, and every skipped
+    # spike is counted.
+    self.assertFalse(steps[25 + 25][0] or steps[25 + 26][0])
+    first = check_level_released(self, steps, 25, 1000.0, mean, std)
+    self.assertEqual(int(steps[-1][1].skipped_spike), first)
+    for applied, state in steps:
+      if applied:  # never through above the bound it was judged by
+        self.assertLessEqual(float(state.norm), float(state.threshold) * 1.001)
+
+  @parameterized.parameters(None, 8)
+  def test_a_spike_after_equal_norms_is_skipped(self, window):
+    tx = optaxclip.guard(optax.sgd(1.0), spike_z=3.0, window=window)
+    steps = guarded_run(tx, [1.0] * 25 + [1000.0] + [1.0] * 10 + [1000.0] * 60)
+    # No spread: any norm above the mean is a spike. The spike is skipped,
+    # the constant stream around it goes through.
+    self.assertEqual(
+      [a for a, _ in steps[:36]], [True] * 25 + [False] + [True] * 10
+    )
+    self.assertEqual(int(steps[35][1].restarts), 0)
+    # A lasting level from there passes after 25 + log2(1000) steps.
+    first = check_level_released(self, steps, 36, 1000.0, 1.0, 0.0)
+    self.assertEqual(first, 25 + 9)  # raised to 2, 4, ..., 1024
+
+  @parameterized.parameters(None, 8)
+  def test_a_lasting_loss_spike_is_raised_to_not_released(self, window):
+    rng = np.random.default_rng(1)
+    losses = list(2.0 + 0.05 * rng.standard_normal(25)) + [500.0] * 40
+    tx = optaxclip.guard(optax.sgd(1.0), loss_spike_z=3.0, window=window)
+    steps = guarded_run(tx, [1.0] * len(losses), losses)
+    moments = steps[24][1].loss_moments
+    mean = float(moments.mean)
+    std = spread_of(moments.mean, moments.var)
+    self.assertFalse(steps[25 + 25][0] or steps[25 + 26][0])
+    first = check_level_released(self, steps, 25, 500.0, mean, std)
+    self.assertEqual(int(steps[-1][1].skipped_loss_spike), first)
+    # The loss's statistics kept each raise while its steps were skipped.
+    moved = [float(s.loss_moments.mean) for _, s in steps[25 + 25 : 25 + first]]
+    self.assertEqual(moved, sorted(moved))
+    self.assertGreater(moved[-1], 100.0)
+
+  @parameterized.parameters(None, 4)
+  def test_equal_negative_losses_rise_above_zero(self, window):
+    # A raise from a negative mean without spread goes above 0: with
+    # growth 1.5, m + (growth - 1) |m| would only approach 0 (-2, -1, ...).
+    tx = optaxclip.guard(
+      optax.sgd(1.0),
+      loss_spike_z=3.0,
+      warmup_steps=3,
+      patience=3,
+      growth=1.5,
+      window=window,
+    )
+    steps = guarded_run(tx, [1.0] * 12, [-4.0] * 4 + [3.0] * 8)
+    applied = [a for a, _ in steps]
+    # Held 3 steps, raised to 2 (skipped), then to 3 (through).
+    self.assertEqual(applied, [True] * 4 + [False] * 4 + [True] * 4)
+
+  @parameterized.parameters(None, 4)
+  def test_statistics_of_only_zeros_take_the_first_value(self, window):
+    tx = optaxclip.guard(
+      optax.sgd(1.0), spike_z=3.0, warmup_steps=3, window=window
+    )
+    steps = guarded_run(tx, [0.0] * 5 + [5.0] * 3)
+    self.assertTrue(all(a for a, _ in steps))
+    self.assertEqual(int(steps[-1][1].restarts), 1)
 
 
 # ------------------------------------ loss-aware, windows, per-leaf scope
