@@ -154,7 +154,7 @@ class Model(nn.Module):
   scale_params=st.booleans(),
   seed=st.integers(0, 2**16),
 )
-@fz.examples(6, deadline=None)
+@fz.examples(3, deadline=None)
 def test_linen_architectures(kinds, head, scale_params, seed):
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, V, (B, T))
@@ -211,7 +211,7 @@ class NnxModel(nnx.Module):
   tied=st.booleans(),
   seed=st.integers(0, 2**16),
 )
-@fz.examples(4, deadline=None)
+@fz.examples(2, deadline=None)
 def test_nnx_architectures(kinds, tied, seed):
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, V, (B, T))
