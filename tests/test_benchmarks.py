@@ -303,3 +303,21 @@ def test_edge_cases_as_they_are_now():
   assert set(got) == set(EDGE_CASES_NOW)
   for name, want in EDGE_CASES_NOW.items():
     assert want in got[name], (name, got[name])
+
+
+def test_ghost_soundness_study_reports_exact_norms(capsys):
+  """studies/ghost_soundness.py: every model's ghost norm is the exact one
+  and each clipped gradient stays within l2_clip = 1.
+  """
+  _import("ghost_soundness", "benchmarks/studies").main()
+  rows = [
+    line.split("|")[1:-1]
+    for line in capsys.readouterr().out.splitlines()
+    if line.startswith("| ") and "%" in line
+  ]
+  assert len(rows) == 5
+  for name, ghost, exact, error, ghost_clipped, vmap_clipped in rows:
+    assert float(ghost) == pytest.approx(float(exact), rel=1e-3), name
+    assert error.strip() == "0.00%", name
+    assert float(ghost_clipped) <= 1.0 + 1e-6, name
+    assert float(vmap_clipped) <= 1.0 + 1e-6, name
