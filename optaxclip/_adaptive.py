@@ -360,7 +360,7 @@ class _Measured:
     if self.layout is not None:
       # In memory: the scaling's parts and the statistics below would each
       # compile the factor's arithmetic into their own kernels.
-      factor = _norms._materialized_scaled(factor)  # noqa: SLF001
+      factor = _norms.materialized_scaled(factor)
     if self.scope == "global":
       out = _norms.scale_all(self.leaves, factor)
     elif self.layout is not None:
@@ -662,7 +662,7 @@ def rolling_moments(count, window: Window, x, *, warmup_steps, take, restart):
   # Summed at the scale of the largest magnitude (a power of two: the same
   # roundings), so that values near the dtype's largest do not overflow.
   largest = jnp.max(jnp.where(valid, jnp.abs(values), 0), axis=0)
-  top = _norms._scale_exponent(largest)  # noqa: SLF001
+  top = _norms.scale_exponent(largest)
   scaled = jnp.where(valid, _norms.ldexp(values, -top, 1), 0)
   mean = _norms.ldexp(jnp.sum(scaled, axis=0) / jnp.maximum(n, 1), top, 1)
   e = safe_exponent(mean, largest)

@@ -1,120 +1,9 @@
-"""The numerics every clipper shares: safe p-norms over leaves, units and trees.
+"""The numerics every clipper shares, as the rest of the package names them.
 
-Three rules hold for every norm computed here:
-
-* Accumulation happens in float32, or wider when a leaf is wider, whatever the
-  leaf dtype: a bfloat16 sum over millions of elements is useless.
-* Norms are overflow- and underflow-safe. The fast path is one reduction pass
-  that sums ``|x|**p`` directly. When a sum is not finite (float32 overflows at
-  elements near 1e19 for p=2), too small to be trusted, or exactly zero where
-  the elements might be tiny rather than zero, one ``lax.cond`` recomputes the
-  norms exactly, in one more pass that carries ``(M, sum (|x|/M)**p)`` with
-  ``M`` the largest magnitude so far, as BLAS ``nrm2`` does (Blue, 1978;
-  Anderson, "Algorithm 978: Safe scaling in the Level 1 BLAS", 2017).
-  Ordinary steps pay for the fast path alone.
-* No division by a data-dependent scale: XLA compiles ``x / s`` as
-  ``x * (1 / s)``, and for ``s`` above 2**126 the reciprocal is subnormal and
-  flushed to zero. Values are rescaled by exact powers of two instead, and
-  norms and clip factors that may leave the dtype's range (the norm of
-  finite float32 values can exceed 3.4e38; ``1e-3 / 1.4e37`` is below
-  2**-126) are carried as :class:`Scaled`, ``value * 2**exponent``, until
-  they scale a leaf.
-* Derivatives of every order are finite, at a zero gradient and exactly on
-  a clipping threshold too (meta-learning differentiates through
-  ``update``; Hessian-vector products through the optimizer need the second
-  order); the known limits at both ends of float32's range are under
-  "Derivatives" below.
-
-Non-finite gradients (the policy of every clipper)
---------------------------------------------------
-
-A NaN or an infinity in the gradient makes the clipped update non-finite,
-as in PyTorch's ``clip_grad_norm_`` and optax's ``clip_by_global_norm``, so
-that the failure is visible and :func:`optaxclip.guard` (or
-``optax.apply_if_finite``) can skip the step; a finite value is never passed
-through unclipped because a non-finite one hid the norm. Precisely: every
-value of a clipping unit whose norm is NaN or infinite comes out NaN (its
-factor from :func:`clip_scale` is NaN). The unit is the whole tree for a
-global clipper (``clip_global``, the ``scope="global"`` adaptive ones), a
-leaf or a slice for the per-unit ones, and a leaf for ``clip_value``
-(which, unlike ``optax.clip``, does not turn an infinity into
-``max_delta``). Units without a NaN or inf are clipped as usual. The
-statistics describe the update returned: ``norm`` is what was measured
-(inf, or NaN when a NaN was seen), ``clipped_norm`` is NaN, and the units
-made NaN count as clipped in ``clip_fraction``. Helpers for other
-transformations: :func:`clip_scale` (the factor, NaN for a non-finite
-norm), :func:`scale_leaf`, :func:`is_scaled_down` (for ``clip_fraction``),
-:func:`combine_norms` (NaN/inf-aware).
-
-Derivatives
------------
-
-A :class:`Scaled` factor scales a leaf by its exact powers of two first and
-its mantissa last (:func:`scale_leaf`), so that the mantissa's cotangent is
-``sum(ct * x * 2**E)``, of the size of the result, not ``sum(ct * x)``
-(inf for leaves near float32's largest value: the gradient was NaN). A zero
-limit gives a zero factor whose derivative does not depend on the norm
-(:func:`clip_scale`). The root of a power sum is differentiated through
-the sum's mantissa and exponent (``_root``), not as ``s ** (1/p - 1)``,
-whose next order flushes or overflows for sums far from 1: Hessian-vector
-products of float32 p-norms are checked against float64 finite differences
-on values from 1e-30 to 1e19 (tests/test_fuzz_edges.py). A power sum is
-taken directly only where it and its derivatives stay well inside the
-range (at most ``max * eps``: :func:`_safe_max`), and the direct sum's
-derivative rule clamps the values at that bound, so that the masked-out
-derivative of an untrusted sum holds no inf (``inf * 0`` is NaN). Known
-limit of float32 derivatives, left as it is: where the clipped update's
-inner product with the cotangent comes within a factor of four of the
-dtype's range, the cotangent overflows (the factor's mantissa is a
-quotient of mantissas in [0.5, 1): its derivative multiplies by up to
-4). Seen with a limit near 3.4e38 on several values of that size, and
-with clip_unitwise(0.375) of two values of -3.4e38 (an update of two
-values of -1.3e38) whose params are the gradient. At the
-other end, units whose values all lie within a few powers of two of the
-smallest normal number (1e-37 and below in float32), whatever the limit:
-a product inside the norm's derivative is flushed, so a gradient can
-miss the norm's own term (clip_global(1.45e-37) of ``[1, 2, -1.5] *
-1e-37`` against the cotangent ``[1, 2, 3]``: 0.5385 where 0.5014 is right,
-in the first element; the gradient of the L2 norm of six values of
-1.76e-38 reads 0 where 0.408 is right) and a Hessian-vector product can be
-NaN (found by the release fuzz profile: clip_global with a limit of
-1.45e-38 on values of 1e-38; clip_unitwise(2.35e-38, eps=1e-3) on values
-of 1.2e-38 that are also its params; clip_norm(inf) and clip_block_rms(0)
-on a leaf of six values of 1.76e-38). The flushed product: the exact
-norm is ``root(q) * 2**E`` with ``q`` the power sum of the values scaled
-by ``2**-E``, and reverse mode multiplies the cotangent by ``2**E *
-d root / dq`` first, below the smallest normal number once ``E`` is -125
-(``d norm / dq`` of ``q = 3.375``: 1.3e-38 at ``E = -124``, 0 at -125
-where 6.4e-39 is right), before the scaled values' derivative (times
-``2**-E``) would bring it back to the size of ``x / norm``. Not fixed:
-scaling tiny values up less (a larger ``E``) underflows the power sum of
-high orders instead, and a rule that cancels the two powers of two must
-hold in every path the norm takes into a clip factor (as :class:`Scaled`).
-
-``axis_name`` support: inside ``shard_map`` or ``pmap``, the partial sums of
-leaves that are sharded over the named axis (or axes) are ``psum``-ed, and the
-maxima ``pmax``-ed, so each device sees the norm of the whole array; leaves
-replicated over the axis are counted once.
-
-Performance notes (XLA on CPU, measured with ``benchmarks/run.py``): a plain
-``sum(x * x)`` is the fastest reduction XLA emits, but any scalar operand in
-it (a threshold, a scale) makes XLA write a broadcast of the scalar to memory,
-and a square (or bfloat16 upcast) of the raw gradient is merged with the
-optimizer's own and then written out in full. Hence the fast path squares the
-leaf behind an ``optimization_barrier`` with no other operand, and
-``clip_value``'s statistics use multi-output reductions, which need no scalar
-operand (their derivatives come from the plain formulas). The exact
-recompute, which runs only on steps whose sums leave the trusted range, takes
-two passes that XLA vectorizes (the largest magnitude, then the values scaled
-by its power of two; see :func:`_scaled_sum`). With jaxlib 0.10, XLA:CPU
-hands a reduction to its YNNPACK kernels when the operand is element-wise
-arithmetic they take (abs, sign, convert, add, multiply, max and the like)
-and no comparison or select, whose result it computes into memory first
-(benchmarks/FLOORS.md); a scale that an earlier reduction computed, as in
-that second pass, stays a one-element operand.
-Small leaves are concatenated (in chunks of at most ``CHUNK_SIZE`` elements)
-for the tree-wide norm, so that the compiled program does not grow with the
-number of leaves.
+The names defined in :mod:`optaxclip._numerics` (its docstring maps the
+modules and states the rules every norm follows) are re-exported here;
+the concepts defined here still: collectives, reductions, packing, sums,
+scaling, layouts, maxima, norms.
 """
 
 from __future__ import annotations
@@ -124,13 +13,34 @@ import contextlib
 import functools
 import math
 import threading
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optaxclip._numerics.floats import Scaled as Scaled
+from optaxclip._numerics.floats import accumulation_dtype as accumulation_dtype
+from optaxclip._numerics.floats import as_scaled as as_scaled
+from optaxclip._numerics.floats import exp_range
+from optaxclip._numerics.floats import exponent as exponent
+from optaxclip._numerics.floats import ldexp as ldexp
+from optaxclip._numerics.floats import magnitude as magnitude
+from optaxclip._numerics.floats import normalize as normalize
+from optaxclip._numerics.floats import pow2 as pow2
+from optaxclip._numerics.floats import product as product
+from optaxclip._numerics.floats import promote_types as promote_types
+from optaxclip._numerics.floats import pth_power
+from optaxclip._numerics.floats import safe_root as safe_root
+from optaxclip._numerics.floats import scale_exponent as scale_exponent
+from optaxclip._numerics.floats import scale_parts
+from optaxclip._numerics.floats import scaled_product as scaled_product
+from optaxclip._numerics.floats import scaled_value
+from optaxclip._numerics.floats import select as select
+from optaxclip._numerics.floats import (
+  tree_accumulation_dtype as tree_accumulation_dtype,
+)
 from optaxclip._typing import AxisName
 
 # Leaves with at most this many elements are concatenated into one buffer for
@@ -146,267 +56,13 @@ CHUNK_SIZE = 1 << 20
 PACKED_SCALE_SIZE = 1 << 12
 
 
-def promote_types(a: Any, b: Any) -> np.dtype:
-  """``jnp.promote_types`` on JAX's standard lattice, whatever the config.
-
-  Every dtype change in the package is written out with this: it also holds
-  under ``jax_numpy_dtype_promotion="strict"``, which refuses to promote
-  (bfloat16, float32) implicitly.
-  """
-  with jax.numpy_dtype_promotion("standard"):
-    return np.dtype(jnp.promote_types(a, b))
-
-
-def accumulation_dtype(dtype: Any) -> np.dtype:
-  """float32, or the leaf's real dtype when that is wider (float64)."""
-  return promote_types(jnp.finfo(dtype).dtype, jnp.float32)
-
-
-def tree_accumulation_dtype(leaves: Sequence[jax.Array]) -> np.dtype:
-  dtype = np.dtype(np.float32)
-  for x in leaves:
-    dtype = promote_types(dtype, accumulation_dtype(x.dtype))
-  return dtype
-
-
-def magnitude(x: jax.Array, dtype: Optional[Any] = None) -> jax.Array:
-  """``|x|`` in the accumulation dtype (complex: the overflow-safe modulus)."""
-  dtype = accumulation_dtype(x.dtype) if dtype is None else dtype
-  if jnp.iscomplexobj(x):
-    # The modulus in the accumulation's precision: a complex64 leaf beside a
-    # float64 one is measured in float64, as its parts are.
-    wide = np.promote_types(x.dtype, np.result_type(dtype, np.complex64))
-    return jnp.abs(x.astype(wide)).astype(dtype)
-  return jnp.abs(x.astype(dtype))
-
-
-def _power(a: jax.Array, p: float) -> jax.Array:
-  """``a ** p`` for ``a >= 0``, with cheap forms for p = 1 and 2."""
-  if p == 1:
-    return a
-  if p == 2:
-    return a * a
-  return a**p
-
-
-def safe_root(s: jax.Array, p: float) -> jax.Array:
-  """``s ** (1/p)`` for ``s >= 0`` whose derivative is 0, not inf, at 0.
-
-  NaN stays NaN (a NaN norm must not read as 0).
-  """
-  if p == 1:
-    return s
-  positive = s > 0
-  s_safe = jnp.where(positive, s, 1)
-  root = _root(s_safe, p)
-  return jnp.where(positive, root, jnp.where(jnp.isnan(s), s, 0))
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _root(s: jax.Array, p: float) -> jax.Array:
-  """``s ** (1/p)`` for normal ``s > 0``, differentiated as
-  ``root * (ds * 2**-E) / (p * m)`` with ``s = m * 2**E``, ``m`` in [0.5, 1).
-
-  JAX differentiates a power into ``(1/p) * s**(1/p - 1)``, and the next
-  order into ``s**(1/p - 2)``: flushed to zero for a float32 power sum above
-  about 1e23 (p = 3 on values of 1e8) and overflowed below about 1e-23, so
-  that Hessian-vector products through a clipped p-norm came out wrong or
-  NaN. Here ``s`` enters every order's derivative only through its mantissa
-  and an exact power of two, and the root (whose derivative is this rule
-  again): each intermediate stays of the size of the result. For p = 2,
-  too: JAX's rule for ``sqrt``, ``ds * 0.5 / root``, meets ``ds * d(root)``
-  at the next order, which overflows for a float32 sum of squares near
-  1e38 (clip_block_rms' Hessian-vector products there were NaN or off by
-  15%).
-  """
-  return jnp.sqrt(s) if p == 2 else s ** (1.0 / p)
-
-
-@_root.defjvp
-def _root_jvp(p, primals, tangents):
-  (s,), (ds,) = primals, tangents
-  root = _root(s, p)
-  e = exponent(s)  # no derivative
-  mantissa = ldexp(s, -e, pieces=2)
-  return root, root * ldexp(ds / (p * mantissa), -e)
-
-
-# --------------------------------------------------------------------------
-# Exact power-of-two scaling
-# --------------------------------------------------------------------------
-#
-# XLA compiles ``x / s`` (s a scalar broadcast over x) as ``x * (1 / s)``, and
-# for s above 2**126 the reciprocal is subnormal, which CPUs (and GPUs) flush
-# to zero. A factor below 2**-126 (``1e-3 / 1.4e37``) is flushed the same way,
-# and a norm of finite values may exceed the dtype's largest value. So no
-# data-dependent scale is ever divided by here: values are scaled by exact
-# powers of two built from the exponent bits (multiplication by a normal
-# power of two is exact), and norms and factors that may leave the dtype's
-# range are carried as ``value * 2**exponent`` (:class:`Scaled`).
-
-
-@functools.cache
-def _bits_of(dtype: np.dtype) -> tuple[Any, int, int]:
-  info = jnp.finfo(dtype)
-  ints = {4: np.int32, 8: np.int64}
-  if dtype.itemsize not in ints:
-    raise TypeError(
-      f"power-of-two scaling needs float32 or float64; got {dtype}"
-    )
-  return ints[dtype.itemsize], int(info.nmant), int(info.maxexp) - 1
-
-
-def _bits(dtype) -> tuple[Any, int, int]:
-  """(unsigned-size int dtype, mantissa bits, exponent bias) of a float."""
-  return _bits_of(np.dtype(dtype))
-
-
-# The helpers below run once or more per leaf while tracing: they bind lax
-# primitives on operands of known, equal dtypes (with numpy constants of that
-# dtype) rather than going through jnp's promotion and nested jits, which made
-# them a large part of the Python time spent tracing a clipper.
-
-
-def exponent(v: jax.Array) -> jax.Array:
-  """The int32 ``E`` with ``v = m * 2**E``, ``0.5 <= |m| < 1``, for normal v.
-
-  Read from the exponent bits (no derivative): 0 and subnormals give the
-  smallest normal exponent, ``inf`` and NaN one above the largest.
-  """
-  v = jax.lax.stop_gradient(v)
-  int_dtype, nmant, bias = _bits(v.dtype)
-  bits = jax.lax.bitcast_convert_type(v, int_dtype)
-  field = jax.lax.bitwise_and(
-    jax.lax.shift_right_arithmetic(bits, int_dtype(nmant)),
-    int_dtype(2 * bias + 1),
-  )
-  field = jax.lax.max(field, int_dtype(1))  # subnormals: as the smallest normal
-  return jax.lax.convert_element_type(
-    jax.lax.sub(field, int_dtype(bias - 1)), np.int32
-  )
-
-
-def pow2(k: jax.Array, dtype: Any) -> jax.Array:
-  """Exactly ``2.0**k`` in ``dtype`` for integer k in its normal range; 0
-  below it, the largest normal power above it.
-  """
-  int_dtype, nmant, bias = _bits(dtype)
-  k = jax.lax.convert_element_type(k, int_dtype)
-  field = jax.lax.clamp(
-    int_dtype(0), jax.lax.add(k, int_dtype(bias)), int_dtype(2 * bias)
-  )
-  return jax.lax.bitcast_convert_type(
-    jax.lax.shift_left(field, int_dtype(nmant)), dtype
-  )
-
-
-@functools.cache
-def _exp_range_of(dtype: np.dtype) -> tuple[int, int]:
-  info = jnp.finfo(dtype)
-  return int(info.minexp), -int(info.minexp)
-
-
-def _exp_range(dtype) -> tuple[int, int]:
-  """The exponents k for which ``2**k`` and ``2**-k`` are both normal."""
-  return _exp_range_of(np.dtype(dtype))
-
-
-def ldexp(v: jax.Array, k: jax.Array, pieces: int = 3) -> jax.Array:
-  """``v * 2**k`` with integer k, exact unless the result is subnormal.
-
-  ``2**k`` may lie beyond the dtype's range (``k = -200`` in float32) while
-  the product does not; the power is applied in up to ``pieces`` normal
-  steps.
-  """
-  v = jnp.asarray(v)
-  real = jnp.finfo(v.dtype).dtype
-  lo, hi = _exp_range(real)
-  k = jax.lax.convert_element_type(k, np.int32)
-  # lax.mul broadcasts only a rank-0 operand; other shapes as jnp does.
-  same = np.shape(v) == np.shape(k) or not np.ndim(v) or not np.ndim(k)
-  for _ in range(pieces):
-    step = jax.lax.clamp(np.int32(lo), k, np.int32(hi))
-    power = pow2(step, real)
-    if power.dtype != v.dtype:  # complex v: explicit
-      power = jax.lax.convert_element_type(power, v.dtype)
-    # v * power; the result strong-typed as jnp's (power is strong).
-    v = jax.lax.mul(v, power) if same else v * power
-    k = jax.lax.sub(k, step)
-  return v
-
-
-class Scaled(NamedTuple):
-  """The number ``value * 2**exponent``: a norm or factor that may lie
-  outside its dtype's range (a norm of finite float32 values above 3.4e38, a
-  clip factor below 2**-126). ``exponent`` is int32, of ``value``'s shape.
-  """
-
-  value: jax.Array
-  exponent: jax.Array
-
-  def as_float(self) -> jax.Array:
-    """The number in ``value``'s dtype (inf on overflow, 0 on underflow)."""
-    return ldexp(self.value, self.exponent)
-
-  def __mul__(self, other: Scaled) -> Scaled:  # type: ignore[override]
-    return Scaled(self.value * other.value, self.exponent + other.exponent)
-
-
-def as_scaled(x: Union[jax.Array, Scaled]) -> Scaled:
-  """A plain array as :class:`Scaled` (exponent 0); a Scaled unchanged."""
-  if isinstance(x, Scaled):
-    return x
-  x = jnp.asarray(x)
-  # zeros_like: the same varying axes as x inside shard_map (lax.cond).
-  return Scaled(x, jnp.zeros_like(x, dtype=jnp.int32))
-
-
-def _normalized(x: Scaled) -> tuple[jax.Array, jax.Array]:
-  """``(m, E)`` with ``x = m * 2**E`` and ``0.5 <= m < 1`` for ``x > 0``
-  (``m = 0`` for 0; ``inf`` and NaN values stay as they are).
-  """
-  e = exponent(x.value)
-  maxexp = np.int32(jnp.finfo(x.value.dtype).maxexp)
-  e = jax.lax.select(jax.lax.gt(e, maxexp), jax.lax.full_like(e, 0), e)
-  return ldexp(x.value, jax.lax.neg(e), pieces=2), x.exponent + e
-
-
-def scaled_product(x: jax.Array, m: Any, e: Any) -> Scaled:
-  """``x * m * 2**e`` as a :class:`Scaled` whose value is neither subnormal
-  nor beyond the dtype's range for a normal ``x``.
-
-  ``m`` in ``[0.5, 1)`` and the integer ``e`` are known when tracing
-  (numbers or NumPy arrays: ``np.frexp`` of static numbers). ``x``'s power
-  of two goes to the exponent first, and the value is ``m`` times a
-  mantissa in ``[0.5, 1)``, one rounding as ``x * m`` has. ``x * m``
-  itself is subnormal, and flushed to 0 by XLA:CPU, for ``x`` below twice
-  the smallest normal (clip_block_rms's threshold of 1.5e-38 on a
-  one-element leaf was a limit of 0).
-  """
-  v, k = _normalized(as_scaled(x))
-  return Scaled(v * jnp.asarray(m, v.dtype), k + np.asarray(e, np.int32))
-
-
-def product(a: Union[jax.Array, Scaled], b: Union[jax.Array, Scaled]) -> Scaled:
-  """``a * b`` as a :class:`Scaled` of the two normalised mantissas, whose
-  value is neither subnormal nor beyond the dtype's range for finite
-  nonzero operands (the same rounding as ``a * b`` where that is normal).
-  A plain product flushes: clip_unitwise's limit, a clipping of 1.2e-38
-  times a params' norm of 5.7e20 carried as ``0.97 * 2**69``, was 0.
-  """
-  a_m, a_e = _normalized(as_scaled(a))
-  b = as_scaled(b)
-  b_m, b_e = _normalized(Scaled(b.value.astype(a_m.dtype), b.exponent))
-  return Scaled(a_m * b_m, a_e + b_e)
-
-
-def _safe_min(dtype: Any) -> float:
+def trusted_min(dtype: Any) -> float:
   """Smallest power sum (of any order) for which the direct sum is trusted."""
   info = jnp.finfo(dtype)
   return float(info.tiny) / float(info.eps) ** 2
 
 
-def _safe_max(dtype: Any) -> float:
+def trusted_max(dtype: Any) -> float:
   """Largest power sum for which the direct sum is trusted.
 
   Not the dtype's largest value: the sum's own derivatives (``p sum |x|**(p
@@ -421,15 +77,15 @@ def _safe_max(dtype: Any) -> float:
   return float(info.max) * float(info.eps)
 
 
-def _trusted_sum(v: jax.Array) -> jax.Array:
+def trusted_sum(v: jax.Array) -> jax.Array:
   """Whether a direct power sum is trusted: neither so small that lost
   (underflowed) terms may matter, nor so large that it or its derivatives
   overflow (NaN, inf: never).
   """
-  return (v >= _safe_min(v.dtype)) & (v <= _safe_max(v.dtype))
+  return (v >= trusted_min(v.dtype)) & (v <= trusted_max(v.dtype))
 
 
-def _reduce_axes(x: jax.Array, axes: Optional[tuple[int, ...]]):
+def reduce_axes(x: jax.Array, axes: Optional[tuple[int, ...]]):
   return tuple(range(x.ndim)) if axes is None else axes
 
 
@@ -439,7 +95,7 @@ def _names(axis_name: AxisName) -> tuple[str, ...]:
   return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def _on_every_device(pred: jax.Array, axis_name: AxisName) -> jax.Array:
+def on_every_device(pred: jax.Array, axis_name: AxisName) -> jax.Array:
   """Whether the scalar ``pred`` holds on every device of the mapped axes
   ``axis_name`` (``pred`` itself outside them).
 
@@ -455,7 +111,7 @@ def _on_every_device(pred: jax.Array, axis_name: AxisName) -> jax.Array:
   return jax.lax.pmin(pred.astype(jnp.int32), names) > 0
 
 
-def _split_axes(sharded, axis_name: AxisName) -> tuple[str, ...]:
+def split_axes(sharded, axis_name: AxisName) -> tuple[str, ...]:
   """One leaf's ``sharded`` entry as the names of ``axis_name`` it is split
   over: ``True`` all of them, ``False`` none, a tuple of names those.
   """
@@ -465,13 +121,13 @@ def _split_axes(sharded, axis_name: AxisName) -> tuple[str, ...]:
   return names if sharded else ()
 
 
-def _psum_sharded(value, sharded, axis_name: AxisName):
-  """``value`` summed over the axes a leaf is split over (see _split_axes)."""
-  names = _split_axes(sharded, axis_name)
+def psum_sharded(value, sharded, axis_name: AxisName):
+  """``value`` summed over the axes a leaf is split over (see split_axes)."""
+  names = split_axes(sharded, axis_name)
   return jax.lax.psum(value, names) if names else value
 
 
-def _pmax(value, names: tuple[str, ...]):
+def nan_pmax(value, names: tuple[str, ...]):
   """``lax.pmax`` over the mapped axes ``names``, NaN wherever a device's
   value is NaN: XLA:CPU's all-reduce max drops a NaN, as its max reductions
   do (see "Maxima that keep NaN"). The NaN flags go in the same all-reduce.
@@ -530,7 +186,7 @@ def may_span_devices(x: jax.Array) -> bool:
   return False
 
 
-def _varying(*values) -> tuple[Any, ...]:
+def varying(*values) -> tuple[Any, ...]:
   """How each array of ``values`` (Scaled or not) is typed across the
   mapped axes inside ``shard_map`` (varying along which): arrays
   concatenated with others must agree, or a replicated result would come out
@@ -548,11 +204,11 @@ def _varying(*values) -> tuple[Any, ...]:
   return tuple(out)
 
 
-def _concatenable(x: jax.Array) -> bool:
+def concatenable(x: jax.Array) -> bool:
   return x.size <= SMALL_LEAF_SIZE and not may_span_devices(x)
 
 
-def _sharded_flags(
+def sharded_flags(
   leaves, sharded, axis_name: AxisName = None
 ) -> list[tuple[str, ...]]:
   """Per leaf, the names of ``axis_name`` it is split over (``sharded=None``:
@@ -562,15 +218,10 @@ def _sharded_flags(
     return [_names(axis_name)] * len(leaves)
   if len(sharded) != len(leaves):
     raise ValueError("sharded flags do not match the leaves.")
-  return [_split_axes(s, axis_name) for s in sharded]
+  return [split_axes(s, axis_name) for s in sharded]
 
 
-# --------------------------------------------------------------------------
-# Reductions: the fast power sum and the exact (scaled) one
-# --------------------------------------------------------------------------
-
-
-def _with_plain_derivative(fast, plain, n_args: int, n_static: int):
+def with_plain_derivative(fast, plain, n_args: int, n_static: int):
   """A function with ``fast``'s values and ``plain``'s derivatives.
 
   ``plain`` is the same function written with differentiable ops; ``fast``
@@ -596,10 +247,6 @@ def _with_plain_derivative(fast, plain, n_args: int, n_static: int):
   return fn
 
 
-# --------------------------------------------------------------------------
-# Maxima that keep NaN
-# --------------------------------------------------------------------------
-#
 # XLA:CPU (jaxlib 0.10, its YNNPACK reduction fusion, on by default) drops a
 # NaN from a max or min reduction of 4096 elements or more (float32 and
 # float64, and float16's min): ``jnp.max`` of 5000 float32 values holding
@@ -636,15 +283,15 @@ def _extremes_fast(x, axes, keepdims):
   return top, bottom
 
 
-def _extremes_plain(x, axes, keepdims):
+def extremes_plain(x, axes, keepdims):
   return (
     jnp.max(x, axis=axes, keepdims=keepdims),
     jnp.min(x, axis=axes, keepdims=keepdims),
   )
 
 
-_extremes_custom = _with_plain_derivative(
-  _extremes_fast, _extremes_plain, n_args=3, n_static=2
+_extremes_custom = with_plain_derivative(
+  _extremes_fast, extremes_plain, n_args=3, n_static=2
 )
 
 
@@ -664,12 +311,10 @@ def _max_plain(x, axes, keepdims):
   return jnp.max(x, axis=axes, keepdims=keepdims)
 
 
-_max_custom = _with_plain_derivative(
-  _max_fast, _max_plain, n_args=3, n_static=2
-)
+_max_custom = with_plain_derivative(_max_fast, _max_plain, n_args=3, n_static=2)
 
 
-def _drops_nan(x: jax.Array) -> bool:
+def drops_nan(x: jax.Array) -> bool:
   """Whether a plain max of ``x`` may drop a NaN: every float dtype.
 
   Not only float32 and float64: a float16 min of 4096 elements drops it
@@ -705,12 +350,12 @@ def nan_extremes(
   ``jnp.min`` have them. ``x`` real, the reduced axes not empty. See the
   section's comment for why not ``jnp.max``.
   """
-  axes = _reduce_axes(x, axis)
-  if not _drops_nan(x):
-    return _extremes_plain(x, axes, keepdims)
+  axes = reduce_axes(x, axis)
+  if not drops_nan(x):
+    return extremes_plain(x, axes, keepdims)
   if may_span_devices(x):
     top, bottom = _nan_flagged(
-      x, axes, keepdims, *_extremes_plain(x, axes, keepdims)
+      x, axes, keepdims, *extremes_plain(x, axes, keepdims)
     )
     return top, bottom
   top, bottom = _extremes_custom(_merge_dtype(x), axes, keepdims)
@@ -727,8 +372,8 @@ def nan_max(
   """``jnp.max(x, axis, keepdims=..., initial=...)``, NaN wherever a NaN
   was reduced (see the section's comment); derivatives as ``jnp.max``'s.
   """
-  axes = _reduce_axes(x, axis)
-  if not _drops_nan(x) or any(x.shape[d] == 0 for d in axes):
+  axes = reduce_axes(x, axis)
+  if not drops_nan(x) or any(x.shape[d] == 0 for d in axes):
     return jnp.max(x, axis=axes, keepdims=keepdims, initial=initial)
   if may_span_devices(x):
     (top,) = _nan_flagged(x, axes, keepdims, _max_plain(x, axes, keepdims))
@@ -755,7 +400,7 @@ def _power_sum_fast(x, p, axes, dtype):
   # out in full, a gradient-sized temporary, instead of fused into the sum.
   x = jax.lax.optimization_barrier(x)
   a = _summands(x, p, dtype)
-  return jnp.sum(_power(a, p), axis=_reduce_axes(x, axes), keepdims=True)
+  return jnp.sum(pth_power(a, p), axis=reduce_axes(x, axes), keepdims=True)
 
 
 def _power_sum_plain(x, p, axes, dtype):
@@ -763,9 +408,9 @@ def _power_sum_plain(x, p, axes, dtype):
   # identity there): an untrusted sum's derivative is masked out, but its
   # intermediates, such as p (p - 1) |x|**(p - 2) dx at the second order,
   # must stay finite (inf * 0 is NaN).
-  bound = _safe_max(dtype) ** (1.0 / p) * 1.0001
+  bound = trusted_max(dtype) ** (1.0 / p) * 1.0001
   a = jnp.clip(_summands(x, p, dtype), -bound, bound)
-  return jnp.sum(_power(a, p), axis=_reduce_axes(x, axes), keepdims=True)
+  return jnp.sum(pth_power(a, p), axis=reduce_axes(x, axes), keepdims=True)
 
 
 def _direct_sums_fast(xs, p, axes, dtypes):
@@ -779,19 +424,19 @@ def _direct_sums_plain(xs, p, axes, dtypes):
 # One custom rule for all of a call's sums. (Lowered, the rule leaves the
 # program as it was: the same StableHLO, the same compile time on 300
 # leaves, within the noise.)
-_direct_sums_custom = _with_plain_derivative(
+_direct_sums_custom = with_plain_derivative(
   _direct_sums_fast, _direct_sums_plain, n_args=4, n_static=3
 )
 
 
-def _direct_sums(
+def direct_sums(
   xs: Sequence[jax.Array], p: float, axes: Sequence[Any], dtypes: Sequence[Any]
 ) -> list[jax.Array]:
   """``sum |x|**p`` of each array over its ``axes`` (keepdims) in its
   ``dtypes`` entry: the fast path.
 
   Their derivatives are finite for every finite ``x`` (where a sum is
-  beyond :func:`_safe_max`, they are not the sum's: the caller recomputes
+  beyond :func:`trusted_max`, they are not the sum's: the caller recomputes
   such sums exactly, and masks this one out).
   """
   return list(
@@ -801,16 +446,7 @@ def _direct_sums(
   )
 
 
-def _scale_exponent(m: jax.Array) -> jax.Array:
-  """``E`` such that ``m * 2**-E`` is in [0.5, 4) (smaller for tiny m) and
-  ``2**-E`` is a normal number: the scale for values whose largest magnitude
-  is ``m``. Non-finite ``m``: the largest such E.
-  """
-  lo, hi = _exp_range(m.dtype)
-  return jax.lax.clamp(np.int32(lo), exponent(m), np.int32(hi))
-
-
-def _scaled_sum(x: jax.Array, p: float, axes, dtype):
+def scaled_sum(x: jax.Array, p: float, axes, dtype):
   """``(q, E)`` with ``q = sum (|x| * 2**-E)**p`` over ``axes`` (keepdims).
 
   ``2**E`` is the power of two of ``M = max |x|`` (int32 ``E``), so ``q`` is
@@ -827,7 +463,7 @@ def _scaled_sum(x: jax.Array, p: float, axes, dtype):
   for clip_norm, against 1.4x and 1.6x now: benchmarks/exact_recompute.py);
   nor does XLA's partitioner split it.
   """
-  axes = _reduce_axes(x, axes)
+  axes = reduce_axes(x, axes)
   dtype = np.dtype(dtype)
   if jnp.iscomplexobj(x):
     # A modulus may exceed the range while both parts are finite
@@ -841,9 +477,9 @@ def _scaled_sum(x: jax.Array, p: float, axes, dtype):
         initial=0,
       )
     )
-    e = _scale_exponent(m)
+    e = scale_exponent(m)
     a = magnitude(scale_parts(x, pow2(-e, dtype)), dtype)
-    return jnp.sum(_power(a, p), axis=axes, keepdims=True), e
+    return jnp.sum(pth_power(a, p), axis=axes, keepdims=True), e
   # M only picks an exact power-of-two scale: it has no derivative, and a
   # NaN it misses (see nan_max) is in the sum. It is taken in x's own dtype
   # (exact), and the sum scales x itself: with |x| or a cast of x shared
@@ -853,15 +489,15 @@ def _scaled_sum(x: jax.Array, p: float, axes, dtype):
   m = jax.lax.stop_gradient(
     jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0)
   ).astype(dtype)
-  e = _scale_exponent(m)
+  e = scale_exponent(m)
   x = jax.lax.optimization_barrier(x)
   y = jax.lax.convert_element_type(x, dtype) * pow2(-e, dtype)
-  powered = y * y if p == 2 else _power(jnp.abs(y), p)
+  powered = y * y if p == 2 else pth_power(jnp.abs(y), p)
   return jnp.sum(powered, axis=axes, keepdims=True), e
 
 
-def _exact_rows(parts, axes, flags, members, p) -> dict[int, Scaled]:
-  """Exact norms (:func:`_scaled_sum`) of the parts ``members`` whose units
+def exact_rows(parts, axes, flags, members, p) -> dict[int, Scaled]:
+  """Exact norms (:func:`scaled_sum`) of the parts ``members`` whose units
   are rows (2-D, real, on one device, reduced along axis 1), by index:
   their rows padded with zeros to the widest and reduced as one matrix. A
   zero adds nothing to a unit's largest magnitude or scaled sum, so each
@@ -899,11 +535,11 @@ def _exact_rows(parts, axes, flags, members, p) -> dict[int, Scaled]:
       for i in rows
     ]
   )
-  q, e = _scaled_sum(matrix, p, (1,), accumulation_dtype(matrix.dtype))
+  q, e = scaled_sum(matrix, p, (1,), accumulation_dtype(matrix.dtype))
   out, start = {}, 0
   for i in rows:
     n = parts[i].shape[0]
-    out[i] = _scaled_norm(
+    out[i] = scaled_norm(
       jax.lax.slice_in_dim(q, start, start + n),
       jax.lax.slice_in_dim(e, start, start + n),
       p,
@@ -912,25 +548,27 @@ def _exact_rows(parts, axes, flags, members, p) -> dict[int, Scaled]:
   return out
 
 
-def _merge_scaled(parts, p: float):
+def merge_scaled(parts, p: float):
   """Merges ``(q_i, E_i)`` of disjoint parts (same shapes) into one."""
   e = functools.reduce(jnp.maximum, [ei for _, ei in parts])
   # An infinite q has the largest E (it is never scaled by 0: no inf * 0).
-  return sum(qi * _power(pow2(ei - e, qi.dtype), p) for qi, ei in parts), e
+  return sum(qi * pth_power(pow2(ei - e, qi.dtype), p) for qi, ei in parts), e
 
 
-def _across_devices(q, e, p, sharded, axis_name: AxisName):
+def across_devices(q, e, p, sharded, axis_name: AxisName):
   """``(q, E)`` of a leaf split over (some of) ``axis_name``, merged over the
-  devices that hold its parts (``sharded``: see _split_axes).
+  devices that hold its parts (``sharded``: see split_axes).
   """
-  names = _split_axes(sharded, axis_name)
+  names = split_axes(sharded, axis_name)
   if not names:
     return q, e
   total_e = jax.lax.pmax(e, names)
-  return jax.lax.psum(q * _power(pow2(e - total_e, q.dtype), p), names), total_e
+  return jax.lax.psum(
+    q * pth_power(pow2(e - total_e, q.dtype), p), names
+  ), total_e
 
 
-def _scaled_norm(q, e, p) -> Scaled:
+def scaled_norm(q, e, p) -> Scaled:
   """The norm ``q**(1/p) * 2**E``."""
   return Scaled(safe_root(q, p), e)
 
@@ -943,7 +581,7 @@ def _flat_parts(arrays) -> list[jax.Array]:
   local = [jnp.ravel(a) for a in arrays if not may_span_devices(a)]
   parts = [jnp.ravel(a) for a in arrays if may_span_devices(a)]
   if local:
-    parts.append(_flat_concat(local))
+    parts.append(flat_concat(local))
   return parts
 
 
@@ -968,7 +606,7 @@ def _all_of_fast(mask):
   return (every > 0) & (misses == 0)
 
 
-def _all_of(masks) -> jax.Array:
+def all_true(masks) -> jax.Array:
   """Whether every entry of the boolean arrays ``masks`` is True.
 
   XLA:CPU splits a single-output reduction of more than 32 elements
@@ -987,7 +625,7 @@ def _all_of(masks) -> jax.Array:
   return out
 
 
-def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
+def flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
   whole = _whole_of(xs)
   if whole is not None:
     return whole
@@ -1000,6 +638,13 @@ def _flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
 # from one vector and concatenated again by their consumers (the norms,
 # the factors, their statistics); XLA folds a concatenation of slices only
 # where it sees them as such, and left a kernel per such concatenation.
+# Keyed by the id of the piece, which is only unique while the piece lives:
+# an entry is dropped when its piece is collected (the weak reference's
+# callback), and a lookup also checks that the weak reference still gives
+# the very array asked about, so an id reused by a later array (of this
+# trace or another) misses. A retrace builds new pieces, so no entry of one
+# trace answers for another; the vector an entry holds is of the piece's own
+# trace.
 _PIECES: dict[int, tuple[Any, jax.Array, int]] = {}
 
 
@@ -1036,8 +681,8 @@ def _whole_of(xs: Sequence[jax.Array]) -> Optional[jax.Array]:
 UNROLLED_COPY_SIZE = 64
 
 
-def _blocked_pieces(xs: Sequence[jax.Array]) -> list[jax.Array]:
-  """The 1-D operands of :func:`_blocked_concat`'s concatenation."""
+def blocked_pieces(xs: Sequence[jax.Array]) -> list[jax.Array]:
+  """The 1-D operands of :func:`blocked_concat`'s concatenation."""
   flat = [jnp.ravel(x) for x in xs]
   size = flat[0].size if flat else 0
   k = UNROLLED_COPY_SIZE // max(size, 1) + 1
@@ -1049,8 +694,8 @@ def _blocked_pieces(xs: Sequence[jax.Array]) -> list[jax.Array]:
   ]
 
 
-def _blocked_concat(xs: Sequence[jax.Array]) -> jax.Array:
-  """``_flat_concat(xs)`` for arrays of one size, cheap to compile.
+def blocked_concat(xs: Sequence[jax.Array]) -> jax.Array:
+  """``flat_concat(xs)`` for arrays of one size, cheap to compile.
 
   Operands of more than half ``UNROLLED_COPY_SIZE`` elements and at most
   that many (where the unrolled copies cost the most) are first stacked in
@@ -1059,26 +704,7 @@ def _blocked_concat(xs: Sequence[jax.Array]) -> jax.Array:
   the outer one): the outer concatenation then copies each block in a
   loop. The elements and their order are those of the plain concatenation.
   """
-  return _flat_concat(_blocked_pieces(xs))
-
-
-# --------------------------------------------------------------------------
-# Unit norms
-# --------------------------------------------------------------------------
-
-
-def select(k: Any, a: jax.Array, b: jax.Array) -> jax.Array:
-  """``a`` where the scalar ``k`` holds, else ``b``. By lax, not
-  ``jnp.where``, which is a nested jit for each call: to trace and lower
-  for each of a tree's leaves and state slots (compile time on many-leaf
-  trees: guard(scope="leaf") on 300 small leaves 3.5x -> 2.9x adam's).
-  """
-  k = jnp.asarray(k)
-  if k.shape or k.dtype != bool or a.dtype != b.dtype or a.shape != b.shape:
-    return jnp.where(k, a, b)
-  # The scalar itself, not broadcast: a broadcast has no sharding, and on an
-  # Explicit mesh it cannot select between sharded arrays.
-  return jax.lax.select(k, a, b)
+  return flat_concat(blocked_pieces(xs))
 
 
 def take_each(v: jax.Array) -> list[jax.Array]:
@@ -1147,7 +773,7 @@ class UnitLayout:
 
   Each unit of a leaf is a row of its elements (a leaf of several units,
   such as a kernel with one unit per output, is transposed so that the
-  unit's axes come last). Small leaves (see ``_concatenable``; real,
+  unit's axes come last). Small leaves (see ``concatenable``; real,
   non-empty) with the same unit size, number of units, accumulation dtype
   and grouping key (e.g. the mapped axes their sums are summed over) are
   stacked into one ``(units, unit size)`` matrix, in chunks of at most
@@ -1171,7 +797,7 @@ class UnitLayout:
     per leaf; :meth:`unpack` and :meth:`scale` handle both).
     """
     self.shapes = [tuple(x.shape) for x in leaves]
-    self.axes = [_reduce_axes(x, ax) for x, ax in zip(leaves, axes)]
+    self.axes = [reduce_axes(x, ax) for x, ax in zip(leaves, axes)]
     # Per part: ("rows" or "stack", [(leaf, row offset, rows)], key) or
     # ("leaf", i, key).
     self.parts = []
@@ -1180,7 +806,7 @@ class UnitLayout:
     self._packed = {}
     groups = {}
     for i, (x, ax, key) in enumerate(zip(leaves, self.axes, keys)):
-      if x.size == 0 or jnp.iscomplexobj(x) or not _concatenable(x):
+      if x.size == 0 or jnp.iscomplexobj(x) or not concatenable(x):
         self.parts.append(("leaf", i, key))
         continue
       unit = math.prod(x.shape[d] for d in ax)
@@ -1263,14 +889,14 @@ class UnitLayout:
       if key in self._packed:
         continue
       dtype = tree_accumulation_dtype(members)
-      group = (np.dtype(dtype), part_key, _varying(*members))
+      group = (np.dtype(dtype), part_key, varying(*members))
       groups.setdefault(group, []).append((kind, what, key, members))
     for (dtype, *_), entries in groups.items():
       if len(entries) < 2:
         continue
       pieces = []
       for *_, members in entries:
-        pieces += _blocked_pieces(
+        pieces += blocked_pieces(
           [jax.lax.convert_element_type(jnp.ravel(x), dtype) for x in members]
         )
       whole = jax.lax.optimization_barrier(jnp.concatenate(pieces))
@@ -1297,7 +923,7 @@ class UnitLayout:
   def _pack_new(self, kind, what, leaves) -> jax.Array:
     dtype = tree_accumulation_dtype([leaves[i] for i, _, _ in what])
     if kind == "stack":
-      return _blocked_concat(
+      return blocked_concat(
         [leaves[i].astype(dtype) for i, _, _ in what]
       ).reshape((len(what),) + self.shapes[what[0][0]])
     # Units are trailing (or whole leaves): the rows are the leaves'
@@ -1311,7 +937,7 @@ class UnitLayout:
       jax.lax.convert_element_type(jnp.ravel(leaves[i]), dtype)
       for i, _, _ in what
     ]
-    return _blocked_concat(flat).reshape(-1, unit)
+    return blocked_concat(flat).reshape(-1, unit)
 
   def pack_units(self, values) -> list[jax.Array]:
     """Per-leaf unit values (keepdims shapes) as per-part values."""
@@ -1366,7 +992,7 @@ class UnitLayout:
     exponent put in leaf order by one gather (a kernel to compile, not
     two): the exponents, small integers, are exact as floats of ``dtype``.
     """
-    if not _holds_exponents(dtype):
+    if not holds_exponents(dtype):
       return Scaled(
         self.leaf_vector([n.value for n in norms], dtype),
         self.leaf_vector([n.exponent for n in norms], jnp.int32),
@@ -1439,7 +1065,7 @@ class UnitLayout:
     Stacked parts of leaves of at most ``PACKED_SCALE_SIZE`` elements with
     Scaled factors are scaled as arrays: the multipliers of all their
     units are computed at once (one concatenation per dtype) and kept in
-    memory (:func:`_materialized_rows`), and each leaf takes its elements of
+    memory (:func:`materialized_rows`), and each leaf takes its elements of
     its part times its rows of them with a gather whose constant indices
     XLA keeps as an operand: the multiplication is fused into the gather,
     one small kernel per leaf shape, shared by its leaves, in place of a
@@ -1485,7 +1111,7 @@ class UnitLayout:
     leaf, in leaf order), for a layout of whole-leaf units: as
     :func:`scale_each`, with stacked parts scaled as :meth:`scale` does.
     The packed parts take their entries by one gather: a factor computed by
-    arithmetic is best passed in memory (:func:`_materialized_scaled`).
+    arithmetic is best passed in memory (:func:`materialized_scaled`).
     """
     out: list[Any] = [None] * len(self.shapes)
     own, packed = [], []
@@ -1549,19 +1175,19 @@ class UnitLayout:
       group = (
         np.dtype(parts[j].dtype),
         self.parts[j][2],
-        _varying(parts[j], factors[j]),
+        varying(parts[j], factors[j]),
       )
       by_dtype.setdefault(group, []).append(j)
     for (dtype, *_), members in by_dtype.items():
       factor = Scaled(
-        _flat_concat(
+        flat_concat(
           [jnp.broadcast_to(factors[j].value, shapes[j]) for j in members]
         ),
-        _flat_concat(
+        flat_concat(
           [jnp.broadcast_to(factors[j].exponent, shapes[j]) for j in members]
         ),
       )
-      rows = _materialized_rows(_multipliers(factor, dtype))
+      rows = materialized_rows(factor_multipliers(factor, dtype))
       start = 0
       for j in members:
         size = math.prod(shapes[j])
@@ -1570,7 +1196,7 @@ class UnitLayout:
           for r in rows
         ]
         start += size
-        flat = _apply_multipliers(parts[j], multipliers).reshape(-1)
+        flat = apply_multipliers(parts[j], multipliers).reshape(-1)
         members = [i for i, _, _ in self.parts[j][1]]
         for i, y in zip(
           members, take_leaves(flat, [leaves[i] for i in members])
@@ -1604,7 +1230,13 @@ _TAKE_RUN_DIMS = jax.lax.GatherDimensionNumbers(
 
 
 # Leaves taken from packed vectors while a transformation of several stages
-# runs (see handing_over): id -> (leaf, vector, start).
+# runs (see handing_over): ``runs``, id of the leaf -> (leaf, vector,
+# start), or None outside handing_over. Each entry holds its leaf, so its id
+# cannot be reused while the entry lives, and a lookup checks the leaf is the
+# one asked about. The runs are this thread's (another thread tracing at the
+# same time has its own) and last one ``with handing_over()`` block, which
+# runs within one trace: a retrace starts with none, and the block gives the
+# enclosing block's runs back when it ends.
 _handed = threading.local()
 
 
@@ -1703,7 +1335,7 @@ def scale_each(
         if isinstance(f, Scaled)
         else jnp.take(f, idx, axis=0)
       )
-    columns = _multipliers(f, dtype)
+    columns = factor_multipliers(f, dtype)
     # Real multipliers (a complex leaf's last one is real-valued complex).
     real = jnp.finfo(columns[0].dtype).dtype
     grid = (len(members), -1)
@@ -1713,7 +1345,7 @@ def scale_each(
       )
     )
     for i, row in zip(members, rows):
-      out[i] = _apply_multipliers(
+      out[i] = apply_multipliers(
         leaves[i],
         [
           jax.lax.reshape(
@@ -1804,7 +1436,7 @@ def unit_norms_packed(
   """
   leaves = list(leaves)
   axes = [None] * len(leaves) if axes is None else list(axes)
-  flags = _sharded_flags(leaves, sharded, axis_name)
+  flags = sharded_flags(leaves, sharded, axis_name)
   keys = [None] * len(leaves) if keys is None else list(keys)
   layout = UnitLayout(leaves, axes, list(zip(flags, keys)), several_units)
   return layout, _part_norms(
@@ -1849,10 +1481,10 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   if math.isinf(p):
     return maxima(parts)
 
-  powered = _direct_sums(
+  powered = direct_sums(
     parts, p, axes, [accumulation_dtype(x.dtype) for x in parts]
   )
-  sums = [_psum_sharded(s, f, axis_name) for s, f in zip(powered, flags)]
+  sums = [psum_sharded(s, f, axis_name) for s, f in zip(powered, flags)]
   # The sums of parts that do not span devices are concatenated, per dtype
   # and shard_map typing, into one vector (a group): the checks, the roots
   # and the exact recompute's results are computed on it and sliced back
@@ -1871,15 +1503,15 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
     # would be compiled again in each (XLA unrolls it, a long kernel each).
     out = []
     for m in members:
-      v = _flat_concat([values[i] for i in m])
-      out.append(_materialized(v) if in_memory and len(m) > 1 else v)
+      v = flat_concat([values[i] for i in m])
+      out.append(materialized(v) if in_memory and len(m) > 1 else v)
     return out + [values[i] for i in own]
 
   flat = grouped(sums)
   # The bound of the narrowest accumulation dtype serves all: a stricter
   # bound only sends more sums to the exact recompute.
-  safe_min = max(_safe_min(s.dtype) for s in sums)
-  safe_max = min(_safe_max(s.dtype) for s in sums)
+  safe_min = max(trusted_min(s.dtype) for s in sums)
+  safe_max = min(trusted_max(s.dtype) for s in sums)
 
   def good(v):  # NaN and inf fail both comparisons
     return (v >= safe_min) & (v <= safe_max)
@@ -1894,15 +1526,15 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   def exact(parts_):
     out: list[Any] = [None] * len(parts_)
     for m in members:
-      for i, n in _exact_rows(parts_, axes, flags, m, p).items():
+      for i, n in exact_rows(parts_, axes, flags, m, p).items():
         out[i] = n
     for i, (x, ax, f) in enumerate(zip(parts_, axes, flags)):
       if out[i] is None:
-        q, e = _scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
-        out[i] = _scaled_norm(*_across_devices(q, e, p, f, axis_name), p)
-    # Value and exponent of a group in one kernel (_materialized_scaled).
+        q, e = scaled_sum(x, p, ax, accumulation_dtype(x.dtype))
+        out[i] = scaled_norm(*across_devices(q, e, p, f, axis_name), p)
+    # Value and exponent of a group in one kernel (materialized_scaled).
     return [
-      _materialized_scaled(n) if len(m) > 1 else n
+      materialized_scaled(n) if len(m) > 1 else n
       for n, m in zip(
         (
           trusted_or(s, Scaled(v, e))
@@ -1932,7 +1564,7 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
     # largest_magnitude are not): read only where a sum is 0, which a NaN
     # would have made NaN.
     return [
-      _pmax(
+      nan_pmax(
         jnp.max(magnitude(x), axis=ax, keepdims=True, initial=0),
         f,
       )
@@ -1942,22 +1574,22 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   def fallback(parts_):
     # Zero sums are zero norms when their units' largest magnitude is 0 and
     # every other sum is trusted (one max pass); otherwise recompute.
-    settled = _all_of(
+    settled = all_true(
       [
         good(v) | (zero(v) & (m == 0))
         for v, m in zip(flat, grouped(tops(parts_)))
       ]
     )
     return jax.lax.cond(
-      _on_every_device(settled, axis_name), direct, exact, parts_
+      on_every_device(settled, axis_name), direct, exact, parts_
     )
 
   # The checks are computed where they are used (inside the branch too):
-  # fused into their reductions (_all_of), not kept in memory. Units split
+  # fused into their reductions (all_true), not kept in memory. Units split
   # across devices may differ (another device's NaN): every device takes
   # the branch one of them needs.
   norms = jax.lax.cond(
-    _on_every_device(_all_of([good(v) for v in flat]), axis_name),
+    on_every_device(all_true([good(v) for v in flat]), axis_name),
     direct,
     fallback,
     parts,
@@ -1971,12 +1603,7 @@ def _part_norms(parts, p, axes, flags, axis_name) -> list[Scaled]:
   return out
 
 
-# --------------------------------------------------------------------------
-# Global norm
-# --------------------------------------------------------------------------
-
-
-def _pieces(leaves, flags) -> list[tuple[jax.Array, bool]]:
+def packed_pieces(leaves, flags) -> list[tuple[jax.Array, bool]]:
   """The leaves as ``(array, sharded)`` pieces for a tree-wide reduction.
 
   Large leaves stay as they are. Small ones are concatenated, per dtype and
@@ -1988,13 +1615,13 @@ def _pieces(leaves, flags) -> list[tuple[jax.Array, bool]]:
   for x, f in zip(leaves, flags):
     if x.size == 0:
       continue
-    if _concatenable(x):
+    if concatenable(x):
       small.setdefault((f, jnp.dtype(x.dtype)), []).append(x)
     else:
       pieces.append((x, f))
   for (f, _), xs in small.items():
     for chunk in chunked(xs, [x.size for x in xs]):
-      pieces.append((_flat_concat(chunk), f))
+      pieces.append((flat_concat(chunk), f))
   return pieces
 
 
@@ -2041,8 +1668,8 @@ def global_norm_scaled(
   """
   leaves = list(leaves)
   dtype = tree_accumulation_dtype(leaves)
-  flags = _sharded_flags(leaves, sharded, axis_name)
-  pieces = _pieces(leaves, flags)
+  flags = sharded_flags(leaves, sharded, axis_name)
+  pieces = packed_pieces(leaves, flags)
   if not pieces:
     return as_scaled(jnp.zeros((), dtype))
   p = ord
@@ -2054,7 +1681,7 @@ def global_norm_scaled(
   if math.isinf(p):
     if any(jnp.iscomplexobj(a) for a in arrays):
       # A complex modulus may exceed the range: see largest_modulus.
-      return _largest_of(
+      return largest_scaled(
         [as_scaled(jnp.zeros((), dtype))]
         + [
           largest_modulus(arrays[i], None, f)
@@ -2070,18 +1697,18 @@ def global_norm_scaled(
           jnp.maximum,
           [largest_magnitude(arrays[i]).astype(dtype) for i in idx],
         )
-        biggest = jnp.maximum(biggest, _pmax(local, f))
+        biggest = jnp.maximum(biggest, nan_pmax(local, f))
     return as_scaled(biggest)
 
   total = jnp.zeros((), dtype)
-  powered = _direct_sums(arrays, p, [None] * len(arrays), [dtype] * len(arrays))
+  powered = direct_sums(arrays, p, [None] * len(arrays), [dtype] * len(arrays))
   for f, idx in groups.items():
     if idx:
       local = sum(powered[i].reshape(()) for i in idx)
-      total = total + _psum_sharded(local, f, axis_name)
+      total = total + psum_sharded(local, f, axis_name)
   # Below the trusted range, lost (underflowed) terms may matter; above it,
   # the sum or its derivatives may overflow: recompute exactly.
-  trusted = _trusted_sum(total)
+  trusted = trusted_sum(total)
 
   def direct(arrays_):
     del arrays_
@@ -2091,17 +1718,15 @@ def global_norm_scaled(
     parts = []
     for f, idx in groups.items():
       if idx:
-        q, e = _merge_scaled(
+        q, e = merge_scaled(
           [
-            tuple(
-              v.reshape(()) for v in _scaled_sum(arrays_[i], p, None, dtype)
-            )
+            tuple(v.reshape(()) for v in scaled_sum(arrays_[i], p, None, dtype))
             for i in idx
           ],
           p,
         )
-        parts.append(_across_devices(q, e, p, f, axis_name))
-    return _scaled_norm(*_merge_scaled(parts, p), p)
+        parts.append(across_devices(q, e, p, f, axis_name))
+    return scaled_norm(*merge_scaled(parts, p), p)
 
   return jax.lax.cond(trusted, direct, exact, arrays)
 
@@ -2151,7 +1776,7 @@ def largest_magnitude(
   partitioner splits. A complex leaf's moduli are reduced as a real leaf.
   """
   dtype = accumulation_dtype(x.dtype)
-  axes = _reduce_axes(x, axis)
+  axes = reduce_axes(x, axis)
   if any(x.shape[d] == 0 for d in axes):
     shape = [1 if d in axes else n for d, n in enumerate(x.shape)]
     if not keepdims:
@@ -2159,7 +1784,7 @@ def largest_magnitude(
     return jnp.zeros(shape, dtype)
   if jnp.iscomplexobj(x):
     x = magnitude(x, dtype)  # the moduli, then as a real leaf
-  if _drops_nan(x) and not may_span_devices(x):
+  if drops_nan(x) and not may_span_devices(x):
     return _largest_magnitude_custom(x, axes, keepdims).astype(dtype)
   top, bottom = nan_extremes(x, axes, keepdims=keepdims)
   return jnp.maximum(top, -bottom).astype(dtype)
@@ -2177,30 +1802,13 @@ def _largest_magnitude_fast(x, axes, keepdims):
 
 
 def _largest_magnitude_plain(x, axes, keepdims):
-  top, bottom = _extremes_plain(x, axes, keepdims)
+  top, bottom = extremes_plain(x, axes, keepdims)
   return jnp.maximum(top, -bottom)
 
 
-_largest_magnitude_custom = _with_plain_derivative(
+_largest_magnitude_custom = with_plain_derivative(
   _largest_magnitude_fast, _largest_magnitude_plain, n_args=3, n_static=2
 )
-
-
-def scale_parts(x: jax.Array, scale: jax.Array) -> jax.Array:
-  """A complex ``x`` with its real and imaginary parts each times the real
-  ``scale``: no complex product (whose ``inf * 0`` would turn an inf part
-  into NaN) and no implicit mixed-dtype promotion.
-
-  The parts are widened to ``scale``'s dtype when it is the wider one, never
-  the scale narrowed: a power of two of float64's range (``2**1021``, the
-  scale of a zero or tiny complex64 leaf in a tree with a float64 leaf) is
-  inf in float32, and ``0 * inf`` made the whole tree's norm NaN.
-  """
-  real = promote_types(x.real.dtype, scale.dtype)
-  scale = scale.astype(real)
-  return jax.lax.complex(
-    x.real.astype(real) * scale, x.imag.astype(real) * scale
-  )
 
 
 def largest_modulus(
@@ -2222,23 +1830,23 @@ def largest_modulus(
   """
   if not jnp.iscomplexobj(x):
     return as_scaled(
-      _pmax(largest_magnitude(x, axes, keepdims=keepdims), names)
+      nan_pmax(largest_magnitude(x, axes, keepdims=keepdims), names)
     )
-  part = _pmax(largest_part(x, axes, keepdims=True), names)
-  e = _scale_exponent(part)
-  top = _pmax(
+  part = nan_pmax(largest_part(x, axes, keepdims=True), names)
+  e = scale_exponent(part)
+  top = nan_pmax(
     largest_magnitude(
       scale_parts(x, pow2(-e, part.dtype)), axes, keepdims=True
     ),
     names,
   )
   if not keepdims:
-    dims = _reduce_axes(x, axes)
+    dims = reduce_axes(x, axes)
     top, e = jnp.squeeze(top, dims), jnp.squeeze(e, dims)
   return Scaled(top, e)
 
 
-def _largest_of(maxima: Sequence[Scaled], dtype) -> Scaled:
+def largest_scaled(maxima: Sequence[Scaled], dtype) -> Scaled:
   """The largest of scalar :class:`Scaled` numbers, in ``dtype`` (NaN if one
   is NaN): each rescaled to the largest exponent by a power of two.
   """
@@ -2278,7 +1886,7 @@ def modulus(x: jax.Array) -> Scaled:
   if not jnp.iscomplexobj(x):
     return as_scaled(magnitude(x, dtype))
   part = jnp.maximum(magnitude(x.real, dtype), magnitude(x.imag, dtype))
-  e = _scale_exponent(part)
+  e = scale_exponent(part)
   return Scaled(magnitude(scale_parts(x, pow2(-e, dtype)), dtype), e)
 
 
@@ -2506,7 +2114,7 @@ def _largest_and_count_plain(x, limit):
 # returned as float32: exact up to 2**24, then to float32's precision) comes
 # with the read that the max needs anyway, where a count of its own was a
 # second pass. Derivatives from the plain formulas.
-_largest_and_count = _with_plain_derivative(
+_largest_and_count = with_plain_derivative(
   _largest_and_count_fast,
   _largest_and_count_plain,
   n_args=2,
@@ -2534,7 +2142,7 @@ def _row_largest_and_count_fast(m, limit):
 # reduce above 32 elements a row) and their operands were some three
 # kernels a part shape: clip_value's statistics on many small leaves.
 # Derivatives from the plain formulas.
-_row_largest_and_count = _with_plain_derivative(
+_row_largest_and_count = with_plain_derivative(
   _row_largest_and_count_fast,
   _row_largest_and_count_plain,
   n_args=2,
@@ -2566,7 +2174,7 @@ def _max_sum_all_fast(largest_of, summed, all_of):
   return top, total, every > 0
 
 
-_max_sum_all_custom = _with_plain_derivative(
+_max_sum_all_custom = with_plain_derivative(
   _max_sum_all_fast, _max_sum_all_plain, n_args=3, n_static=0
 )
 
@@ -2600,8 +2208,8 @@ def _flat_scaled(norms: Sequence[Scaled]) -> list[Scaled]:
   if local:
     parts.append(
       Scaled(
-        _flat_concat([n.value for n in local]),
-        _flat_concat([n.exponent for n in local]),
+        flat_concat([n.value for n in local]),
+        flat_concat([n.exponent for n in local]),
       )
     )
   return parts
@@ -2655,7 +2263,7 @@ def _combine_norms_plain(norms, ord, across):  # pylint: disable=redefined-built
 
   if math.isinf(ord):
     return over_devices(
-      lambda n: nan_max(n.as_float(), initial=0), jnp.maximum, _pmax
+      lambda n: nan_max(n.as_float(), initial=0), jnp.maximum, nan_pmax
     )
   # Each unit norm as m * 2**E (0.5 <= m < 1), all rescaled to the largest
   # E: exact powers of two, no division. Non-finite norms are added at the
@@ -2664,7 +2272,7 @@ def _combine_norms_plain(norms, ord, across):  # pylint: disable=redefined-built
 
   def normalized(n):
     ok = jnp.isfinite(n.value)
-    return _normalized(Scaled(jnp.where(ok, n.value, 0), n.exponent))
+    return normalize(Scaled(jnp.where(ok, n.value, 0), n.exponent))
 
   def top_exponent(n):
     m, e = normalized(n)
@@ -2674,7 +2282,7 @@ def _combine_norms_plain(norms, ord, across):  # pylint: disable=redefined-built
 
   def power_sum(n):
     m, e = normalized(n)
-    return jnp.sum(_power(ldexp(m, e - top), ord))
+    return jnp.sum(pth_power(ldexp(m, e - top), ord))
 
   total = over_devices(power_sum, jnp.add, jax.lax.psum)
   bad = over_devices(
@@ -2719,7 +2327,7 @@ def _finish(sums, ord) -> jax.Array:  # pylint: disable=redefined-builtin
   return Scaled(safe_root(total, ord), top).as_float() + bad
 
 
-_combine_norms_custom = _with_plain_derivative(
+_combine_norms_custom = with_plain_derivative(
   _combine_norms_fast, _combine_norms_plain, n_args=3, n_static=2
 )
 
@@ -2770,7 +2378,7 @@ def _combine_each_plain(norms, flags, ord):  # pylint: disable=redefined-builtin
   )
 
 
-_combine_each_custom = _with_plain_derivative(
+_combine_each_custom = with_plain_derivative(
   _combine_each_fast, _combine_each_plain, n_args=3, n_static=1
 )
 
@@ -2779,7 +2387,7 @@ def _power_scale(d: jax.Array, p: float, dtype) -> jax.Array:
   """``(2**d)**p`` for int32 ``d <= 0`` (0 once ``2**d`` is below the
   dtype's normal range).
   """
-  return _power(pow2(jnp.maximum(d, -(1 << 16)), dtype), p)
+  return pth_power(pow2(jnp.maximum(d, -(1 << 16)), dtype), p)
 
 
 def _power_sums(norms: Sequence[Scaled], flags: Sequence[jax.Array], p):
@@ -2806,8 +2414,8 @@ def _power_sums(norms: Sequence[Scaled], flags: Sequence[jax.Array], p):
   operands, inits, kinds = [], [], []
   for n in norms:
     ok = jnp.isfinite(n.value)
-    m, e = _normalized(Scaled(jnp.where(ok, n.value, 0), n.exponent))
-    operands += [_power(m, p), jnp.where(m > 0, e, floor)]
+    m, e = normalize(Scaled(jnp.where(ok, n.value, 0), n.exponent))
+    operands += [pth_power(m, p), jnp.where(m > 0, e, floor)]
     operands.append(jnp.where(ok, 0, n.value))
     inits += [jnp.zeros((), m.dtype), jnp.asarray(floor, jnp.int32)]
     inits.append(jnp.zeros((), n.value.dtype))
@@ -2881,17 +2489,19 @@ def reduce_norms(
   axes = tuple(range(norms.value.ndim)) if axes is None else tuple(axes)
   if math.isinf(ord):
     top = nan_max(norms.as_float(), axes, keepdims=keepdims, initial=0)
-    return as_scaled(_pmax(top, names))
+    return as_scaled(nan_pmax(top, names))
   ok = jnp.isfinite(norms.value)
-  m, e = _normalized(Scaled(jnp.where(ok, norms.value, 0), norms.exponent))
+  m, e = normalize(Scaled(jnp.where(ok, norms.value, 0), norms.exponent))
   floor = jnp.iinfo(jnp.int32).min // 2
-  top = _pmax(
+  top = nan_pmax(
     jnp.max(
       jnp.where(m > 0, e, floor), axis=axes, keepdims=True, initial=floor
     ),
     names,
   )
-  total = jnp.sum(_power(ldexp(m, e - top), ord), axis=axes, keepdims=keepdims)
+  total = jnp.sum(
+    pth_power(ldexp(m, e - top), ord), axis=axes, keepdims=keepdims
+  )
   bad = jnp.sum(jnp.where(ok, 0, norms.value), axis=axes, keepdims=keepdims)
   if names:
     total, bad = jax.lax.psum((total, bad), names)
@@ -2901,10 +2511,6 @@ def reduce_norms(
   return Scaled(safe_root(total, ord) + bad, top)
 
 
-# --------------------------------------------------------------------------
-# Sums of squares carried by addition alone
-# --------------------------------------------------------------------------
-#
 # Ghost norms (optaxclip/_ghost.py) leave the backward pass as the cotangent
 # of a probe array, which automatic differentiation sums over the layers
 # and the steps of an ``nn.scan``: addition is all they go through. A
@@ -2926,7 +2532,7 @@ N_BUCKETS = 22
 def row_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Per row ``b`` of ``x`` (leading axis ``B``), the power of two
   ``2**-E_b`` that brings its largest magnitude near 1 (see
-  ``_scale_exponent``), in the accumulation dtype and shaped to broadcast
+  ``scale_exponent``), in the accumulation dtype and shaped to broadcast
   against ``x`` (or any slice of its trailing axes), and the int32 ``(B,)``
   exponents ``E``.
 
@@ -2937,7 +2543,7 @@ def row_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   dtype = accumulation_dtype(x.dtype)
   axes = tuple(range(1, x.ndim))
   m = jax.lax.stop_gradient(jnp.max(magnitude(x, dtype), axis=axes, initial=0))
-  e = _scale_exponent(m)
+  e = scale_exponent(m)
   return pow2(-e, dtype).reshape((-1,) + (1,) * len(axes)), e
 
 
@@ -2950,7 +2556,7 @@ def to_buckets(squares: Scaled) -> jax.Array:
   they are (in row 0 unless their exponent says otherwise); numbers below
   the first row's range are lost (below 2**-704).
   """
-  m, e = _normalized(squares)
+  m, e = normalize(squares)
   last = FIRST_BUCKET + N_BUCKETS - 1
   j = jnp.clip(jnp.floor_divide(e, BUCKET_BITS), FIRST_BUCKET, last)
   value = ldexp(m, e - BUCKET_BITS * j)
@@ -2980,8 +2586,8 @@ def ratio(a: Scaled, b: Scaled) -> jax.Array:
   divide without overflow. Non-finite entries give no meaningful value
   (callers mask them).
   """
-  a_m, a_e = _normalized(a)
-  b_m, b_e = _normalized(b)
+  a_m, a_e = normalize(a)
+  b_m, b_e = normalize(b)
   quotient = a_m / jnp.where(b_m > 0, b_m, 1)
   return jnp.where(b_m > 0, ldexp(quotient, a_e - b_e), 0)
 
@@ -3005,8 +2611,8 @@ def clip_scale(
   dtype = norm.value.dtype
   limit = as_scaled(limit)
   limit = Scaled(limit.value.astype(dtype), limit.exponent)
-  n_m, n_e = _normalized(norm)
-  l_m, l_e = _normalized(limit)
+  n_m, n_e = normalize(norm)
+  l_m, l_e = normalize(limit)
   finite_limit = limit.value < jnp.inf
   above = (
     (n_m > 0)
@@ -3050,7 +2656,7 @@ def clip_scale_parts(
     if may_span_devices(n.value):
       out[i] = clip_scale(n, limits[i])
     else:
-      group = (np.dtype(n.value.dtype), keys[i], _varying(n, limits[i]))
+      group = (np.dtype(n.value.dtype), keys[i], varying(n, limits[i]))
       groups.setdefault(group, []).append(i)
   for (dtype, *_), members in groups.items():
     if len(members) == 1:
@@ -3060,17 +2666,17 @@ def clip_scale_parts(
     limit = [as_scaled(limits[i]) for i in members]
     factor = clip_scale(
       Scaled(
-        _flat_concat([norms[i].value for i in members]),
-        _flat_concat([norms[i].exponent for i in members]),
+        flat_concat([norms[i].value for i in members]),
+        flat_concat([norms[i].exponent for i in members]),
       ),
       Scaled(
-        _flat_concat(
+        flat_concat(
           [
             jnp.broadcast_to(lim.value.astype(dtype), shape)
             for lim, shape in zip(limit, shapes)
           ]
         ),
-        _flat_concat(
+        flat_concat(
           [
             jnp.broadcast_to(lim.exponent, shape)
             for lim, shape in zip(limit, shapes)
@@ -3080,7 +2686,7 @@ def clip_scale_parts(
     )
     # In memory: each part's slice would otherwise recompute the factors'
     # arithmetic in its own consumers' kernels.
-    factor = _materialized_scaled(factor)
+    factor = materialized_scaled(factor)
     for i, piece in zip(
       members, split_parts(factor, [norms[i] for i in members])
     ):
@@ -3110,7 +2716,7 @@ def part_groups(
     if may_span_devices(value):
       out.append([i])
     else:
-      key = (np.dtype(value.dtype), keys[i], _varying(v))
+      key = (np.dtype(value.dtype), keys[i], varying(v))
       groups.setdefault(key, []).append(i)
   return list(groups.values()) + out
 
@@ -3119,17 +2725,17 @@ def concat_parts(values: Sequence[Any]) -> Any:
   """Per-part arrays (or :class:`Scaled`) raveled into one."""
   if isinstance(values[0], Scaled):
     return Scaled(
-      _flat_concat([v.value for v in values]),
-      _flat_concat([v.exponent for v in values]),
+      flat_concat([v.value for v in values]),
+      flat_concat([v.exponent for v in values]),
     )
-  return _flat_concat(values)
+  return flat_concat(values)
 
 
 def split_parts(flat: Any, like: Sequence[Any]) -> list[Any]:
   """:func:`concat_parts` undone: ``flat`` cut into the shapes of ``like``."""
   if isinstance(flat, Scaled):
-    values = split_parts(flat.value, [_value(v) for v in like])
-    exponents = split_parts(flat.exponent, [_value(v) for v in like])
+    values = split_parts(flat.value, [scaled_value(v) for v in like])
+    exponents = split_parts(flat.exponent, [scaled_value(v) for v in like])
     return [Scaled(v, e) for v, e in zip(values, exponents)]
   out, start = [], 0
   for v in like:
@@ -3175,7 +2781,7 @@ def scale_leaf(
   kernels, where Adam's two element-wise kernels each apply them).
 
   Per-unit factors (an array, one per unit) reach the leaf's kernel as
-  multipliers kept in memory (see :func:`_materialized`): otherwise XLA
+  multipliers kept in memory (see :func:`materialized`): otherwise XLA
   fuses their arithmetic (about a hundred instructions: the factor from the
   norms and limits, exponent bits, clamps) into every consumer of the
   scaled leaf, where it runs once per element, not once per unit (3.6x
@@ -3184,15 +2790,15 @@ def scale_leaf(
   """
   # Not element-wise factors (clip_value's complex modulus): their
   # arithmetic runs once per element anyway.
-  per_unit = 1 < math.prod(jnp.shape(_value(factor))) < x.size
+  per_unit = 1 < math.prod(jnp.shape(scaled_value(factor))) < x.size
   if per_unit and isinstance(factor, Scaled):
-    factor = _materialized_scaled(factor)
-  multipliers = _multipliers(
+    factor = materialized_scaled(factor)
+  multipliers = factor_multipliers(
     factor, x.dtype, count=_multiplier_count(x.dtype, smallest)
   )
   if per_unit:
-    multipliers = _materialized_rows(multipliers)
-  return _apply_multipliers(x, multipliers)
+    multipliers = materialized_rows(multipliers)
+  return apply_multipliers(x, multipliers)
 
 
 def scale_all(
@@ -3219,7 +2825,7 @@ def scale_all(
   fewer. Otherwise the factor is applied in three steps, as scale_leaf does.
 
   The multipliers are computed once per leaf dtype, each into memory as a
-  scalar of its own (see :func:`_materialized`): otherwise XLA fuses the
+  scalar of its own (see :func:`materialized`): otherwise XLA fuses the
   scalar arithmetic that builds them (exponent bits, clamps, powers of two:
   some ninety instructions) into every leaf's kernel, and stacked in one
   vector each kernel would slice its entries out again.
@@ -3230,16 +2836,16 @@ def scale_all(
   for x in leaves:
     dtype = np.dtype(x.dtype)
     if dtype not in by_dtype:
-      columns = _multipliers(
+      columns = factor_multipliers(
         factor, dtype, count=_multiplier_count(dtype, smallest)
       )
       wide = columns[0].dtype
       by_dtype[dtype] = [
         # Real numbers (a complex leaf's last one is stored as complex).
-        _materialized(jnp.real(jnp.asarray(m)).astype(wide).reshape(()))
+        materialized(jnp.real(jnp.asarray(m)).astype(wide).reshape(()))
         for m in columns
       ]
-    out.append(_apply_multipliers(x, by_dtype[dtype]))
+    out.append(apply_multipliers(x, by_dtype[dtype]))
   return out
 
 
@@ -3248,7 +2854,7 @@ def _multiplier_count(dtype: Any, smallest: float) -> int:
   ``2**(2 * minexp)`` of x's wide dtype, else 3.
   """
   wide = promote_types(dtype, accumulation_dtype(dtype))
-  lo, _ = _exp_range(jnp.finfo(wide).dtype)
+  lo, _ = exp_range(jnp.finfo(wide).dtype)
   return 2 if smallest > 0 and smallest >= math.ldexp(1.0, 2 * lo) else 3
 
 
@@ -3276,7 +2882,7 @@ def smallest_clip_factor(
   return math.ldexp(limit, -(maxexp + 1 + math.ceil(math.log2(max(n, 1)))))
 
 
-def _materialized(v: jax.Array) -> jax.Array:
+def materialized(v: jax.Array) -> jax.Array:
   """``v``, computed once into memory by XLA, bit for bit (small arrays
   mostly; a clipped leaf in :mod:`optaxclip._spam`).
 
@@ -3309,7 +2915,7 @@ def _summed_rows(v: jax.Array) -> jax.Array:
 
 @jax.custom_jvp
 def _multiplied_rows(v: jax.Array) -> jax.Array:
-  """``v`` as the product of the rows of ``[v; 1]`` (:func:`_materialized`)."""
+  """``v`` as the product of the rows of ``[v; 1]`` (:func:`materialized`)."""
   one = np.ones((), v.dtype)
   padded = jax.lax.pad(v[None], one, [(0, 1, 0)] + [(0, 0, 0)] * v.ndim)
   return jax.lax.reduce(padded, one, jax.lax.mul, (0,))
@@ -3323,15 +2929,15 @@ def _multiplied_rows_jvp(primals, tangents):
   return _multiplied_rows(v), _summed_rows(dv)
 
 
-def _materialized_rows(arrays: Sequence[jax.Array]) -> list[jax.Array]:
-  """Arrays of one shape, computed once into memory (:func:`_materialized`
+def materialized_rows(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+  """Arrays of one shape, computed once into memory (:func:`materialized`
   on their stack) and handed back as they were.
   """
   # The multipliers are real numbers (a complex leaf's last one is stored
   # as complex): one real dtype for the stack.
   real = [a.real if jnp.iscomplexobj(a) else a for a in arrays]
   dtype = functools.reduce(promote_types, [a.dtype for a in real])
-  rows = _materialized(
+  rows = materialized(
     jnp.stack([a.astype(dtype) for a in jnp.broadcast_arrays(*real)])
   )
   return [
@@ -3339,35 +2945,31 @@ def _materialized_rows(arrays: Sequence[jax.Array]) -> list[jax.Array]:
   ]
 
 
-def _value(factor: Union[jax.Array, Scaled]) -> jax.Array:
-  return factor.value if isinstance(factor, Scaled) else factor
-
-
-def _holds_exponents(dtype) -> bool:
+def holds_exponents(dtype) -> bool:
   """Whether a :class:`Scaled` exponent (a small int32) is exact as a float
   of ``dtype``, so that value and exponent can share one array (one kernel).
   """
   return np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _materialized_scaled(factor: Scaled) -> Scaled:
+def materialized_scaled(factor: Scaled) -> Scaled:
   """A per-unit factor computed once into memory, value and exponent in one
-  kernel (:func:`_materialized` on their stack; the exponent, a small
+  kernel (:func:`materialized` on their stack; the exponent, a small
   integer, is exact as a float). Without it each multiplier row that
   :func:`scale_leaf` keeps in memory computes the factor again from the
   norms and limits (about a hundred instructions per unit and row); from
   memory, a row is a few bit operations.
   """
-  if not _holds_exponents(factor.value.dtype):
+  if not holds_exponents(factor.value.dtype):
     return factor
   value, e = jnp.broadcast_arrays(factor.value, factor.exponent)
-  stacked = _materialized(
+  stacked = materialized(
     jnp.stack([value, jax.lax.stop_gradient(e).astype(value.dtype)])
   )
   return Scaled(stacked[0], stacked[1].astype(factor.exponent.dtype))
 
 
-def _multipliers(
+def factor_multipliers(
   factor: Union[jax.Array, Scaled], dtype, count: int = 3
 ) -> list[jax.Array]:
   """The numbers that a value of ``dtype`` is multiplied by, one after the
@@ -3385,7 +2987,7 @@ def _multipliers(
   # otherwise: x * 2**k then lies between the result and twice it (a factor
   # below 1) or half of it (above), so it neither overflows nor is flushed
   # where the result does not.
-  m, k = _normalized(Scaled(factor.value.astype(acc), factor.exponent))
+  m, k = normalize(Scaled(factor.value.astype(acc), factor.exponent))
   up = (k >= 1) & (m > 0)
   m = jnp.where(up, 2 * m, m)
   k = k - up.astype(k.dtype)
@@ -3394,7 +2996,7 @@ def _multipliers(
   # result's, not sum(ct * x) (which overflows for leaves near the dtype's
   # largest value while the derivative with respect to x is finite).
   real = jnp.finfo(wide).dtype
-  lo, hi = _exp_range(real)
+  lo, hi = exp_range(real)
   if count == 2:
     step = jnp.clip(k, lo, hi)
     # m times the rest (0 unless the total exceeds one normal power), with
@@ -3409,7 +3011,7 @@ def _multipliers(
   return [steps[0], steps[1], (m * steps[2].astype(acc)).astype(wide)]
 
 
-def _apply_multipliers(x: jax.Array, multipliers) -> jax.Array:
+def apply_multipliers(x: jax.Array, multipliers) -> jax.Array:
   """``x`` times each multiplier in turn (scalars, or of x's rank with size
   1 where they broadcast), in the wide dtype.
 

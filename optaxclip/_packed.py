@@ -52,7 +52,7 @@ class Packing:
       key = (
         x.size,
         tuple(np.dtype(a.dtype) for a in arrays),
-        _norms._varying(*arrays),  # noqa: SLF001
+        _norms.varying(*arrays),
       )
       groups.setdefault(key, []).append(i)
     self.parts: list[list[int]] = []
@@ -70,9 +70,7 @@ class Packing:
     for part in self.parts:
       members = [leaves[i] for i in part]
       run = _norms.handed_run(members)
-      out.append(
-        run if run is not None else _norms._blocked_concat(members)  # noqa: SLF001
-      )
+      out.append(run if run is not None else _norms.blocked_concat(members))
     return out
 
   def unpack(
@@ -91,5 +89,5 @@ def _packable(x: jax.Array) -> bool:
   return (
     x.size > 0
     and not np.issubdtype(np.dtype(x.dtype), np.complexfloating)
-    and _norms._concatenable(x)  # noqa: SLF001
+    and _norms.concatenable(x)
   )

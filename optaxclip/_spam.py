@@ -214,7 +214,7 @@ def _step_with_resets(
       g, counted = _clip_and_count(g, m[-1], *spikes)
       clipped = clipped + counted
     # Computed once into memory (one kernel) for the leaves' gathers.
-    new = _norms._materialized_rows(step(g, *m))  # noqa: SLF001
+    new = _norms.materialized_rows(step(g, *m))
     for parts, v in zip(stepped, new):
       parts.append(v)
   for slot, parts, tree in zip(slots, stepped, out):
@@ -390,7 +390,7 @@ def _clipped_before_update(
   a kernel, a read and a write per leaf at every step
   (``docs/performance.md``).
   """
-  g = _norms._materialized(_clip_to_moment(g, nu, *spikes))  # noqa: SLF001
+  g = _norms.materialized(_clip_to_moment(g, nu, *spikes))
   return g, nu + (0 * counted).astype(nu.dtype)
 
 
@@ -416,7 +416,7 @@ def _spike_counter(
   n = len(leaves)
   # Inside shard_map, leaves that vary across devices apart from the others.
   keys = [
-    (np.dtype(g.dtype), np.dtype(nu.dtype), _norms._varying(g, nu))  # noqa: SLF001
+    (np.dtype(g.dtype), np.dtype(nu.dtype), _norms.varying(g, nu))
     for g, nu in zip(leaves, nus)
   ]
   layout = _norms.UnitLayout(leaves, [None] * n, keys)
@@ -942,7 +942,7 @@ def clip_spikes_adaptive(
     # The factor limit / max|g| as (limit / (max|g| 2**-E)) 2**-E, 2**E the
     # power of two of max|g|: the same number, and derivatives without
     # max|g|**2 (which underflows for max|g| below about 1e-19 in float32).
-    scale = _norms.pow2(-_norms._scale_exponent(largest), dtype)  # noqa: SLF001
+    scale = _norms.pow2(-_norms.scale_exponent(largest), dtype)
     factor = scale * (
       jnp.minimum(limit, largest) / jnp.where(largest > 0, largest * scale, 1)
     )
@@ -959,7 +959,7 @@ def clip_spikes_adaptive(
         spike = _above(_norms.magnitude(g, wide), row[0])
         if i in own:
           split = () if flags is None else flags[i]
-          clipped = clipped + _norms._psum_sharded(  # noqa: SLF001
+          clipped = clipped + _norms.psum_sharded(
             _norms.count(spike), split, axis_name
           )
         out[i] = jnp.where(spike, _shrunk(g, row[1]), g)
@@ -1168,7 +1168,7 @@ def scale_by_norm_ema(
     positive = n > 0
     # target / norm with the norm's power of two apart (exact, no overflow);
     # NaN for a leaf holding a NaN or an inf (the non-finite policy).
-    m, e = _norms._normalized(exact)  # noqa: SLF001
+    m, e = _norms.normalize(exact)
     value = jnp.where(positive, target / jnp.where(positive, m, 1.0), 1.0)
     factor = _norms.Scaled(
       jnp.where(finite, value, jnp.nan).astype(exact.value.dtype),
@@ -1262,14 +1262,14 @@ def _clip_in_stacked_parts(
     limits = jnp.take(limit, rows, axis=0).astype(part.dtype)[:, None]
     spike = _above(_norms.magnitude(part), limits)
     # The layout's keys are (split axes, ...).
-    total = total + _norms._psum_sharded(  # noqa: SLF001
+    total = total + _norms.psum_sharded(
       _norms.count(spike), layout.parts[j][2][0], axis_name
     )
     if leaves[members[0]].size > _packed.PACKED_SIZE:
       continue
     shrunk = _shrunk(part, jnp.take(factor, rows, axis=0)[:, None])
     # In memory once, for the leaves' gathers.
-    flat = _norms._materialized(jnp.where(spike, shrunk, part))  # noqa: SLF001
+    flat = _norms.materialized(jnp.where(spike, shrunk, part))
     like = [leaves[i] for i in members]
     for i, y in zip(members, _norms.take_leaves(flat.reshape(-1), like)):
       out[i] = y
@@ -1286,7 +1286,7 @@ def _scale_leafwise(
   if layout is None:
     return []
   # In memory: each part's scaling would compute it again otherwise.
-  scale = _norms._materialized_scaled(_norms.as_scaled(factor))  # noqa: SLF001
+  scale = _norms.materialized_scaled(_norms.as_scaled(factor))
   return layout.scale_leafwise(leaves, scale)
 
 

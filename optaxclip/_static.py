@@ -505,7 +505,7 @@ def _per_unit_clip(leaves, layout, norms, limits, ord, smallest=0.0):  # pylint:
     for i, piece in zip(group, pieces):
       clipped_norms[i] = piece
     names = across[group[0]]
-    scaled = scaled + _norms._psum_sharded(  # noqa: SLF001
+    scaled = scaled + _norms.psum_sharded(
       _norms.count(_norms.is_scaled_down(f)), names, names
     )
   units = sum(

@@ -1521,7 +1521,7 @@ def _derivative_example(config, scale, ratio, seed=0):
 # Found by the release profile, fixed: clip_block_rms's Hessian-vector
 # product on values near 1e19 (a leaf's sum of squares near 1e38, taken
 # directly) was NaN or off by 15%: JAX's rule for sqrt overflowed at the
-# second order (_norms._root now differentiates p = 2 too).
+# second order (_numerics.floats._root now differentiates p = 2 too).
 @hypothesis.example(
   case=_derivative_example(
     fz.Config("clip_block_rms", (("threshold", 1.0),)), 1e19, 0.3, seed=2
@@ -1530,7 +1530,7 @@ def _derivative_example(config, scale, ratio, seed=0):
 # Found by the release profile, fixed: clip_unitwise's Hessian-vector
 # product on a unit of four values near 1e19 was NaN: its sum of squares,
 # 3.3e38, fitted float32 and was taken directly, and its tangent overflowed
-# (_norms._safe_max now sends such sums to the exact recompute).
+# (_norms.trusted_max now sends such sums to the exact recompute).
 @hypothesis.example(
   case=_derivative_example(
     fz.Config("clip_unitwise", (("clipping", 1.0), ("eps", 0.001))), 1e19, 0.3
@@ -1669,7 +1669,7 @@ def test_second_derivative_of_a_clipped_3_norm_in_float32():
   """A falsifying example of test_second_derivative_through_update, fixed:
   the float32 Hessian-vector product of clip_norm(ord=3) on a clipped
   gradient of about 1e8 was 8% off (3.335e7 against 3.634e7): JAX's rule for
-  ``s ** (1/p)`` flushed ``s ** (1/p - 2)`` to zero (_norms._root).
+  ``s ** (1/p)`` flushed ``s ** (1/p - 2)`` to zero (_numerics.floats._root).
   """
   config = fz.Config(
     "clip_norm", (("axis", None), ("max_norm", 1.0), ("ord", 3))

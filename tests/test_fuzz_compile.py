@@ -256,7 +256,7 @@ def test_packed_unit_norms_equal_each_leaf_alone(leaves, p):
 
 
 # One layout under ci: leaves of 63 and 40 elements (copied in blocks, see
-# _norms._blocked_concat), one of them alone, units whole or per row.
+# _norms.blocked_concat), one of them alone, units whole or per row.
 BLOCKED_LAYOUT = ((7, 9),) * 5 + ((40,),) * 3 + ((5, 8),)
 
 
@@ -286,7 +286,7 @@ def _blocked_and_plain(leaves, per_row):
   by_size = {}
   for x in leaves:
     by_size.setdefault(x.shape, []).append(x)
-  blocked = [_norms._blocked_concat(xs) for xs in by_size.values()]
+  blocked = [_norms.blocked_concat(xs) for xs in by_size.values()]
   plain = [jnp.concatenate([x.ravel() for x in xs]) for xs in by_size.values()]
   layout, parts = _norms.unit_norms_packed(
     leaves, 2.0, axes, several_units=True

@@ -7,7 +7,7 @@ and every limit (NaN, inf, signed zeros and subnormals included), and
 ``_norms.limit_bits`` must turn every limit into the integer comparison
 that says ``|x| > limit`` for every value of a dtype (all 65536 float16 and
 bfloat16 values); ``_norms.max_sum_all`` (clip_value's statistics over the
-leaves of its stacked parts) and ``_norms._all_of`` (the norms' overflow
+leaves of its stacked parts) and ``_norms.all_true`` (the norms' overflow
 checks) are multi-output reductions that must equal the single-output
 formulas they replace, bit for bit; all with the plain formulas'
 derivatives.
@@ -198,7 +198,7 @@ def test_max_sum_all_equals_the_plain_reductions(case):
 def test_all_of_equals_jnp_all(case):
   m, limit = case
   masks = [np.abs(m) <= limit, np.isfinite(m).reshape(-1)]
-  fast = jax.jit(_norms._all_of)(masks)
+  fast = jax.jit(_norms.all_true)(masks)
   assert bool(fast) == all(bool(np.all(x)) for x in masks)
 
 

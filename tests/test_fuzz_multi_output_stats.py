@@ -191,13 +191,13 @@ def row_parts(draw):
 
 def _merged(parts, p):
   n = len(parts)
-  out = _norms._exact_rows(parts, [(1,)] * n, [()] * n, list(range(n)), p)
+  out = _norms.exact_rows(parts, [(1,)] * n, [()] * n, list(range(n)), p)
   return [out[i] for i in range(n)]
 
 
 def _one_by_one(parts, p):
   return [
-    _norms._scaled_norm(*_norms._scaled_sum(x, p, (1,), jnp.float32), p)
+    _norms.scaled_norm(*_norms.scaled_sum(x, p, (1,), jnp.float32), p)
     for x in parts
   ]
 

@@ -482,7 +482,7 @@ def _exact_sum_runner(p):
   (no LLVM optimisation: subnormals are not flushed there).
   """
   dtype = np.dtype(np.float32)
-  return fz.FastJit(lambda x: optaxclip._norms._scaled_sum(x, p, (0,), dtype))
+  return fz.FastJit(lambda x: optaxclip._norms.scaled_sum(x, p, (0,), dtype))
 
 
 @fz.examples(10, NO_SHRINK)

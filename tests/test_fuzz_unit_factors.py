@@ -42,12 +42,12 @@ def scaled_factors(draw):
 
 
 def _total(v, exponents):
-  scaled = _norms._materialized_scaled(_norms.Scaled(v, exponents))
+  scaled = _norms.materialized_scaled(_norms.Scaled(v, exponents))
   return jnp.sum(scaled.value * jnp.arange(1.0, len(v) + 1, dtype=v.dtype))
 
 
 # Jitted once (the exponents an argument): one program a length and dtype.
-_MATERIALIZED_SCALED = jax.jit(_norms._materialized_scaled)
+_MATERIALIZED_SCALED = jax.jit(_norms.materialized_scaled)
 _grad_total = jax.jit(jax.grad(_total))
 
 
@@ -69,7 +69,7 @@ def test_a_materialized_factor_is_the_factor(case):
     )
 
 
-_MATERIALIZED = jax.jit(_norms._materialized)
+_MATERIALIZED = jax.jit(_norms.materialized)
 
 
 _NUMBERS = st.one_of(

@@ -9,7 +9,7 @@ those of scalar factors applied one unit at a time, and that no kernel
 of a leaf's shape carries the factor arithmetic.
 
 Small leaves are scaled in packed parts kept in memory
-(``_norms._materialized``): as a product with a row of ones, which keeps
+(``_norms.materialized``): as a product with a row of ones, which keeps
 every bit (a sum with zeros turned -0.0 into +0.0, and XLA:CPU handed it to
 YNNPACK, whose calls cost about 10 ms a step on a 12-block transformer).
 """
@@ -193,7 +193,7 @@ def test_materialized_values_are_not_a_library_call():
   # XLA:CPU hands float sums, max and min to YNNPACK, whose call costs
   # 0.4-4 ms on a few thousand elements; XLA's own loop microseconds.
   v = jnp.ones((3, 4096))
-  hlo = jax.jit(lambda v: _norms._materialized(v * 2)).lower(v).compile()
+  hlo = jax.jit(lambda v: _norms.materialized(v * 2)).lower(v).compile()
   assert "ynn" not in hlo.as_text()
 
 

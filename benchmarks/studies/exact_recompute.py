@@ -1,7 +1,7 @@
 """What a step costs when the norms leave the direct sum's trusted range.
 
 The norm-based clippers sum ``|g|**p`` directly, in the accumulation dtype,
-and trust the sum between a floor and a ceiling (``_norms._safe_min`` and
+and trust the sum between a floor and a ceiling (``_norms.trusted_min`` and
 ``_safe_max``: float32 norms from about 1e-12 to 6e15). A step with a norm
 outside that range (an exploding gradient, or a vanishing one) takes the
 exact recompute instead: a second pass over the gradients that scales each
@@ -60,7 +60,7 @@ def check_paths(grads) -> None:
   """
   for where, scale in SCALES.items():
     trusted = [
-      bool(_norms._trusted_sum(jnp.sum(jnp.square(g * scale))))
+      bool(_norms.trusted_sum(jnp.sum(jnp.square(g * scale))))
       for g in jax.tree.leaves(grads)
     ]
     if trusted != [where == "direct"] * len(trusted):
