@@ -4,6 +4,8 @@ Modules (each imports only from those listed above it):
 
 * ``floats``: powers of two, exponents and :class:`Scaled` values (``value *
   2**exponent``); dtypes of accumulation; the root of a power sum.
+* ``collectives``: which mapped axes an array spans, and the psum and pmax
+  over them.
 
 The rest of the package takes these names through ``optaxclip._norms``.
 
