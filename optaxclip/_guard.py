@@ -416,6 +416,136 @@ def _one_cause(skip_any, *causes):
   return out
 
 
+def _skip_whole_step(inner, updates, old_inner, params, skip, extra_args):
+  """``inner``'s update where ``skip`` is False, else zero updates and
+  ``old_inner`` as it was, in a ``lax.cond``: a skipped step costs nothing
+  and the state is not copied.
+  """
+  # inner's outputs may differ from the updates in dtype, and inside
+  # shard_map both branches must vary over the same mesh axes: the skip
+  # branch takes both from the step's outputs. JAX traces the true branch
+  # first, so inner is traced once (a second trace of inner on a tree of
+  # thousands of leaves is a large share of guard's tracing time);
+  # eval_shape is the fallback for a JAX that does not.
+  seen = {}
+
+  def record(out_shapes):
+    seen["updates"] = out_shapes[0]
+    seen["axes"] = _state_axes(out_shapes[1], old_inner)
+
+  def step():
+    new_updates, new_inner = inner.update(
+      updates, old_inner, params, **extra_args
+    )
+    record(jax.eval_shape(lambda: (new_updates, new_inner)))
+    return new_updates, jax.tree.map(_vary, new_inner, seen["axes"])
+
+  def skip_step():
+    if not seen:
+      record(
+        jax.eval_shape(
+          lambda: inner.update(updates, old_inner, params, **extra_args)
+        )
+      )
+    zeros = jax.tree.map(_zeros_like_struct, seen["updates"])
+    return zeros, jax.tree.map(_vary, old_inner, seen["axes"])
+
+  # The real step goes in the true branch: XLA:CPU runs the other order
+  # several times slower.
+  return jax.lax.cond(~skip, step, skip_step)
+
+
+def _skip_leaves(inner, updates, old_inner, params, skip, extra_args):
+  """``inner``'s update with the leaves where ``skip`` (per leaf) is True
+  zeroed, in the updates and in the slots of ``inner``'s state that mirror
+  the parameters (``_split``).
+
+  One step for every outcome, the skipped leaves masked in and out, no
+  cond: inner is traced and compiled once, not once more in a branch of its
+  own without the masks, and the state is selected in the kernels that
+  compute it, not copied through a cond's outputs. The skipped leaves enter
+  as zeros: a NaN leaf must not reach the others through a global norm
+  inside ``inner``.
+  """
+  leaves, treedef = jax.tree.flatten(updates)
+  # take_each, not skip[i]: a constant slice fused into each leaf's select
+  # would be a kernel of its own per leaf (compile time).
+  keep = [k > 0 for k in _norms.take_each(skip.astype(jnp.int32))]
+  paths = _leaf_paths(updates)
+  g = jax.tree.unflatten(
+    treedef,
+    [
+      _norms.select(k, jax.lax.full_like(x, 0), x) for x, k in zip(leaves, keep)
+    ],
+  )
+  # Traced once, without jax.eval_shape first (no cond here needs the shapes
+  # before the step).
+  new_updates, new_inner = inner.update(g, old_inner, params, **extra_args)
+  out = jax.tree.leaves(new_updates)
+  new_updates = jax.tree.unflatten(
+    jax.tree.structure(new_updates),
+    [_norms.select(k, jax.lax.full_like(u, 0), u) for u, k in zip(out, keep)],
+  )
+  # Every leaf skipped: the whole step is (inner's scalars do not move).
+  new_inner = _split(new_inner, old_inner, keep, paths, jnp.all(skip))
+  state_axes = _state_axes(new_inner, old_inner)
+  return new_updates, jax.tree.map(_vary, new_inner, state_axes)
+
+
+def _loss_value(extra_args: dict, dtype, axis_name) -> jax.Array:
+  """The loss passed as ``value=``, a scalar of ``dtype`` (averaged over
+  ``axis_name``), or a clear error.
+  """
+  if "value" not in extra_args or extra_args["value"] is None:
+    raise ValueError(
+      "guard: value must be passed to update when loss_spike_z is set, as "
+      "tx.update(grads, state, params, value=loss); got no value."
+    )
+  loss = jnp.asarray(extra_args["value"])
+  if loss.shape != ():
+    raise ValueError(
+      f"guard: value must be a scalar loss; got shape {loss.shape}."
+    )
+  loss = jax.lax.stop_gradient(loss).astype(dtype)
+  if axis_name:
+    loss = jax.lax.pmean(loss, axis_name)
+  return loss
+
+
+def _learn(
+  count, old_mean, judged, win, x, *, finite, take, alpha, warmup_steps
+):
+  """The statistics after taking ``x`` in where ``finite & take``, from
+  those ``judged`` by (a raise is kept whether ``x`` enters or not: a
+  window's values move with the mean). Returns ``(count, mean, var,
+  window)``.
+  """
+  restart = judged.restart
+  if win is None:
+    count, mean, var = _adaptive.running_moments(
+      count,
+      judged.mean,
+      judged.var,
+      x,
+      alpha=alpha,
+      warmup_steps=warmup_steps,
+      finite=finite & (take | restart),
+      take=jnp.ones((), bool),
+      restart=restart,
+    )
+    return count, mean, var, None
+  win = _shifted(win, judged.mean - old_mean, judged.raised)
+  count, win, mean, var = _adaptive.rolling_moments(
+    count,
+    win,
+    x,
+    warmup_steps=warmup_steps,
+    take=finite & take,
+    restart=finite & restart,
+  )
+  return count, mean, var, win
+
+
 @_compiled.compiled_once
 def guard(
   inner: optax.GradientTransformation,
@@ -533,12 +663,10 @@ def guard(
   update) raises a ``ValueError`` naming its path. A loss spike, or a NaN
   loss, skips every leaf. ``skipped`` then counts the steps in which at
   least one leaf was skipped and ``skipped_leaves`` how many were this step.
-  It costs more than the whole-step skip: on XLA:CPU, with Adam inside,
-  its step compiled in 2.3x-2.9x Adam's time on 300 and 1000 small leaves
-  (``scope="global"``: 1.7x-1.9x) and ran in about 2.5x Adam's step on a
-  float32 transformer (2.1x): XLA computes Adam's new moments twice, for
-  the update and for the selection of the state, and copies the old ones
-  (``docs/performance.md``).
+  It costs more than the whole-step skip, in compile time and step time:
+  XLA computes Adam's new moments twice, for the update and for the
+  selection of the state, and copies the old ones (the figures are in
+  ``docs/performance.md``).
 
   Unlike ``optax.apply_if_finite``, it also catches spikes, counts what it
   skipped, and never gives up and applies a non-finite update (watch
@@ -727,52 +855,6 @@ def guard(
       skip_cause=counter(),
     )
 
-  def learn(count, old_mean, judged, win, x, *, finite, take):
-    """The statistics after taking ``x`` in where ``finite & take``, from
-    those ``judged`` by (a raise is kept whether ``x`` enters or not: a
-    window's values move with the mean).
-    """
-    restart = judged.restart
-    if win is None:
-      count, mean, var = _adaptive.running_moments(
-        count,
-        judged.mean,
-        judged.var,
-        x,
-        alpha=alpha,
-        warmup_steps=warmup_steps,
-        finite=finite & (take | restart),
-        take=jnp.ones((), bool),
-        restart=restart,
-      )
-      return count, mean, var, None
-    win = _shifted(win, judged.mean - old_mean, judged.raised)
-    count, win, mean, var = _adaptive.rolling_moments(
-      count,
-      win,
-      x,
-      warmup_steps=warmup_steps,
-      take=finite & take,
-      restart=finite & restart,
-    )
-    return count, mean, var, win
-
-  def loss_of(extra_args, dtype):
-    if "value" not in extra_args or extra_args["value"] is None:
-      raise ValueError(
-        "guard: value must be passed to update when loss_spike_z is set, as "
-        "tx.update(grads, state, params, value=loss); got no value."
-      )
-    loss = jnp.asarray(extra_args["value"])
-    if loss.shape != ():
-      raise ValueError(
-        f"guard: value must be a scalar loss; got shape {loss.shape}."
-      )
-    loss = jax.lax.stop_gradient(loss).astype(dtype)
-    if axis_name:
-      loss = jax.lax.pmean(loss, axis_name)
-    return loss
-
   def update_fn(updates, state, params=None, **extra_args):
     measured = _adaptive.Measured(
       updates,
@@ -831,7 +913,7 @@ def guard(
     l_judged: Optional[_Judged] = None
     if loss_aware:
       moments = state.loss_moments
-      loss = loss_of(extra_args, dtype)
+      loss = _loss_value(extra_args, dtype, axis_name)
       loss_finite = jnp.isfinite(loss)
       l_judged = _judge(
         loss,
@@ -862,13 +944,14 @@ def guard(
       jnp.any(spike_skip),
       loss_spike_skip,
     )
-    new_updates, new_inner = _apply(
-      updates, state.inner_state, params, skip, **extra_args
+    apply = _skip_leaves if per_leaf else _skip_whole_step
+    new_updates, new_inner = apply(
+      inner, updates, state.inner_state, params, skip, extra_args
     )
 
     # Statistics of the norm: the EMA takes in every finite norm (a spike at
     # its bound); a window only the norms of units that went through.
-    count, new_mean, new_var, new_window = learn(
+    count, new_mean, new_var, new_window = _learn(
       state.count,
       mean,
       judged,
@@ -876,6 +959,8 @@ def guard(
       jnp.where(spike, bound, g) if window is None else g,
       finite=finite,
       take=jnp.ones((), bool) if window is None else applied,
+      alpha=alpha,
+      warmup_steps=warmup_steps,
     )
     threshold = jnp.minimum(cap, jnp.where(judged.restart, jnp.inf, bound))
     restarts = _adaptive.add_count(
@@ -885,7 +970,7 @@ def guard(
     if loss_aware:
       assert l_judged is not None
       moments = state.loss_moments
-      l_count, l_mean, l_var, l_window = learn(
+      l_count, l_mean, l_var, l_window = _learn(
         moments.count,
         moments.mean.astype(dtype),
         l_judged,
@@ -893,6 +978,8 @@ def guard(
         loss,
         finite=loss_finite,
         take=jnp.any(applied),
+        alpha=alpha,
+        warmup_steps=warmup_steps,
       )
       restarts = _adaptive.add_count(
         restarts, l_judged.restart | l_judged.raised
@@ -946,79 +1033,6 @@ def guard(
       **measured.telemetry._asdict(),
       skip_cause=_cause_index(by_nonfinite, by_max_norm, by_spike, by_loss),
     )
-
-  def _apply(updates, old_inner, params, skip, **extra_args):
-    """``inner``'s update where ``skip`` lets it through, else zeros and
-    ``old_inner`` (for the whole tree, or leaf by leaf).
-    """
-    if not per_leaf:
-      # inner's outputs may differ from the updates in dtype, and inside
-      # shard_map both branches must vary over the same mesh axes: the skip
-      # branch takes both from the step's outputs. JAX traces the true
-      # branch first, so inner is traced once; eval_shape is the fallback
-      # for a JAX that does not (a second trace of inner on a tree of
-      # thousands of leaves was a third of guard's tracing time).
-      seen = {}
-
-      def record(out_shapes):
-        seen["updates"] = out_shapes[0]
-        seen["axes"] = _state_axes(out_shapes[1], old_inner)
-
-      def step():
-        new_updates, new_inner = inner.update(
-          updates, old_inner, params, **extra_args
-        )
-        record(jax.eval_shape(lambda: (new_updates, new_inner)))
-        return new_updates, jax.tree.map(_vary, new_inner, seen["axes"])
-
-      def skip_step():
-        if not seen:
-          record(
-            jax.eval_shape(
-              lambda: inner.update(updates, old_inner, params, **extra_args)
-            )
-          )
-        zeros = jax.tree.map(_zeros_like_struct, seen["updates"])
-        return zeros, jax.tree.map(_vary, old_inner, seen["axes"])
-
-      # A cond rather than selecting between both results: a skipped step
-      # costs nothing, and the state is not copied. The real step goes in
-      # the true branch: on XLA:CPU the other order was measured 4x slower.
-      return jax.lax.cond(~skip, step, skip_step)
-
-    leaves, treedef = jax.tree.flatten(updates)
-    # take_each, not skip[i]: a constant slice fused into each leaf's
-    # select would be a kernel of its own per leaf (compile time).
-    keep = [k > 0 for k in _norms.take_each(skip.astype(jnp.int32))]
-    paths = _leaf_paths(updates)
-    # One step for every outcome, the skipped leaves masked in and out, no
-    # cond: inner is traced and compiled once, not once more in a branch of
-    # its own without the masks, and the state is selected in the kernels
-    # that compute it, not copied through a cond's outputs (nested conds
-    # measured: compile 5.2x -> 4.1x adam's on 300 tiny leaves; a guarded
-    # trace's step on the transformer tree 4.4x -> 2.0x adam's, its
-    # temporaries 703 -> 54 MiB). The skipped leaves enter as zeros: a NaN
-    # leaf must not reach the others through a global norm inside `inner`.
-    g = jax.tree.unflatten(
-      treedef,
-      [
-        _norms.select(k, jax.lax.full_like(x, 0), x)
-        for x, k in zip(leaves, keep)
-      ],
-    )
-    # Traced once, without jax.eval_shape first (no cond here needs the
-    # shapes before the step): a second trace of inner on a tree of
-    # hundreds of leaves is a share of the compile time.
-    new_updates, new_inner = inner.update(g, old_inner, params, **extra_args)
-    out = jax.tree.leaves(new_updates)
-    new_updates = jax.tree.unflatten(
-      jax.tree.structure(new_updates),
-      [_norms.select(k, jax.lax.full_like(u, 0), u) for u, k in zip(out, keep)],
-    )
-    # Every leaf skipped: the whole step is (inner's scalars do not move).
-    new_inner = _split(new_inner, old_inner, keep, paths, jnp.all(skip))
-    state_axes = _state_axes(new_inner, old_inner)
-    return new_updates, jax.tree.map(_vary, new_inner, state_axes)
 
   return optax.GradientTransformationExtraArgs(
     init_fn, _compiled.jit_update(update_fn)
