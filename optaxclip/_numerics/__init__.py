@@ -6,6 +6,8 @@ Modules (each imports only from those listed above it):
   2**exponent``); dtypes of accumulation; the root of a power sum.
 * ``collectives``: which mapped axes an array spans, and the psum and pmax
   over them.
+* ``reductions``: reductions that keep NaN (maxima, extremes, all, counts),
+  each with derivatives from its plain formula.
 
 The rest of the package takes these names through ``optaxclip._norms``.
 
