@@ -8,6 +8,8 @@ Modules (each imports only from those listed above it):
   over them.
 * ``reductions``: reductions that keep NaN (maxima, extremes, all, counts),
   each with derivatives from its plain formula.
+* ``packing``: small leaves and per-part values packed into one vector and cut
+  back (the id-keyed cache of cut pieces).
 
 The rest of the package takes these names through ``optaxclip._norms``.
 
