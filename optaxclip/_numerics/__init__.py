@@ -10,6 +10,8 @@ Modules (each imports only from those listed above it):
   each with derivatives from its plain formula.
 * ``packing``: small leaves and per-part values packed into one vector and cut
   back (the id-keyed cache of cut pieces).
+* ``sums``: power sums: the direct one, the trusted range, and the exact
+  (scaled) recompute.
 
 The rest of the package takes these names through ``optaxclip._norms``.
 
