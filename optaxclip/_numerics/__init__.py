@@ -12,6 +12,8 @@ Modules (each imports only from those listed above it):
   back (the id-keyed cache of cut pieces).
 * ``sums``: power sums: the direct one, the trusted range, and the exact
   (scaled) recompute.
+* ``scaling``: clip factors and applying them to leaves by exact powers of
+  two.
 
 The rest of the package takes these names through ``optaxclip._norms``.
 
