@@ -14,6 +14,8 @@ Modules (each imports only from those listed above it):
   (scaled) recompute.
 * ``scaling``: clip factors and applying them to leaves by exact powers of
   two.
+* ``layouts``: :class:`UnitLayout` (leaves stacked into parts by unit size)
+  and the thread-local hand-over of packed vectors between stages.
 
 The rest of the package takes these names through ``optaxclip._norms``.
 
