@@ -1,6 +1,6 @@
 """One-pass reductions kept whole by XLA:CPU (the compile time on many
 leaves, clip_value's statistics in one read):
-``_norms._row_largest_and_count`` and ``_norms._largest_and_count``
+``maxima._row_largest_and_count`` and ``maxima._largest_and_count``
 (clip_value's largest magnitude and count of ``|x| > limit``, per row or
 per leaf, compared as integers) must equal a NumPy oracle for every dtype
 and every limit (NaN, inf, signed zeros and subnormals included), and
@@ -24,6 +24,7 @@ import numpy as np
 
 import fuzz_strategies
 from optaxclip import _norms
+from optaxclip._numerics import maxima
 
 VALUES = st.one_of(
   st.floats(-4, 4, width=32),
@@ -97,15 +98,15 @@ def test_row_largest_and_count_equal_the_oracle(case):
   m, limit = case
   with fuzz_strategies.x64([m.dtype.name]):
     x = jnp.asarray(m)
-    largest, n_over = jax.jit(_norms._row_largest_and_count)(x, limit)
+    largest, n_over = jax.jit(maxima._row_largest_and_count)(x, limit)
     assert largest.shape == (m.shape[0], 1) and largest.dtype == x.dtype
     assert n_over.shape == (m.shape[0], 1) and n_over.dtype == jnp.float32
     _assert_largest_and_count(largest, n_over, m, limit, axis=1)
     # A leaf of its own: the same statistics over all of it.
-    largest, n_over = jax.jit(_norms._largest_and_count)(x, limit)
+    largest, n_over = jax.jit(maxima._largest_and_count)(x, limit)
     _assert_largest_and_count(largest, n_over, m, limit, axis=None)
     # The plain formulas (derivatives, leaves across devices) count alike.
-    plain = jax.jit(_norms._row_largest_and_count_plain)(x, limit)[1]
+    plain = jax.jit(maxima._row_largest_and_count_plain)(x, limit)[1]
     np.testing.assert_array_equal(
       np.asarray(plain).reshape(-1), _oracle(m, limit, axis=1)[1]
     )
@@ -214,8 +215,8 @@ def test_derivatives_are_the_plain_formulas():
     return jax.grad(loss)
 
   for fast, plain in (
-    (_norms._row_largest_and_count, _norms._row_largest_and_count_plain),
-    (_norms._largest_and_count, _norms._largest_and_count_plain),
+    (maxima._row_largest_and_count, maxima._row_largest_and_count_plain),
+    (maxima._largest_and_count, maxima._largest_and_count_plain),
   ):
     np.testing.assert_array_equal(through(fast)(m), through(plain)(m))
     # Second order (issue 10 item 2): the rule differentiates itself.

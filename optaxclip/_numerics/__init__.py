@@ -16,6 +16,8 @@ Modules (each imports only from those listed above it):
   two.
 * ``layouts``: :class:`UnitLayout` (leaves stacked into parts by unit size)
   and the thread-local hand-over of packed vectors between stages.
+* ``maxima``: largest magnitudes and counts above a limit, compared as integer
+  bits.
 
 The rest of the package takes these names through ``optaxclip._norms``.
 
