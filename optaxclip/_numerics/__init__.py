@@ -18,6 +18,8 @@ Modules (each imports only from those listed above it):
   and the thread-local hand-over of packed vectors between stages.
 * ``maxima``: largest magnitudes and counts above a limit, compared as integer
   bits.
+* ``norms``: p-norms per unit, per part and over the tree; combining norms;
+  power-of-two buckets of sums of squares.
 
 The rest of the package takes these names through ``optaxclip._norms``.
 
