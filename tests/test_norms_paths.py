@@ -1,9 +1,11 @@
-"""The code paths of optaxclip._norms: fast sum, zero settling, exact recompute.
+"""The norms' code paths (optaxclip._norms): fast sum, zero settling, exact
+recompute.
 
 Each path is forced by the data (normal, zero, tiny, huge, non-finite values)
 and checked against NumPy in float64; derivatives on every path are checked
 against x / ||x||; and the compiled steps keep no leaf-sized temporary (the
-reason the paths are written as they are: see the module docstring).
+reason the paths are written as they are: see optaxclip._numerics's
+docstring).
 """
 
 import functools

@@ -1,6 +1,9 @@
 """Largest magnitudes and counts above a limit, as integer bits.
 
-Owns largest magnitudes and counts above a limit, compared as integer bits.
+Owns the largest ``|x|`` of a leaf, a row or a part (as a value, or as a
+:class:`Scaled` beyond the dtype's range) and the number of elements whose
+``|x|`` exceeds a limit; the fast paths compare the magnitudes' bits as
+integers in one multi-output reduction.
 """
 
 from __future__ import annotations
