@@ -442,8 +442,13 @@ def clip_and_sum(
 def psum_counts(counts: ClipCounts, axis_name) -> ClipCounts:
   if not axis_name:
     return counts
+  examples = counts.examples
   return ClipCounts(
-    *(None if c is None else jax.lax.psum(c, axis_name) for c in counts)
+    norm_sum=jax.lax.psum(counts.norm_sum, axis_name),
+    clipped_norm_sum=jax.lax.psum(counts.clipped_norm_sum, axis_name),
+    clipped=jax.lax.psum(counts.clipped, axis_name),
+    nonfinite=jax.lax.psum(counts.nonfinite, axis_name),
+    examples=None if examples is None else jax.lax.psum(examples, axis_name),
   )
 
 
