@@ -209,14 +209,189 @@ def _marked(theta: dict, x, specs: dict):
   return call, marked, x
 
 
-def _marked_call(module, x, specs, call_paths, path):
-  """``module(x)`` computed from marked copies of its parameters and input
-  (see ``_loss_audit``), for the audit trace only.
+class _MarkedTrace:
+  """The method interceptors of the audit trace: every supported layer
+  call is recorded, and those the taps can read run behind markers
+  (``_loss_audit``).
+
+  Attributes:
+    calls: id(module) -> [module, path, kind, why, shapes] of each linen
+      layer (``why``: the first reason a call of it cannot be tapped).
+    specs: marker name -> ``_loss_audit.MarkerSpec``.
+    call_paths: marker call -> the module path (linen) or None (nnx).
+    nnx_reads: leaf index -> per nnx call reading it, why it cannot be
+      tapped (or None).
   """
-  theta = dict(module.variables.get("params", {}))
-  call, marked, x = _marked(theta, x, specs)
-  call_paths[call] = path
-  return _ModuleFn(module)(marked, x)
+
+  def __init__(self, batch_size: int):
+    self.batch_size = batch_size
+    self.calls: dict = {}
+    self.specs: dict = {}
+    self.call_paths: dict = {}
+    self.nnx_reads: dict = {}
+    self.leaf_index: dict = {}
+    self.marking: list = []  # non-empty inside a marked call
+
+  def _why_not(self, module, kind, method, args, kwargs) -> Optional[str]:
+    why = _call_form(method, args, kwargs, self.batch_size)
+    if why is None and kind in ("direct", "dense_general"):
+      if not _direct_ok(module):
+        why = "its layer has batch_dims"
+      elif (
+        kind == "dense_general" and _dense_general_axes(module, args[0]) is None
+      ):
+        why = "its layer contracts axes that are not the trailing ones"
+    return why
+
+  def linen(self, next_fun, args, kwargs, context):
+    """The linen interceptor: records the call, and runs it marked."""
+    module = context.module
+    kind = _kind_of(module)
+    method = context.method_name
+    if (
+      self.marking
+      or kind is None
+      or module.path is None
+      or not (method == "__call__" or not method.startswith(("_", "setup")))
+    ):
+      return next_fun(*args, **kwargs)
+    path = tuple(module.path)
+    entry = self.calls.setdefault(id(module), [module, path, kind, None, None])
+    why = self._why_not(module, kind, method, args, kwargs)
+    entry[3] = entry[3] or why
+    x = args[0] if args else None
+    if why is None:
+      self.marking.append(path)
+      try:
+        theta = dict(module.variables.get("params", {}))
+        call, marked, x_marked = _marked(theta, x, self.specs)
+        self.call_paths[call] = path
+        y = _ModuleFn(module)(marked, x_marked)
+      finally:
+        self.marking.pop()
+    else:
+      y = next_fun(*args, **kwargs)
+    if isinstance(x, (jax.Array, np.ndarray)) and isinstance(
+      y, (jax.Array, np.ndarray)
+    ):
+      entry[4] = (
+        jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+        jax.ShapeDtypeStruct(np.shape(y), y.dtype),
+        _theta_shapes(module),
+      )
+    return y
+
+  def nnx(self, module, kind, method, original, args, kwargs):
+    """The nnx wrapper: records which leaves the call reads, and runs it
+    with its variables set to marked values for the call's time.
+    """
+    theta = _nnx_variables(module, kind)
+    idx = {n: self.leaf_index.get(id(_value(v))) for n, v in theta.items()}
+    why = _call_form(method, args, kwargs, self.batch_size)
+    for i in idx.values():
+      if i is not None:
+        self.nnx_reads.setdefault(i, []).append(why)
+    if why is not None:
+      return original(module, *args, **kwargs)
+    old = {n: _value(v) for n, v in theta.items()}
+    call, marked, x = _marked(old, args[0], self.specs)
+    self.call_paths[call] = None
+    try:
+      for n, v in marked.items():
+        theta[n].set_value(v)
+    except Exception:  # noqa: BLE001
+      # A variable that cannot take the marked value here (an nnx
+      # transform's own trace): the call stays unmarked, so the program
+      # reads its parameters outside any marker and they are exact.
+      for n, v in old.items():
+        theta[n].set_value(v)
+      return original(module, *args, **kwargs)
+    try:
+      return original(module, x)
+    finally:
+      for n, v in old.items():
+        theta[n].set_value(v)
+
+  def trace(self, loss_of: Callable, params: Any, batch: tuple):
+    """The closed jaxpr of ``loss_of(params, batch)`` with the markers in."""
+
+    def traced(p, b):
+      self.leaf_index = {id(v): i for i, v in enumerate(jax.tree.leaves(p))}
+      if nn is None:  # pragma: no cover
+        return loss_of(p, b)
+      with nn.intercept_methods(self.linen), _nnx_patched(self.nnx):
+        return loss_of(p, b)
+
+    return jax.make_jaxpr(traced)(params, batch)
+
+
+def _per_example_losses(closed, batch_size: int) -> None:
+  out = closed.out_avals[0] if closed.out_avals else None
+  if out is None or tuple(out.shape) != (batch_size,):
+    raise ValueError(
+      "loss_fn must return one loss per example, shape "
+      f"({batch_size},); got shape {None if out is None else tuple(out.shape)}"
+      " (return the per-example losses, not their mean or sum)"
+    )
+
+
+def _layers(calls: dict) -> tuple[dict, dict]:
+  """Per module path: ``(kind, why, parameter names)`` (``why``: the first
+  reason a call of it cannot be tapped, or None) and its call's shapes.
+  How many times a layer is applied is the audit's to count, in the traced
+  program: a lifted transform may trace its body (two module objects at
+  one path) more than once.
+  """
+  by_path: dict = {}
+  shapes: dict = {}
+  for module, path, kind, why, call_shapes in calls.values():
+    shapes[path] = call_shapes
+    old = by_path.get(path)
+    if old is not None:
+      why = why or old[1]
+    by_path[path] = (kind, why, tuple(module.variables.get("params", {})))
+  return by_path, shapes
+
+
+def _audited(found, call_paths: dict, i: int, path, name) -> Optional[str]:
+  """Why leaf ``i`` is not provably read by its layer call alone (None
+  when it is).
+  """
+  other = found.other_use[i]
+  if other is not None:
+    return f"also {other}"
+  uses = found.uses[i]
+  if len(uses) != 1:
+    return (
+      f"read by {len(uses)} layer calls (a weight applied in several "
+      "places needs the cross terms between its applications)"
+    )
+  call, used_as, same = uses[0]
+  if call_paths.get(call, path) != path or used_as != name:
+    return "read by another layer than its own"
+  if not same:
+    return "applied under a vectorising transformation (vmap)"
+  if call in found.repeated:
+    return f"its layer is applied more than once: {found.repeated[call]}"
+  return found.x_batched.get(call, "its layer's input is not marked")
+
+
+def _layer_of(leaf_names: tuple, by_path: dict):
+  """``(path, kind, why)`` of the layer a leaf belongs to: the LONGEST
+  recorded module path its names end with (a top-level ``Dense_0`` must
+  not claim the kernel of a ``Dense_0`` nested in a block); or None.
+  """
+  hit = None
+  for path, (kind, why, pnames) in by_path.items():
+    n = len(path)
+    if (
+      len(leaf_names) > n
+      and leaf_names[-1] in pnames
+      and tuple(leaf_names[-n - 1 : -1]) == path
+      and (hit is None or n > len(hit[0]))
+    ):
+      hit = (path, kind, why)
+  return hit
 
 
 def discover(
@@ -249,161 +424,25 @@ def discover(
   """
   with_paths = jax.tree_util.tree_flatten_with_path(params)[0]
   names = [_leaf_names(p) for p, _ in with_paths]
-  calls: dict = {}  # id(module) -> [module, path, kind, count, ok, shapes]
-  specs: dict = {}  # marker name -> _loss_audit.MarkerSpec
-  call_paths: dict = {}  # marker call -> module path (linen) or None (nnx)
-  nnx_reads: dict = {}  # leaf index -> per call, why it cannot be tapped
-
-  marking = []  # non-empty inside a marked call: its own calls pass
-
-  def record(next_fun, args, kwargs, context):
-    module = context.module
-    kind = _kind_of(module)
-    method = context.method_name
-    if (
-      marking
-      or kind is None
-      or module.path is None
-      or not (method == "__call__" or not method.startswith(("_", "setup")))
-    ):
-      return next_fun(*args, **kwargs)
-    path = tuple(module.path)
-    entry = calls.setdefault(id(module), [module, path, kind, 0, None, None])
-    entry[3] += 1
-    x = args[0] if args else None
-    why = _call_form(method, args, kwargs, batch_size)
-    if why is None and kind in ("direct", "dense_general"):
-      if not _direct_ok(module):
-        why = "its layer has batch_dims"
-      elif kind == "dense_general" and _dense_general_axes(module, x) is None:
-        why = "its layer contracts axes that are not the trailing ones"
-    entry[4] = entry[4] or why
-    ok = why is None
-    if ok:
-      marking.append(path)
-      try:
-        y = _marked_call(module, x, specs, call_paths, path)
-      finally:
-        marking.pop()
-    else:
-      y = next_fun(*args, **kwargs)
-    if isinstance(x, (jax.Array, np.ndarray)) and isinstance(
-      y, (jax.Array, np.ndarray)
-    ):
-      entry[5] = (
-        jax.ShapeDtypeStruct(np.shape(x), x.dtype),
-        jax.ShapeDtypeStruct(np.shape(y), y.dtype),
-        _theta_shapes(module),
-      )
-    return y
-
-  def traced(p, b):
-    leaf_index = {id(v): i for i, v in enumerate(jax.tree.leaves(p))}
-
-    def around(module, kind, method, original, args, kwargs):
-      theta = _nnx_variables(module, kind)
-      idx = {n: leaf_index.get(id(_value(v))) for n, v in theta.items()}
-      why = _call_form(method, args, kwargs, batch_size)
-      for i in idx.values():
-        if i is not None:
-          nnx_reads.setdefault(i, []).append(why)
-      if why is not None:
-        return original(module, *args, **kwargs)
-      old = {n: _value(v) for n, v in theta.items()}
-      call, marked, x = _marked(old, args[0], specs)
-      call_paths[call] = None
-      try:
-        for n, v in marked.items():
-          theta[n].set_value(v)
-      except Exception:  # noqa: BLE001
-        # A variable that cannot take the marked value here (an nnx
-        # transform's own trace): the call stays unmarked, so the program
-        # reads its parameters outside any marker and they are exact.
-        for n, v in old.items():
-          theta[n].set_value(v)
-        return original(module, *args, **kwargs)
-      try:
-        return original(module, x)
-      finally:
-        for n, v in old.items():
-          theta[n].set_value(v)
-
-    if nn is None:  # pragma: no cover
-      return loss_of(p, b)
-    with nn.intercept_methods(record), _nnx_patched(around):
-      return loss_of(p, b)
-
-  closed = jax.make_jaxpr(traced)(params, batch)
-  out = closed.out_avals[0] if closed.out_avals else None
-  if out is None or tuple(out.shape) != (batch_size,):
-    raise ValueError(
-      "loss_fn must return one loss per example, shape "
-      f"({batch_size},); got shape {None if out is None else tuple(out.shape)}"
-      " (return the per-example losses, not their mean or sum)"
-    )
-  n_params = len(with_paths)
+  keystrs = [jax.tree_util.keystr(p) for p, _ in with_paths]
+  marked = _MarkedTrace(batch_size)
+  closed = marked.trace(loss_of, params, batch)
+  _per_example_losses(closed, batch_size)
   n_batch = len(jax.tree.leaves(batch))
-  found = _loss_audit.audit(closed, n_params, [0] * n_batch, batch_size, specs)
-
-  by_path: dict = {}
-  shapes: dict = {}
-  for module, path, kind, count, ok, call_shapes in calls.values():
-    shapes[path] = call_shapes
-    old = by_path.get(path)
-    # How many times the layer is applied is the audit's to count (in the
-    # traced program, where a lifted transform's extra traces are gone).
-    del count
-    why = ok  # the first reason a call of it cannot be tapped, or None
-    # Two module objects at one path (a lifted transform traces its body
-    # more than once): the audit counts the applications in the program.
-    if old is not None:
-      why = why or old[1]
-    by_path[path] = (kind, why, tuple(module.variables.get("params", {})))
+  found = _loss_audit.audit(
+    closed, len(with_paths), [0] * n_batch, batch_size, marked.specs
+  )
+  by_path, shapes = _layers(marked.calls)
 
   reasons: dict = {}
-  keystrs = [jax.tree_util.keystr(p) for p, _ in with_paths]
-
-  def audited(i: int, path, name) -> Optional[str]:
-    """Why leaf ``i`` is not provably read by its layer call alone."""
-    other = found.other_use[i]
-    if other is not None:
-      return f"also {other}"
-    uses = found.uses[i]
-    if len(uses) != 1:
-      return (
-        f"read by {len(uses)} layer calls (a weight applied in several "
-        "places needs the cross terms between its applications)"
-      )
-    call, used_as, same = uses[0]
-    if call_paths.get(call, path) != path or used_as != name:
-      return "read by another layer than its own"
-    if not same:
-      return "applied under a vectorising transformation (vmap)"
-    if call in found.repeated:
-      return f"its layer is applied more than once: {found.repeated[call]}"
-    return found.x_batched.get(call, "its layer's input is not marked")
-
   covered, kinds, containers = {}, {}, {}
-  leaf_paths: list = []
+  leaf_paths: list = [None] * len(names)
   for i, (leaf_names, group) in enumerate(zip(names, group_of_leaf)):
-    # The layer a leaf belongs to is the LONGEST recorded module path its
-    # names end with: a top-level ``Dense_0`` must not claim the kernel of a
-    # ``Dense_0`` nested in a block.
-    hit = None
-    for path, (kind, why, pnames) in by_path.items():
-      n = len(path)
-      if (
-        len(leaf_names) > n
-        and leaf_names[-1] in pnames
-        and tuple(leaf_names[-n - 1 : -1]) == path
-        and (hit is None or n > len(hit[0]))
-      ):
-        hit = (path, kind, why)
-    leaf_paths.append(None)
+    hit = _layer_of(leaf_names, by_path)
     if hit is None:
       continue
     path, kind, why = hit
-    why = why or audited(i, path, leaf_names[-1])
+    why = why or _audited(found, marked.call_paths, i, path, leaf_names[-1])
     if why is not None:
       reasons[keystrs[i]] = why
       continue
@@ -414,9 +453,8 @@ def discover(
   # A layer is tapped only with all its parameters: one that falls back
   # takes its layer's others with it.
   for path in list(covered):
-    pnames = by_path[path][2]
-    if set(covered[path]) != set(pnames):
-      missing = sorted(set(pnames) - set(covered[path]))
+    missing = sorted(set(by_path[path][2]) - set(covered[path]))
+    if missing:
       for i, p in enumerate(leaf_paths):
         if p == path:
           reasons[keystrs[i]] = (
@@ -425,20 +463,18 @@ def discover(
           leaf_paths[i] = None
       del covered[path]
   nnx_groups = {}
-  for i, oks in nnx_reads.items():
-    why = next((w for w in oks if w is not None), None)
-    why = why or audited(i, None, found.uses[i][0][1] if found.uses[i] else "")
+  for i, whys in marked.nnx_reads.items():
+    why = next((w for w in whys if w is not None), None)
+    name = found.uses[i][0][1] if found.uses[i] else ""
+    why = why or _audited(found, marked.call_paths, i, None, name)
     if why is None:
       nnx_groups[i] = group_of_leaf[i]
     else:
       reasons[keystrs[i]] = why
-  flags = [
-    leaf_paths[i] is None and i not in nnx_groups for i in range(len(names))
-  ]
+  flags = [p is None and i not in nnx_groups for i, p in enumerate(leaf_paths)]
   for i, flag in enumerate(flags):
     if not flag:
-      path = leaf_paths[i]
-      kind = kinds[path] if path is not None else "nnx"
+      kind = "nnx" if leaf_paths[i] is None else kinds[leaf_paths[i]]
       reasons[keystrs[i]] = _KIND_NAMES.get(kind, kind)
     elif keystrs[i] not in reasons:
       reasons[keystrs[i]] = "not a parameter of a layer the taps handle"
