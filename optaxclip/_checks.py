@@ -435,8 +435,16 @@ def check_float_width(tree: Any, what: str) -> None:
     _check_width(path, np.asarray(leaf).dtype if dtype is None else dtype, what)
 
 
-def check_same_structure(updates: Any, params: Any, who: str) -> None:
-  """Raises ValueError naming the leaf where params and updates differ."""
+def check_same_structure(
+  updates: Any, params: Any, who: str, why: Optional[str] = None
+) -> None:
+  """Raises ValueError naming the leaf where params and updates differ, or
+  saying that params are needed (``why``: what reads them).
+  """
+  if params is None and why is not None:
+    raise ValueError(
+      f"{who}: params must be passed to update ({why}); got params=None."
+    )
   if params is None:
     raise ValueError(
       f"{who}: params must be given (call update(updates, state, params));"

@@ -292,12 +292,9 @@ def stable_adamw(
     )
 
   def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError(
-        f"{who}: params must be passed to update (weight decay and the Kahan "
-        "summation read them); got params=None."
-      )
-    _checks.check_same_structure(updates, params, who)
+    _checks.check_same_structure(
+      updates, params, who, why="weight decay and the Kahan summation read them"
+    )
     leaves, treedef = _functional.flatten(updates, who)
     _checks.check_float_leaves(updates, f"{who}: updates", real=True)
     p_leaves = [jnp.asarray(x) for x in treedef.flatten_up_to(params)]

@@ -184,12 +184,9 @@ def watch(
     return WatchState(*_stats.zeros(len(_FIELDS)), *telemetry, ratios)
 
   def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError(
-        f"{who}: params must be passed to update (it reports their norm); "
-        "got params=None."
-      )
-    _checks.check_same_structure(updates, params, who)
+    _checks.check_same_structure(
+      updates, params, who, why="it reports their norm"
+    )
     leaves, treedef = _functional.flatten(updates, who)
     p_leaves = _functional.flatten(params, f"{who}: params")[0]
     del treedef
