@@ -9,10 +9,12 @@ both are answered from the program, never from the model's code:
   of its own) that takes the layer's parameters and its input. A parameter
   may be ghosted only when the program reads it in exactly one place: as an
   operand of exactly one marker, in the shape the layer saw, with that
-  layer's input batched along its leading axis. A parameter read anywhere
-  else (by attribute, transformed before use, shared by every step of a
-  loop, applied under ``vmap``, inside a ``cond`` or ``while``) is reported
-  with the first such use, and takes the exact per-example path.
+  layer's input batched along its leading axis (a float cast or a copy of
+  it on the way, as for mixed precision, is still the parameter). A
+  parameter read anywhere else (by attribute, transformed before use,
+  shared by every step of a loop, applied under ``vmap``, inside a ``cond``
+  or ``while``) is reported with the first such use, and takes the exact
+  per-example path.
 * **Whether the loss mixes examples.** The batch axis of every value is
   followed from the batch arguments (their leading axis) through the
   program. An operation that reduces, contracts, sorts, convolves or scans
@@ -81,6 +83,7 @@ X = "x"
 
 
 def new_call() -> int:
+  """A new layer call's id (its markers' names carry it)."""
   return next(_marker_ids)
 
 
