@@ -286,7 +286,7 @@ class _Measured:
     )
     acc = _norms.tree_accumulation_dtype(self.leaves)
     if scope == "global" and leaf_stats:
-      scaled, self.telemetry = _telemetry.global_norm(
+      scaled, self.telemetry = _telemetry.global_norm_with_leaves(
         who,
         updates,
         self.leaves,

@@ -737,7 +737,7 @@ def clip_global(
     telemetry = _telemetry.LeafStats()
     norm = None
     if leaf_stats:
-      norm, telemetry = _telemetry.global_norm(
+      norm, telemetry = _telemetry.global_norm_with_leaves(
         who,
         updates,
         leaves,

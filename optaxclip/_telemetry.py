@@ -510,7 +510,7 @@ def _one_pass(
   )
 
 
-def global_norm(
+def global_norm_with_leaves(
   who: str,
   updates: Any,
   leaves: Sequence[jax.Array],

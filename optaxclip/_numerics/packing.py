@@ -33,18 +33,6 @@ def concatenable(x: jax.Array) -> bool:
   return x.size <= SMALL_LEAF_SIZE and not may_span_devices(x)
 
 
-def _flat_parts(arrays) -> list[jax.Array]:
-  """The arrays as 1-D parts: those on one device concatenated into one, the
-  others (that may span devices: no all-gather) raveled on their own. Same
-  shapes in, same partition out.
-  """
-  local = [jnp.ravel(a) for a in arrays if not may_span_devices(a)]
-  parts = [jnp.ravel(a) for a in arrays if may_span_devices(a)]
-  if local:
-    parts.append(flat_concat(local))
-  return parts
-
-
 def flat_concat(xs: Sequence[jax.Array]) -> jax.Array:
   whole = _whole_of(xs)
   if whole is not None:
