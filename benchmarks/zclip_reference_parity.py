@@ -127,7 +127,10 @@ def main():
       skip_update_on_spike=skip,
     )
     reference = reference_class(max_grad_norm=max_norm, **kwargs)
-    tx = optaxclip.clip_zscore(max_norm=max_norm, **kwargs)
+    ours = {k: v for k, v in kwargs.items() if k != "z_thresh"}
+    tx = optaxclip.clip_zscore(
+      max_norm=max_norm, spike_z=kwargs["z_thresh"], **ours
+    )
     update = jax.jit(tx.update)
     state = tx.init({"w": jnp.zeros(2)})
     for norm in _stream(args.steps, seed):

@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import math
 from typing import Any, Literal, NamedTuple, Optional
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,7 @@ class ClipZscoreState(NamedTuple):
       first nonzero norm after only zeros, or (with ``patience``) a mean
       raised by ``growth``.
     step: updates so far (int32, saturating): the step at which a schedule
-      of ``z_thresh`` or ``max_norm`` is evaluated.
+      of ``spike_z`` or ``max_norm`` is evaluated.
     leaf_norms: with ``leaf_stats=True``, each leaf's pre-clip L2 norm (a
       ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
       a :class:`LeafNorms` (one vector; ``.tree()`` is a pytree shaped
@@ -698,7 +699,7 @@ def add_count(total: jax.Array, n: jax.Array) -> jax.Array:
 def clip_zscore(
   *,
   alpha: Scalar = 0.97,
-  z_thresh: ScalarOrSchedule = 2.5,
+  spike_z: ScalarOrSchedule = 2.5,
   max_norm: Optional[ScalarOrSchedule] = None,
   eps: Scalar = 1e-6,
   warmup_steps: Scalar = 25,
@@ -713,6 +714,7 @@ def clip_zscore(
   sharded: Any = True,
   leaf_stats: bool = False,
   layer_axis: _telemetry.LayerAxis = None,
+  z_thresh: Optional[ScalarOrSchedule] = None,
 ) -> optax.GradientTransformation:
   r"""ZClip: clips gradient-norm spikes detected by the z-score of an EMA.
 
@@ -721,12 +723,12 @@ def clip_zscore(
   start the statistics. Afterwards, with ``m`` and ``s`` the EMA mean and
   standard deviation of the norm and ``g`` this step's norm:
 
-  * ``mode="zscore"``: ``z = (g - m) / (s + eps)``. When ``z > z_thresh`` the
+  * ``mode="zscore"``: ``z = (g - m) / (s + eps)``. When ``z > spike_z`` the
     step is a spike and its norm is clipped to
-    ``(m + z_thresh * s / (z / z_thresh)) * clip_factor``
+    ``(m + spike_z * s / (z / spike_z)) * clip_factor``
     (``clip_option="adaptive_scaling"``: the larger the outlier, the harder
     it is clipped) or to ``m`` (``clip_option="mean"``).
-  * ``mode="percentile"``: a norm above ``m + z_thresh * s`` is a spike,
+  * ``mode="percentile"``: a norm above ``m + spike_z * s`` is a spike,
     clipped to that value (``clip_option`` and ``clip_factor`` unused).
 
   ``max_norm`` (if given) caps the limit in every step. The EMAs are then
@@ -773,10 +775,11 @@ def clip_zscore(
 
   Args:
     alpha: EMA smoothing of the norm's mean and variance, in (0, 1).
-    z_thresh: the z-score above which a norm is a spike (> 0): a number or
-      a schedule (``step -> value``; values below 0 count as 0, where
-      every norm above the mean is a spike clipped to the mean), evaluated
-      at this clipper's step count (0 on the first update).
+    spike_z: the z-score above which a norm is a spike (> 0; the name
+      :func:`guard` uses, ZClip's ``z_thresh``): a number or a schedule
+      (``step -> value``; values below 0 count as 0, where every norm above
+      the mean is a spike clipped to the mean), evaluated at this clipper's
+      step count (0 on the first update).
     max_norm: a fixed cap on the norm (on each leaf's with
       ``scope="leaf"``), applied during warm-up too: a number or a
       schedule, likewise (one that reaches 0 gives zero updates); ``None``
@@ -810,6 +813,8 @@ def clip_zscore(
       None`` (as ``sharded``); each device must hold every layer (with
       ``axis_name``, a leaf split across devices needs a PartitionSpec in
       ``sharded`` that leaves its layer axis unsplit; else an error).
+    z_thresh: the deprecated spelling of ``spike_z`` (ZClip's name): taken,
+      with a DeprecationWarning, when given.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -834,8 +839,16 @@ def clip_zscore(
     1.407
   """
   who = "clip_zscore"
+  if z_thresh is not None:
+    warnings.warn(
+      "clip_zscore: z_thresh is deprecated; write spike_z (the name guard "
+      "uses for the same z-score).",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    spike_z = z_thresh
   _checks.check_probability("alpha", alpha, who=who)
-  _schedules.check(who, "z_thresh", z_thresh, low=0.0, low_open=True)
+  _schedules.check(who, "spike_z", spike_z, low=0.0, low_open=True)
   _schedules.check(
     who, "max_norm", max_norm, low=0.0, allow_inf=True, allow_none=True
   )
@@ -908,7 +921,7 @@ def clip_zscore(
     mean = state.mean.astype(measured.dtype)
     var = state.var.astype(measured.dtype)
     warming = state.count < warmup_steps
-    z_now = _schedules.value_at(z_thresh, state.step, who=who, name="z_thresh")
+    z_now = _schedules.value_at(spike_z, state.step, who=who, name="spike_z")
     cap = (
       math.inf
       if max_norm is None

@@ -1,7 +1,7 @@
 """Thresholds given as a number or as a schedule (``step -> value``).
 
 Every threshold of every clipper (``max_norm``, ``max_delta``,
-``threshold``, ``clipping``, ``z_thresh``, ``percentile``, ``factor``,
+``threshold``, ``clipping``, ``spike_z``, ``percentile``, ``factor``,
 ``warmup_max_norm``, guard's ``max_norm`` and ``spike_z``, ``l2_clip``)
 takes either. A schedule is any callable of the step, such as an optax
 schedule (``optax.linear_schedule(1.0, 0.1, 1000)``); it is evaluated inside

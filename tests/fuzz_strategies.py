@@ -717,7 +717,7 @@ def adaptive_configs(draw, names=ADAPTIVE, scopes=("global", "leaf")):
       name,
       warmup_steps=draw(st.sampled_from((1, 3))),
       alpha=draw(st.sampled_from((0.5, 0.97))),
-      z_thresh=draw(st.sampled_from((1.0, 2.5))),
+      spike_z=draw(st.sampled_from((1.0, 2.5))),
       max_norm=draw(st.sampled_from((None, 1.0, 1e30))),
       mode=mode,
       clip_option=draw(st.sampled_from(("adaptive_scaling", "mean"))),

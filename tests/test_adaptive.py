@@ -102,7 +102,7 @@ class ZClipRule:
   def __init__(
     self,
     alpha=0.97,
-    z_thresh=2.5,
+    spike_z=2.5,
     max_norm=None,
     eps=1e-6,
     warmup_steps=25,
@@ -113,7 +113,7 @@ class ZClipRule:
     patience=None,
     growth=2.0,
   ):
-    self.alpha, self.z, self.max_norm, self.eps = alpha, z_thresh, max_norm, eps
+    self.alpha, self.z, self.max_norm, self.eps = alpha, spike_z, max_norm, eps
     self.patience, self.run, self.restarts = patience, 0, 0
     self.growth = growth
     self.warmup_steps, self.mode, self.option = warmup_steps, mode, clip_option
@@ -238,7 +238,7 @@ def adagc_rule(
 ZCLIP_CONFIGS = (
   ("zscore_adaptive", dict()),
   ("zscore_mean", dict(clip_option="mean")),
-  ("percentile", dict(mode="percentile", z_thresh=2.0)),
+  ("percentile", dict(mode="percentile", spike_z=2.0)),
   ("factor_max_norm", dict(clip_factor=0.8, max_norm=3.0)),
   ("skip_on_spike", dict(skip_update_on_spike=True, alpha=0.9)),
   (
@@ -672,7 +672,7 @@ def test_injected_hyperparameters():
       "skip_update_on_spike",
       "max_norm",
     ),
-  )(alpha=0.9, z_thresh=2.0, warmup_steps=2)
+  )(alpha=0.9, spike_z=2.0, warmup_steps=2)
   update = jax.jit(tx.update)
   state = tx.init(global_tree(1.0))
   for g in (1.0, 1.2, 100.0):
@@ -941,8 +941,8 @@ def test_relative_with_patience_never_passes_a_spike_at_its_own_size(
 @hypothesis.example([1.0, 1.1, 0.9] + [1e4] * 13)  # a lasting new level
 def test_zscore_with_patience_never_passes_a_spike_at_its_own_size(norms):
   """With the opt-in rule, a step after the warm-up comes out at most
-  ``growth * m + z_thresh * (s + eps)`` (``m``, ``s`` the statistics before
-  the step), and at most ``m + z_thresh * (s + eps)`` when it is a spike
+  ``growth * m + spike_z * (s + eps)`` (``m``, ``s`` the statistics before
+  the step), and at most ``m + spike_z * (s + eps)`` when it is a spike
   before the ``patience``-th in a row.
   """
   tx = ZSCORE_PATIENT
@@ -971,8 +971,8 @@ def test_zscore_with_patience_never_passes_a_spike_at_its_own_size(norms):
   [
     (lambda: optaxclip.clip_zscore(alpha=1.0), ValueError, "alpha must be < 1"),
     (lambda: optaxclip.clip_zscore(alpha=0.0), ValueError, "alpha must be > 0"),
-    (lambda: optaxclip.clip_zscore(z_thresh=0.0), ValueError, "z_thresh"),
-    (lambda: optaxclip.clip_zscore(z_thresh=float("nan")), ValueError, "NaN"),
+    (lambda: optaxclip.clip_zscore(spike_z=0.0), ValueError, "spike_z"),
+    (lambda: optaxclip.clip_zscore(spike_z=float("nan")), ValueError, "NaN"),
     (lambda: optaxclip.clip_zscore(max_norm=-1.0), ValueError, "max_norm"),
     (lambda: optaxclip.clip_zscore(eps=-1e-6), ValueError, "eps"),
     (lambda: optaxclip.clip_zscore(warmup_steps=0), ValueError, "warmup_steps"),
@@ -1056,3 +1056,16 @@ def test_relative_warmup_clips_a_1e38_gradient_along_its_direction():
   out, state = jax.jit(tx.update)(g, tx.init(g))
   np.testing.assert_allclose(out["w"], [2**-0.5, 2**-0.5], rtol=1e-6)
   np.testing.assert_allclose(float(state.clipped_norm), 1.0, rtol=1e-6)
+
+
+def test_z_thresh_is_a_deprecated_spelling_of_spike_z():
+  grads = {"w": jnp.array([3.0, 4.0])}
+  with pytest.warns(DeprecationWarning, match="write spike_z"):
+    old = optaxclip.clip_zscore(z_thresh=1.5, warmup_steps=1)
+  new = optaxclip.clip_zscore(spike_z=1.5, warmup_steps=1)
+  s_old, s_new = old.init(grads), new.init(grads)
+  for scale in (1.0, 1.1, 50.0):
+    g = jax.tree.map(lambda x, s=scale: s * x, grads)
+    out_old, s_old = old.update(g, s_old)
+    out_new, s_new = new.update(g, s_new)
+    chex.assert_trees_all_equal(out_old, out_new)

@@ -192,7 +192,7 @@ BAD = [
   ("clip_unitwise", {"axis": "0"}, "axis", TypeError, "an int or a tuple"),
   ("clip_zscore", {"alpha": 1.0}, "alpha", ValueError, "< 1"),
   ("clip_zscore", {"alpha": 0.0}, "alpha", ValueError, "> 0"),
-  ("clip_zscore", {"z_thresh": 0.0}, "z_thresh", ValueError, "> 0"),
+  ("clip_zscore", {"spike_z": 0.0}, "spike_z", ValueError, "> 0"),
   ("clip_zscore", {"max_norm": -1.0}, "max_norm", ValueError, ">= 0"),
   ("clip_zscore", {"eps": -1.0}, "eps", ValueError, ">= 0"),
   ("clip_zscore", {"warmup_steps": 0}, "warmup_steps", ValueError, ">= 1"),
@@ -748,7 +748,7 @@ TRACED = [
     "clip_zscore",
     {
       "alpha": 0.9,
-      "z_thresh": 2.0,
+      "spike_z": 2.0,
       "max_norm": 1.0,
       "eps": 1e-6,
       "warmup_steps": 2,

@@ -118,7 +118,7 @@ INJECTED = {
   ),
   "clip_zscore": (
     optaxclip.clip_zscore,
-    {"warmup_steps": 1, "z_thresh": 2.0},
+    {"warmup_steps": 1, "spike_z": 2.0},
     (),
   ),
   "clip_percentile": (

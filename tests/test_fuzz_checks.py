@@ -153,7 +153,7 @@ NUMERIC = [
   ("clip_unitwise", "clipping", {}, 0.0, False),
   ("clip_unitwise", "eps", {}, 0.0, False),
   ("clip_zscore", "alpha", {}, 0.0, True),
-  ("clip_zscore", "z_thresh", {}, 0.0, True),
+  ("clip_zscore", "spike_z", {}, 0.0, True),
   ("clip_zscore", "eps", {}, 0.0, False),
   ("clip_zscore", "clip_factor", {}, 0.0, True),
   ("clip_percentile", "percentile", {}, 0.0, False),

@@ -58,7 +58,7 @@ def _micro(x, y):
 FAMILIES = {
   "static": lambda: optax.chain(optaxclip.clip_global(1.0), optax.adam(LR)),
   "adaptive": lambda: optax.chain(
-    optaxclip.clip_zscore(warmup_steps=1, z_thresh=1.0), optax.adam(LR)
+    optaxclip.clip_zscore(warmup_steps=1, spike_z=1.0), optax.adam(LR)
   ),
   "guard": lambda: optaxclip.guard(optax.adam(LR), max_norm=1e3),
   "spam": lambda: optaxclip.spam(

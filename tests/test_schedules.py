@@ -51,8 +51,8 @@ CLIPPERS = {
   "clip_global": (optaxclip.clip_global, (4.0, 1.0, 0.5), "tree"),
   "clip_block_rms": (optaxclip.clip_block_rms, (2.0, 1.0, 0.5), "tree"),
   "clip_unitwise": (optaxclip.clip_unitwise, (1.0, 0.3, 0.1), "params"),
-  "clip_zscore.z_thresh": (
-    lambda v: optaxclip.clip_zscore(z_thresh=v, warmup_steps=1),
+  "clip_zscore.spike_z": (
+    lambda v: optaxclip.clip_zscore(spike_z=v, warmup_steps=1),
     (2.5, 0.5, 0.1),
     "tree",
   ),
@@ -276,10 +276,10 @@ class ZeroTest(parameterized.TestCase):
     assert not np.isnan(float(state.clipped_norm))
 
   def test_other_thresholds_at_zero_stay_finite(self):
-    # z_thresh 0: every norm above the mean is clipped to it; percentile 0:
+    # spike_z 0: every norm above the mean is clipped to it; percentile 0:
     # to the smallest recent norm; spike_z 0: above the mean is skipped.
     for tx in (
-      optaxclip.clip_zscore(z_thresh=_zero_after_first, warmup_steps=1),
+      optaxclip.clip_zscore(spike_z=_zero_after_first, warmup_steps=1),
       optaxclip.clip_percentile(_zero_after_first, history=4),
       optaxclip.guard(optax.sgd(1.0), spike_z=_zero_after_first),
     ):
@@ -304,7 +304,7 @@ class NanTest(parameterized.TestCase):
   @parameterized.named_parameters(
     ("clip_global", optaxclip.clip_global),
     ("clip_value", optaxclip.clip_value),
-    ("clip_zscore", lambda v: optaxclip.clip_zscore(z_thresh=v)),
+    ("clip_zscore", lambda v: optaxclip.clip_zscore(spike_z=v)),
     ("clip_percentile", optaxclip.clip_percentile),
     ("clip_relative", lambda v: optaxclip.clip_relative(v, warmup_steps=1)),
     ("clip_per_example", optaxclip.clip_per_example),
