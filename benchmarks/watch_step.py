@@ -2,8 +2,9 @@
 
 Times a jitted, donated step (update + apply_updates) of
 ``chain(clip_global(1.0), adam)`` with and without ``watch()`` (and with
-``watch(leaf_stats=True)``) at its end, interleaved with adam's step round
-after round (``harness.time_variants``). Each figure is the median over
+``watch(leaf_stats=True)``, and with the floor of any watch: a
+transformation that keeps the plain-JAX norm of the update) at its end,
+interleaved with adam's step round after round (``harness.time_variants``). Each figure is the median over
 rounds of the step's time with watch over its time without, in the same
 round (the machine is shared and noisy), with the quartiles.
 
@@ -14,11 +15,28 @@ import argparse
 import statistics
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 import harness
 import optaxclip
+
+
+def update_norm_floor() -> optax.GradientTransformation:
+  """The floor of any watch: a transformation that keeps the plain-JAX
+  ``sqrt(sum(u * u))`` of the update in its state and returns the update.
+  """
+
+  def update(updates, state, params=None):
+    del state, params
+    squares = [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(updates)]
+    return updates, jnp.sqrt(sum(squares))
+
+  return optax.GradientTransformation(
+    lambda params: jnp.zeros((), jnp.float32), update
+  )
 
 
 def variants():
@@ -28,6 +46,10 @@ def variants():
     "clip_global": (lambda: optax.chain(clip(), harness.adam()), False),
     "clip_global + watch": (
       lambda: optax.chain(clip(), harness.adam(), optaxclip.watch()),
+      False,
+    ),
+    "clip_global + plain update norm (floor)": (
+      lambda: optax.chain(clip(), harness.adam(), update_norm_floor()),
       False,
     ),
     "clip_global + watch(leaf_stats)": (
@@ -59,7 +81,11 @@ def main(argv=None):
     "| step | over chain(clip_global, adam) (median, IQR) | over adam |",
     "|---|---|---|",
   ]
-  for name in ("clip_global + watch", "clip_global + watch(leaf_stats)"):
+  for name in (
+    "clip_global + plain update norm (floor)",
+    "clip_global + watch",
+    "clip_global + watch(leaf_stats)",
+  ):
     ratios = [a / b for a, b in zip(results[name].ratios, base.ratios)]
     q1, q3 = np.percentile(ratios, [25, 75])
     lines.append(

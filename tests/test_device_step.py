@@ -77,9 +77,10 @@ def test_watch_step_runs_at_a_tiny_size(tmp_path):
   )
   rows = _rows(stdout, "| step ")
   assert [r[0] for r in rows] == [
+    "clip_global + plain update norm (floor)",
     "clip_global + watch",
     "clip_global + watch(leaf_stats)",
     "clip_global",
   ]
-  for cells in rows[:2]:
+  for cells in rows[:3]:
     assert RATIO.match(cells[1]) and RATIO.match(cells[2]), cells
