@@ -4,9 +4,10 @@ Times a jitted, donated step (update + apply_updates) of
 ``chain(clip_global(1.0), adam)`` with and without ``watch()`` (and with
 ``watch(leaf_stats=True)``, and with the floor of any watch: a
 transformation that keeps the plain-JAX norm of the update) at its end,
-interleaved with adam's step round after round (``harness.time_variants``). Each figure is the median over
-rounds of the step's time with watch over its time without, in the same
-round (the machine is shared and noisy), with the quartiles.
+interleaved with adam's step round after round (``harness.time_variants``).
+Each figure is the median over rounds of the step's time with watch over its
+time without, in the same round (the machine is shared and noisy), with the
+quartiles.
 
     python benchmarks/watch_step.py [--rounds 40] [--leaves 64] [--size 400000]
 """
