@@ -225,7 +225,7 @@ def norm_flush_atol(dtype, size: int, p: float = 2.0) -> float:
   are, a modulus up to sqrt(2) times that), ``size**(1/p)`` times it in all
   (``sqrt(size)`` for L2, ``size`` for L1, one for the max).
 
-  Found by the release profile: a complex64 leaf whose parts were all
+  An explicit case: a complex64 leaf whose parts were all
   subnormal, moduli up to 1.3e-38 (above the smallest normal, 1.18e-38),
   read as zeros by XLA:CPU, had its clip counted against a bound of one
   smallest normal.
@@ -884,7 +884,7 @@ class Oracle:
     measure is within ``rtol`` (and its leaf's entry of ``atols``, e.g. a
     flush tolerance) of its limit counts as either clipped or not. The
     clipper's norm, accumulated in float32, cannot tell such a tie apart
-    (found by the release profile: a float16 tree of global norm
+    (an explicit case: a float16 tree of global norm
     3 + 3.6e-15 against a limit of 3 read 3.0, not clipped). A zero
     measure at a zero limit is not clipped.
     """

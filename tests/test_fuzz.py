@@ -449,7 +449,7 @@ def test_static_clippers_match_the_oracle(case):
     1.0,
   )
 )
-# Found by the release profile, fixed: clip_block_rms's limit, the threshold
+# An explicit example: clip_block_rms's limit, the threshold
 # times sqrt(n)'s mantissa 0.5, was subnormal for a threshold of 1.5e-38 on
 # a one-element leaf (flushed: the leaf clipped to 0).
 @hypothesis.example(
@@ -489,7 +489,7 @@ def test_static_clippers_match_the_oracle(case):
     fz._ldexp32(0.5, -125),
   )
 )
-# Found by the release profile, fixed: the infinity norm of a complex leaf
+# An explicit example: the infinity norm of a complex leaf
 # whose modulus exceeds float32's range while both parts are finite read
 # inf, and the whole tree came out NaN (the p = inf paths took the plain
 # modulus; they scale by the largest part's power of two now).
@@ -668,9 +668,9 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
     1.0,
   )
 )
-# Found by the release profile: clipping=inf is no limit, also for a unit
-# whose params' norm and eps are 0 (an empty leaf's; the oracle took
-# inf * 0 = NaN).
+# An explicit example (rarely drawn under the ci profile): clipping=inf is no
+# limit, also for a unit whose params' norm and eps are 0 (an empty leaf's; the
+# oracle took inf * 0 = NaN).
 @hypothesis.example(
   case=(
     _static("clip_unitwise", clipping=1.0, eps=0.0),
@@ -679,9 +679,9 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
     math.inf,
   )
 )
-# Found by the release profile: XLA:CPU's reductions of 4096 elements or
-# more dropped the NaN from clip_value's max |g| (the leaf's other values
-# were clipped as usual and clipped_norm read 0.5); _norms.nan_max.
+# An explicit example (rarely drawn under the ci profile): XLA:CPU's reductions
+# of 4096 elements or more dropped the NaN from clip_value's max |g| (the leaf's
+# other values were clipped as usual and clipped_norm read 0.5); _norms.nan_max.
 @hypothesis.example(
   case=(
     _static("clip_value", max_delta=1.0),
@@ -1518,7 +1518,7 @@ def _derivative_example(config, scale, ratio, seed=0):
 # 6 and 5, each a compile of its own).
 @_examples(8)
 @hypothesis.given(case=_derivative_case())
-# Found by the release profile, fixed: clip_block_rms's Hessian-vector
+# An explicit example: clip_block_rms's Hessian-vector
 # product on values near 1e19 (a leaf's sum of squares near 1e38, taken
 # directly) was NaN or off by 15%: JAX's rule for sqrt overflowed at the
 # second order (_numerics.floats._root now differentiates p = 2 too).
@@ -1527,7 +1527,7 @@ def _derivative_example(config, scale, ratio, seed=0):
     fz.Config("clip_block_rms", (("threshold", 1.0),)), 1e19, 0.3, seed=2
   )
 )
-# Found by the release profile, fixed: clip_unitwise's Hessian-vector
+# An explicit example: clip_unitwise's Hessian-vector
 # product on a unit of four values near 1e19 was NaN: its sum of squares,
 # 3.3e38, fitted float32 and was taken directly, and its tangent overflowed
 # (_norms.trusted_max now sends such sums to the exact recompute).
@@ -1627,7 +1627,7 @@ def _sharded_history_case(draw):
   )
   # Off the configs' fixed bounds (max_norm and warmup_max_norm of 1.0): a
   # norm drawn exactly on one is a tie that an ulp of summation order
-  # decides either way (found by the release profile: clip_zscore's norm of
+  # decides either way (an explicit case: clip_zscore's norm of
   # a tree scaled to 1.0 read 1.0000001 on one device and 1.0 on two, so
   # that one clipped and the other did not).
   levels = draw(

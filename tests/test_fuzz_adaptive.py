@@ -362,7 +362,7 @@ def huge_tree(value):
   ),
 )
 @hypothesis.example(name="relative_warmup", values=[1.0, 3e38])
-# Found by the release profile after the variance was kept scaled (5 Dec):
+# An explicit example of the variance kept scaled:
 # a spread of ~1.4e38 made clip_zscore's clip limit z * std / eta = inf / inf.
 @hypothesis.example(name="zscore_leaf", values=[1.0, 1.0, 2e38, 3e38])
 @hypothesis.example(name="norm_ema", values=[1.0, 3e38])
@@ -508,9 +508,10 @@ def _scaled_run(name, stream, k, dtype, sign):
   k=-80,
   sign=1.0,
 )
-# Found by the release profile: the losses -4, -4, -4 then -0.0 restart the
-# statistics at a mean of 0, whose variance (kept at the scale of the mean)
-# saturated; the next z-score read -2**21 at k=0, -2**22 at k=1.
+# An explicit example (rarely drawn under the ci profile): the losses -4, -4, -4
+# then -0.0 restart the statistics at a mean of 0, whose variance (kept at the
+# scale of the mean) saturated; the next z-score read -2**21 at k=0, -2**22 at
+# k=1.
 @hypothesis.example(
   name="guard_loss",
   x64=False,

@@ -354,12 +354,11 @@ def test_leaves_a_transformation_cannot_step_are_named_in_one_message(
   """An integer leaf fails with the leaf's path, and so does a complex one
   in the SPAM family, whose element-wise moments are real (others take
   complex leaves), and a float8 one anywhere, each message opening with
-  the name of the transformation built (stable_spam's named its first
-  stage, clip_spikes_adaptive, until session 27). Found by a user's probe (5
-  Dec): dp_noise truncated integer leaves silently (or failed inside its
-  noise draw), and the SPAM family computed complex leaves wrongly (``g *
-  g`` for ``|g|**2``); float8 leaves failed with a TypePromotionError from
-  inside the norms (session 25).
+  the name of the transformation built (stable_spam's, not its first
+  stage's, clip_spikes_adaptive). Otherwise dp_noise would truncate
+  integer leaves silently (or fail inside its noise draw), the SPAM family
+  would compute complex leaves wrongly (``g * g`` for ``|g|**2``), and
+  float8 leaves would fail with a TypePromotionError from inside the norms.
   """
   make, extra = UPDATES[name]
   tree = {

@@ -94,7 +94,7 @@ _UNIT_NORMS = fz.FastJit(_norms.unit_norms)
 
 
 @fz.examples(5, deadline=None)
-@hypothesis.example(  # found by the release profile: 2**-126 / 2 flushed
+@hypothesis.example(  # an explicit example: 2**-126 / 2 flushed
   tree=fz.to_jax(
     {
       "l00": np.zeros(5, np.float32),
@@ -131,7 +131,7 @@ def test_clip_norm_many_leaves_matches_per_leaf(tree):
 
 
 @fz.examples(4, deadline=None)
-@hypothesis.example(  # found by the release profile: a subnormal norm
+@hypothesis.example(  # an explicit example: a subnormal norm
   tree=fz.to_jax(
     {"l00": np.zeros(1, np.float32), "l01": np.array([8e-45], np.float32)}
   )

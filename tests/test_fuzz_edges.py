@@ -213,7 +213,7 @@ def _complex_runners(name):
   parts=[(3.4028235e38, -8.1875762e37), (0.0, 6.4e37), (0.0, 0.0)],
   limit=2e38,
 )
-# Found by the release profile (an oracle fix): 0.75+0.75j scaled by
+# An explicit example (rarely drawn under the ci profile): 0.75+0.75j scaled by
 # 1.18e-38 has subnormal parts (each flushed) and a normal modulus.
 @hypothesis.example(
   name="clip_norm", parts=[(0.0, 0.0), (0.0, 8.5e37), (0.75, 0.75)], limit=1.0

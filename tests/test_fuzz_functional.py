@@ -63,8 +63,8 @@ def _layout_trees(draw):
   ),
   c=fz.limits(zero=False, inf=False, magnitudes="ordinary"),
 )
-# Found by the release profile (an oracle fix): three subnormal elements
-# whose norm, 1.66e-38, is normal; the norm reads 0.
+# An explicit example (rarely drawn under the ci profile): three subnormal
+# elements whose norm, 1.66e-38, is normal; the norm reads 0.
 @hypothesis.example(
   tree={
     "k0": np.array([5.9746126e-39, 1.0657445e-38, 1.1242166e-38], np.float32)

@@ -81,9 +81,9 @@ def _found_by_release():
 
 @fuzz_strategies.examples(2, deadline=None)
 @hypothesis.given(leaves_and_factor())
-# Found by the release profile (a test fix): the two multipliers and the
-# three flush different products below the smallest normal in the factor's
-# cotangent (2.6e-38 against 2.1e-38; the exact value is 2.4e-38).
+# An explicit example (rarely drawn under the ci profile): the two multipliers
+# and the three flush different products below the smallest normal in the
+# factor's cotangent (2.6e-38 against 2.1e-38; the exact value is 2.4e-38).
 @hypothesis.example(case=_found_by_release())
 def test_two_multipliers_have_the_derivatives_of_three(case):
   leaves, value, exponent = case

@@ -112,9 +112,9 @@ def test_row_largest_and_count_equal_the_oracle(case):
     )
 
 
-# Found by the release profile: a float32 subnormal limit whose bfloat16
-# rounding rounds up, and a negative subnormal limit (both compared as
-# floats, XLA:CPU reads them as zeros).
+# An explicit example (rarely drawn under the ci profile): a float32 subnormal
+# limit whose bfloat16 rounding rounds up, and a negative subnormal limit (both
+# compared as floats, XLA:CPU reads them as zeros).
 @hypothesis.example(name="bfloat16", limit=3.4547163923955456e-39)
 @hypothesis.example(name="float16", limit=-2.1019476964872256e-44)
 @hypothesis.given(st.sampled_from(("float16", "bfloat16")), LIMITS)
@@ -164,9 +164,9 @@ _MAX = jax.jit(jnp.max)
 @hypothesis.example(
   case=(np.asarray([[0.0, 1e-45]], np.float32), np.float32(0.0))
 )
-# Found by the release profile: the merge met -1e-40 after 0 and kept it
-# (equal as zeros); NumPy's max is 0. Either is the max under XLA:CPU's
-# flush of subnormal operands.
+# An explicit example (rarely drawn under the ci profile): the merge met -1e-40
+# after 0 and kept it (equal as zeros); NumPy's max is 0. Either is the max
+# under XLA:CPU's flush of subnormal operands.
 @hypothesis.example(
   case=(np.asarray([[0.0, -1e-40]], np.float32), np.float32(0.0))
 )

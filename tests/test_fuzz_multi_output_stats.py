@@ -71,8 +71,8 @@ _RUN = {fn: fuzz_strategies.FastJit(fn) for fn in (_each, _alone)}
 @hypothesis.example(
   ([(np.asarray([1e-45], np.float32), np.asarray([0]))], np.asarray([True]))
 )
-# Found by the release profile (a test fix): a subnormal mantissa with a
-# positive exponent, flushed to 0 by XLA:CPU, read as a normal 1.2e-35.
+# An explicit example (rarely drawn under the ci profile): a subnormal mantissa
+# with a positive exponent, flushed to 0 by XLA:CPU, read as a normal 1.2e-35.
 @hypothesis.example(
   (
     [(np.asarray([0, 1e-45, 0], np.float32), np.asarray([0, 33, 0]))],
@@ -208,7 +208,7 @@ _ROW_OF_19[0, 16:] = (3e38, 3e38, -3.3e38)
 
 @fuzz_strategies.examples(6, deadline=None)
 @hypothesis.given(row_parts())
-# Found by the release profile on an AVX-512 host (session 25): the row of
+# An explicit example (an AVX-512 host's case): the row of
 # 19 padded to 33 sums its last three squares in another order (XLA:CPU
 # groups a row's elements by its vector width), one float32 unit apart.
 @hypothesis.example(case=([np.zeros((1, 33), np.float32), _ROW_OF_19], 2.0))

@@ -97,8 +97,8 @@ def _reducers(axis, keepdims):
     False,
   )
 )
-# A float32 leaf reduced whole, max and min one at a time over a flat view
-# (until session 25): a NaN last in a (2, 9000) array, keepdims.
+# A float32 leaf reduced whole, max and min one at a time over a flat view:
+# a NaN last in a (2, 9000) array, keepdims.
 @hypothesis.example(
   case=(
     np.concatenate([np.random.default_rng(1).uniform(-1, 1, 17999), [np.nan]])

@@ -90,9 +90,9 @@ NO_SHRINK = hypothesis.settings(
 
 @fz.examples(20, NO_SHRINK)
 @hypothesis.given(_cases(fz.REAL))
-# Found by the release profile (a test fix): a norm above float32's largest
-# value by less than half a unit in the last place rounds to that value; the
-# oracle had read it as inf.
+# An explicit example (rarely drawn under the ci profile): a norm above
+# float32's largest value by less than half a unit in the last place rounds to
+# that value; the oracle had read it as inf.
 @hypothesis.example(
   (
     "float32",
@@ -113,7 +113,7 @@ NO_SHRINK = hypothesis.settings(
     [math.inf, math.inf, 0.0, 158.21670532226562, math.inf, 0.0, 0.0],
   )
 )
-# Found by the release profile, fixed: clip_unitwise's limit, a clipping of
+# An explicit example: clip_unitwise's limit, a clipping of
 # 2**-126 times a params' norm of 5.7e20 carried as a mantissa below 1 and a
 # power of two, was subnormal and flushed: the leaf clipped to 0, not to
 # norm 6.7e-18.
@@ -145,10 +145,9 @@ NO_SHRINK = hypothesis.settings(
     ],
   )
 )
-# Found by the release profile: a tie at the limit (see
-# Oracle.clip_fraction_band in fuzz_strategies.py).
-# And the band taken in the oracle's wide dtype: unit norms of float64 leaves
-# above float64's range.
+# An explicit example (rarely drawn under the ci profile): a tie at the limit
+# (see Oracle.clip_fraction_band in fuzz_strategies.py). And the band taken in
+# the oracle's wide dtype: unit norms of float64 leaves above float64's range.
 @hypothesis.example(
   (
     "float64",
@@ -178,8 +177,8 @@ NO_SHRINK = hypothesis.settings(
     [fz._ldexp32(0.5, 49), 0.0, 0.5, 3.0, math.inf, 0.0, 0.0],
   )
 )
-# Found by the release profile (session 25): a float64 subnormal above a
-# clip_value limit of 0 counts (compared as integers).
+# An explicit example (rarely drawn under the ci profile): a float64 subnormal
+# above a clip_value limit of 0 counts (compared as integers).
 @hypothesis.example(
   (
     "float64",
@@ -352,7 +351,7 @@ def _case32(a, b, limits):
     [1, 1, 1, 1, 1, 1, float(np.ldexp(0.5, -117))],
   )
 )
-# Found by the release profile, inside the documented limit (only the value
+# An explicit example, inside the documented limit (only the value
 # is checked): clip_unitwise of 0.375 with the gradient as its params
 # returns two values of -1.3e38 in one unit, whose inner product with the
 # cotangent, divided by the norm's mantissa, overflows: a NaN gradient.
@@ -363,7 +362,7 @@ def _case32(a, b, limits):
     [0.375, 0.375, 0.0, 2.0194836766245472e-28, 2.0**102, 0.0, 0.375],
   )
 )
-# Found by the release profile, inside the documented limit at the bottom
+# An explicit example, inside the documented limit at the bottom
 # of the range (value and gradient checked, not the Hessian-vector product):
 # clip_unitwise(2.35e-38, eps=1e-3) limits units of norm 1.2e-38 to 2.35e-41
 # (a NaN HVP); the same with one tiny leaf beside a normal one; and a leaf of

@@ -100,8 +100,8 @@ def test_a_schedule_acts_as_its_value_at_the_step(case):
   ),
   st.sampled_from([(0.0, None), (0.0, 100.0), (None, None)]),
 )
-# Found by the release profile (fixed): a negative subnormal passed a lower
-# bound of 0 (XLA:CPU compares it as zero).
+# An explicit example (rarely drawn under the ci profile): a negative subnormal
+# passed a lower bound of 0 (XLA:CPU compares it as zero).
 @hypothesis.example(float(np.float32(-1.09e-42)), (0.0, None))
 def test_value_at_puts_a_schedules_value_in_range(raw, bounds):
   from optaxclip import _schedules

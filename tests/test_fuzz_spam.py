@@ -160,8 +160,8 @@ def _saved_case(name):
   grad_accu_steps=st.integers(0, 4),
   weight_decay=st.sampled_from([0.0, 0.5]),
 )
-# Found by the release profile (an oracle fix): a scalar's first moment
-# cancelled to 6e-6 of a step; float32 rounds it relative to its terms.
+# An explicit example (rarely drawn under the ci profile): a scalar's first
+# moment cancelled to 6e-6 of a step; float32 rounds it relative to its terms.
 @hypothesis.example(**_saved_case("spam_cancelled_moment.npz"))
 def test_spam_matches_the_reference(
   run, threshold, reset_interval, warmup_steps, grad_accu_steps, weight_decay
@@ -192,7 +192,7 @@ def test_spam_matches_the_reference(
   reset_interval=st.integers(1, 6),
   weight_decay=st.sampled_from([0.0, 0.5]),
 )
-# Found by the release profile (an oracle fix), as for SPAM above.
+# An explicit example, as for SPAM above.
 @hypothesis.example(**_saved_case("stable_spam_cancelled_moment.npz"))
 def test_stable_spam_matches_the_reference_in_the_paper_order(
   run,

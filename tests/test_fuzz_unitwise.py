@@ -171,9 +171,9 @@ def _packed_case(cells):
 
 @fz.examples(10, deadline=None)
 @hypothesis.given(packed_trees())
-# Found by the release profile (fixed): a tiny norm in one leaf sent every
-# unit of the tree to the exact recompute, whose norms may differ from the
-# direct root in the last bit.
+# An explicit example (rarely drawn under the ci profile): a tiny norm in one
+# leaf sent every unit of the tree to the exact recompute, whose norms may
+# differ from the direct root in the last bit.
 @hypothesis.example(
   _packed_case([(0, 1, 1, 2.220446e-16), (1, 0, 0, 193.0), (1, 2, 0, 196.5625)])
 )
@@ -249,9 +249,9 @@ def test_two_multipliers_per_unit_equal_three_bit_for_bit(case):
 
 @fz.examples(3, deadline=None)
 @hypothesis.given(units_and_bounded_factors())
-# Found by the release profile (a test fix): with a factor of 2**-127 the
-# three multipliers flush x * 2**-127 before the cotangent's weight 5 makes
-# it normal (0), the two keep it (2.9e-38, the exact value).
+# An explicit example (rarely drawn under the ci profile): with a factor of
+# 2**-127 the three multipliers flush x * 2**-127 before the cotangent's weight
+# 5 makes it normal (0), the two keep it (2.9e-38, the exact value).
 @hypothesis.example(
   (
     np.array([[0, 0], [0, 0], [1, 0]], np.float32),

@@ -117,9 +117,9 @@ def _palette_trees(draw):
   limit=fz.limits(),
   finite=st.booleans(),
 )
-# Found by the release profile (test fixes): a complex64 element of two
-# subnormal parts (modulus 1.2e-38) is 0 as XLA:CPU sees it, and comes out
-# 0 where kept.
+# An explicit example (rarely drawn under the ci profile): a complex64 element
+# of two subnormal parts (modulus 1.2e-38) is 0 as XLA:CPU sees it, and comes
+# out 0 where kept.
 @hypothesis.example(
   tree={
     "a": np.array(np.nan, np.float16),
@@ -133,8 +133,8 @@ def _palette_trees(draw):
   limit=2.0**-21,
   finite=False,
 )
-# Found by the release profile (session 25): bfloat16 subnormals above a
-# limit of 0 are clipped to 0 and count (compared as integers).
+# An explicit example (rarely drawn under the ci profile): bfloat16 subnormals
+# above a limit of 0 are clipped to 0 and count (compared as integers).
 @hypothesis.example(
   tree={
     "k0": np.array(-6e-08, np.float16),
