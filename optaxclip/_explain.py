@@ -448,15 +448,20 @@ def _units(view: _View) -> int:
   return 1
 
 
+def _nonfinite_statistics(who: str, norm: float, view: _View) -> str:
+  """An adaptive clipper's non-finite step: its statistics stay put."""
+  return (
+    _nonfinite(who, norm, "the units")
+    + "; its statistics did not move"
+    + _top_leaf_phrase(view)
+  )
+
+
 def _adaptive(kind: str) -> Callable[[str, _View], str]:
   def sentence(who: str, view: _View) -> str:
     s = _clip_stats(view)
     if not math.isfinite(s.norm):
-      return (
-        _nonfinite(who, s.norm, "the units")
-        + "; its statistics did not move"
-        + _top_leaf_phrase(view)
-      )
+      return _nonfinite_statistics(who, s.norm, view)
     if kind == "zscore":
       source = _spread(view)
     else:
@@ -518,11 +523,7 @@ def _relative_phase(view: _View) -> Optional[str]:
 def _relative(who: str, view: _View) -> str:
   s = _clip_stats(view)
   if not math.isfinite(s.norm):
-    return (
-      _nonfinite(who, s.norm, "the units")
-      + "; its statistics did not move"
-      + _top_leaf_phrase(view)
-    )
+    return _nonfinite_statistics(who, s.norm, view)
   phase = _relative_phase(view)
   blame = _top_leaf_phrase(view)
   limit = "inf" if s.threshold is None else _num(s.threshold)
