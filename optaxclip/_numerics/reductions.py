@@ -116,7 +116,7 @@ def drops_nan(x: jax.Array) -> bool:
   """Whether a plain max of ``x`` may drop a NaN: every float dtype.
 
   Not only float32 and float64: a float16 min of 4096 elements drops it
-  too (tests/test_fuzz_nan_maxima.py checks every float dtype).
+  too (tests/test_fuzz_reductions.py checks every float dtype).
   """
   return jnp.issubdtype(x.dtype, jnp.floating)
 
