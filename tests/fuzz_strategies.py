@@ -1,7 +1,7 @@
 """Shared hypothesis strategies and float64 NumPy oracles for the fuzz suite.
 
-Issue 10's harness: ``tests/test_fuzz.py`` (the cross-cutting invariants) and
-every ``tests/test_fuzz_<area>.py`` import this module (``import
+``tests/test_fuzz.py`` (the cross-cutting invariants) and every
+``tests/test_fuzz_<what>.py`` import this module (``import
 fuzz_strategies as fz``; pytest puts ``tests/`` on ``sys.path``). Everything
 drawn is plain NumPy on the host; tests move it to JAX themselves, inside
 :func:`x64` when a float64 leaf may be present.

@@ -231,9 +231,9 @@ def _run(build):
 )
 def test_a_python_int_beyond_int32_is_the_same_float(case, value):
   """A real hyperparameter given as a Python int of 2**31 or more updates as
-  the same float does (or both fail at construction). Found
-  by a user's probe (5 Dec): clip_global(2**31) was accepted and its update
-  raised OverflowError (the int became an int32 array).
+  the same float does (or both fail at construction): the int does not
+  become an int32 array, whose update would raise OverflowError
+  (clip_global(2**31)).
   """
   name, argument, needed = case
   factory = getattr(optaxclip, name)

@@ -67,7 +67,7 @@ def _oracle(tree, clip):
   scaled = safe / np.where(big > 0, big, 1.0)
   norms = big[:, 0] * np.sqrt(np.sum(scaled**2, axis=1))
   # A finite example whose norm exceeds float32's range is clipped like
-  # any other (issue 10: only an Inf or NaN element leaves an example out).
+  # any other (only an Inf or NaN element leaves an example out).
   safe = np.where(finite[:, None], safe, 0.0)
   norms = np.where(finite, norms, 0.0)
   factor = np.where(norms > clip, clip / np.where(norms > 0, norms, 1.0), 1.0)
@@ -372,10 +372,10 @@ def _tiny_programs():
 @hypothesis.given(exponent=st.integers(-32, -12), seed=st.integers(0, 2**16))
 def test_ghost_norms_of_tiny_examples_are_exact(exponent, seed):
   """Examples whose gradients are tiny (squares below float32's smallest
-  normal number) get their norms exactly, as with method="vmap". Found by a
-  user's probe (5 Dec): the ghost method's fast squares underflowed and an
-  example of norm 4.5e-20 was reported as 0 (only overflow sent a step to
-  the exact recompute).
+  normal number) get their norms exactly, as with method="vmap": the ghost
+  method's fast squares underflow there, so that underflow, not only
+  overflow, sends a step to the exact recompute (else an example of norm
+  4.5e-20 reads 0).
   """
   rng = np.random.default_rng(seed)
   params = {

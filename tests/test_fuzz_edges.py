@@ -1,7 +1,9 @@
-"""Properties for the failures at the edges of the range (issue 10) that the
-cross-cutting suite (test_fuzz.py) found: each pins a class of failure that
-was fixed, against a float64 NumPy oracle, within the ``ci`` profile's
-budget (small trees, few examples, programs compiled once per shape).
+"""Properties at the edges of the range, each for one class of failure,
+against a float64 NumPy oracle: per-example norms beyond float32's range
+(clipped_grad, vmap and ghost), Hessian-vector products through a clipped
+p-norm whose power sum is far from 1, complex moduli beyond float32's range,
+and narrow leaves beside a float64 leaf. Within the ``ci`` profile's budget
+(small trees, few examples, programs compiled once per shape).
 """
 
 import functools
@@ -49,8 +51,8 @@ def _vmap_runner():
   tree=fz.per_example_trees(nonfinite=True),
   l2=st.sampled_from((1e-30, 1.0, 1e30)),
 )
-# Elements of 3e38: the example's norm (4.2e38) overflows float32; it used
-# to be left out (norm inf) and its clipped gradient lost.
+# Elements of 3e38: the example's norm (4.2e38) overflows float32; it is
+# clipped, not left out (as an example of norm inf would be).
 @hypothesis.example(
   tree={"a": np.array([[3e38, 3e38], [1.0, 0.0]], F32)}, l2=1.0
 )
@@ -125,15 +127,15 @@ def _clip_norm_f64(leaves, limit, ord_):
   ratio=st.sampled_from((0.3, 3.0)),
   seed=st.integers(0, 2**16),
 )
-# The float32 HVP of clip_norm(ord=3) on a clipped gradient of about 1e8 was
-# 8% off (JAX's rule for s**(1/p) flushed s**(1/p - 2) to zero), and NaN at
-# 1e-8 (it overflowed).
+# clip_norm(ord=3) on a clipped gradient of about 1e8 and of 1e-8: JAX's
+# own rule for s**(1/p) flushes s**(1/p - 2) to zero at the first (an HVP 8%
+# off) and overflows at the second (NaN).
 @hypothesis.example(scale=1e8, ord_=3.0, ratio=0.3, seed=0)
 @hypothesis.example(scale=1e-8, ord_=3.0, ratio=0.3, seed=0)
 # On the exact recompute (the power sum below float32's range), unclipped.
 @hypothesis.example(scale=1e-30, ord_=1.5, ratio=3.0, seed=0)
-# On the exact recompute above the range: NaN, the derivative of the direct
-# sum (masked out, but its second order overflowed: inf * 0).
+# On the exact recompute above the range: the derivative of the direct sum
+# is masked out, and its second order must not overflow (inf * 0 is NaN).
 @hypothesis.example(scale=1e19, ord_=3.0, ratio=0.3, seed=0)
 def test_hvp_of_a_clipped_p_norm_in_float32(scale, ord_, ratio, seed):
   """Hessian-vector products through clip_norm(ord=p) in float32 equal
@@ -201,8 +203,8 @@ def _complex_runners(name):
   parts=st.lists(st.tuples(_PART, _PART), min_size=3, max_size=3),
   limit=st.sampled_from((0.0, 1.0, 1e37, 2e38)),
 )
-# Found by test_fuzz.py (fixed): clip_block_rms(0.0) of this leaf was NaN;
-# the modulus of 3.4e38 - 8.2e37j exceeds float32's range.
+# clip_block_rms(0.0) of a leaf whose modulus (of 3.4e38 - 8.2e37j) exceeds
+# float32's range: zeros, not NaN.
 @hypothesis.example(
   name="clip_block_rms",
   parts=[(3.4028235e38, -8.1875762e37), (0.0, 6.4e37), (0.0, 0.0)],
@@ -261,10 +263,10 @@ _MIXED_CONFIGS = (
   wide=st.sampled_from((0.0, 1e-300, 1.0, 1e300)),
   limit=st.sampled_from((0.0, 1e-3, 1.0)),
 )
-# Found by test_fuzz.py (fixed): a zero complex64 leaf beside a float64 one
-# had a NaN global norm, so the whole update came out NaN at any limit: the
-# exact recompute scaled the complex parts by 2**1021 (the scale of a zero
-# in float64's range) cast to float32, inf, and 0 * inf is NaN.
+# A zero complex64 leaf beside a float64 one: the exact recompute must not
+# scale the complex parts by 2**1021 (the scale of a zero in float64's
+# range) cast to float32, inf (0 * inf is NaN: a NaN global norm, and the
+# whole update NaN at any limit).
 @hypothesis.example(
   config=_MIXED_CONFIGS[0],
   narrow="complex64",
@@ -279,11 +281,11 @@ _MIXED_CONFIGS = (
   wide=1e-300,
   limit=0.0,
 )
-# Found by the release profile. Fixed: a complex64 leaf's modulus was taken
-# in float32 beside a float64 leaf (the float64 leaf's update off by 1e-8).
-# Test fixes: 3e37 cast to float16 was inf, not the finite leaf the property
-# is about; clipping twice compared to float64's rounding where the narrow
-# leaf's rounding moves the norm.
+# A complex64 leaf's modulus beside a float64 leaf is taken in float64 (in
+# float32, the float64 leaf's update is off by 1e-8). A float16 value of
+# 3e37 (inf in float16): the property clips it to float16's largest finite
+# value, and compares clipping twice at the narrow leaf's rounding, which
+# moves the norm more than float64's.
 @hypothesis.example(
   config=_MIXED_CONFIGS[0],
   narrow="complex64",

@@ -1,4 +1,4 @@
-"""Hypothesis properties of the functional API (issue 12).
+"""Hypothesis properties of the functional API.
 
 * ``clip_by_global_norm`` is :func:`clip_global`'s computation: the same
   output, bit for bit, and the norm its state keeps;

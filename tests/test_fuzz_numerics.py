@@ -1,4 +1,4 @@
-"""Fuzz properties of the static clippers' numerics (issue 10, items 1, 2, 5).
+"""Fuzz properties of the static clippers' numerics.
 
 Every finite magnitude (subnormals to the dtype's largest value), every real
 dtype (float16, bfloat16, float32, float64 under x64), NaN/Inf sprinkled, and
@@ -92,7 +92,7 @@ NO_SHRINK = hypothesis.settings(
 @hypothesis.given(_cases(fz.REAL))
 # An explicit example (rarely drawn under the ci profile): a norm above
 # float32's largest value by less than half a unit in the last place rounds to
-# that value; the oracle had read it as inf.
+# that value, not to inf (the oracle reads it so too).
 @hypothesis.example(
   (
     "float32",
@@ -114,9 +114,9 @@ NO_SHRINK = hypothesis.settings(
   )
 )
 # An explicit example: clip_unitwise's limit, a clipping of
-# 2**-126 times a params' norm of 5.7e20 carried as a mantissa below 1 and a
-# power of two, was subnormal and flushed: the leaf clipped to 0, not to
-# norm 6.7e-18.
+# 2**-126 times a params' norm of 5.7e20, is carried as a mantissa below 1
+# and a power of two: as a float32 it is subnormal, flushed, and would clip
+# the leaf to 0, not to norm 6.7e-18.
 @hypothesis.example(
   (
     "bfloat16",
@@ -333,10 +333,10 @@ def _case32(a, b, limits):
 
 @fz.examples(8, NO_SHRINK)
 @hypothesis.given(_cases(("float32",)))
-# Found by these draws (fixed): a NaN Hessian-vector product on smallest
-# normal and subnormal values (a zero limit: the factor's second derivative
-# met 0 * inf), and clip_unitwise's gradient through params whose norm
-# overflows float32 (the factor's cotangent sum(ct * x) overflowed).
+# Explicit examples: a Hessian-vector product on smallest normal and
+# subnormal values with a zero limit (where the factor's second derivative
+# may meet 0 * inf), and clip_unitwise's gradient through params whose norm
+# overflows float32 (where a cotangent sum(ct * x) overflows).
 @hypothesis.example(
   _case32(
     [0, 0, 1.1754944e-38],
@@ -446,9 +446,9 @@ def _has_a_tiny_unit(config, g) -> bool:
 
 
 def test_hvp_of_zero_limits_on_tiny_values_has_no_nan():
-  # The first draw pinned above, a fixed bug (the factor's second
-  # derivative of a zero limit met 0 * inf), checked in full although its
-  # values lie in the known limit at the bottom of the range.
+  # The first explicit example above (the factor's second derivative of a
+  # zero limit must not meet 0 * inf), checked in full although its values
+  # lie in the known limit at the bottom of the range.
   _, g, _, limits = _case32(
     [0, 0, 1.1754944e-38],
     [[1e-45, -1e-45, 3e-45], [-3e-45, 1e-45, 3e-45]],
@@ -489,7 +489,8 @@ def _exact_sum_runner(p):
   x=fz.arrays("float32", (8,)),
   p=st.sampled_from((1.0, 2.0, 3.0)),
 )
-# Fixed: the merge divided by a subnormal largest magnitude (NaN / inf).
+# A subnormal largest magnitude beside the largest values: the merge must not
+# divide by it (NaN / inf).
 @hypothesis.example(
   x=np.array([3.4028235e38, 3.4028235e38, -1.4e-45, -1.4e-45, 0, 0, 0, 0], F32),
   p=1.0,
@@ -520,10 +521,10 @@ def _check_exact_power_sum(x, p):
   x=fz.arrays("float32", (8,), magnitudes="extreme"),
   p=st.sampled_from((1.0, 2.0, 3.0)),
 )
-# Fixed: XLA:CPU's element emitters (the suite's fast compile) turned the
-# merge's q * (small / M) into (q * small) / M, which overflowed once the
-# smaller magnitudes summed past float32's largest value: an infinite sum of
-# finite values, and clip_norm(0.0, ord=1) returned NaN for zeros.
+# Magnitudes whose sum passes float32's largest value: XLA:CPU's element
+# emitters (the suite's fast compile) may turn the merge's q * (small / M)
+# into (q * small) / M, which overflows there (an infinite sum of finite
+# values, and clip_norm(0.0, ord=1) NaN for zeros).
 @hypothesis.example(
   x=np.array([1.2e38, 1.2e38, 1.2e38, 1.3e38, 0, 0, 0, 0], F32), p=1.0
 )
@@ -557,8 +558,8 @@ def test_clip_norm_l1_of_near_overflow_values_is_exact():
   x=fz.arrays("float32", (8,), nonfinite=True),
   p=st.sampled_from((1.0, 2.0)),
 )
-# Fixed: a NaN merged with an inf lost the NaN (the norm read inf), depending
-# on the reduction's order.
+# A NaN and an inf, in either order: merged, the NaN is kept (the norm is
+# NaN, not inf), whatever the reduction's order.
 @hypothesis.example(x=np.array([0, 0, 0, np.nan, np.inf, 0, 0, 0], F32), p=2.0)
 @hypothesis.example(x=np.array([np.inf, 0, 0, 0, 0, 0, 0, np.nan], F32), p=1.0)
 def test_exact_power_sum_keeps_nan_over_inf(x, p):
@@ -643,8 +644,8 @@ _unitwise_runner = fz.FastJit(_unitwise_update)
   rows=st.integers(0, 2),
   clipping=st.sampled_from((0.0, 1.0)),
 )
-# Fixed: an empty leaf's units read NaN from XLA's two-output reduction
-# over an empty axis (clipped_norm NaN, clip_fraction 0.75).
+# An empty leaf beside another: XLA's two-output reduction over an empty
+# axis may read NaN for its units (clipped_norm NaN, clip_fraction 0.75).
 @hypothesis.example(w=np.array([2e19, 0, 0], F32), rows=0, clipping=0.0)
 def test_units_of_no_elements_have_norm_zero(w, rows, clipping):
   """clip_unitwise with a leaf whose units have no elements: its units are

@@ -1,5 +1,5 @@
 """Property: inside shard_map, with per-leaf sharding specs, the clippers give
-one device's numbers (issue 15, items 2 and 3).
+one device's numbers.
 
 For random small trees, each leaf split over a random subset of the mesh's
 axes along random dimensions (1, 2 or 8 devices, 1-D and 2-D meshes), the
@@ -11,7 +11,7 @@ a spike) with ``sharded`` given as the leaves' PartitionSpecs (or, where the
 form allows, as tuples of axis names) equal those of the same clipper on one
 device; so do the updates of the element-wise clip_spikes and spam, without
 ``axis_name`` (leaves that vary across devices beside replicated ones). A
-NaN or inf is sometimes put on one device (issue 10, item 5).
+NaN or inf is sometimes put on one device (the non-finite policy).
 Every example compiles two programs, so the examples are few
 (tests/fast_compile.py compiles them cheaply).
 """

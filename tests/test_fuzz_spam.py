@@ -1,4 +1,4 @@
-"""Hypothesis properties for SPAM and Stable-SPAM (issue 13).
+"""Hypothesis properties for SPAM and Stable-SPAM.
 
 Both optimizers match the float64 NumPy transcriptions of the authors'
 classes (tests/np_spam_refs.py) step for step, for any reset schedule,
@@ -144,7 +144,7 @@ def _ours(program, run, hyper):
 
 
 def _saved_case(name):
-  """A found example kept in tests/data: the run and the hyperparameters."""
+  """An example kept in tests/data: the run and the hyperparameters."""
   saved = np.load(pathlib.Path(__file__).parent / "data" / name)
   flat = [saved[f"arr_{j}"] for j in range(STEPS * len(SHAPES))]
   run = [flat[t * len(SHAPES) : (t + 1) * len(SHAPES)] for t in range(STEPS)]
@@ -482,8 +482,8 @@ def _check_as_each_leaf_alone(outs, counts, alone, ulps=0, threshold=None):
   ),
   spread=st.sampled_from([1.0, 10.0, 1e3]),
 )
-# The release profile: a float16 element of 1000 x 100 overflows to inf, and
-# its leaf comes out NaN in both programs.
+# A float16 element of 1000 x 100 overflows to inf, and its leaf comes out
+# NaN in both programs.
 @hypothesis.example(values=[0, 0, 3, 0], spread=1000.0)
 @hypothesis.example(values=[5337, 5337, 0, 0], spread=1.0)
 def test_clip_spikes_counts_stacked_leaves_as_each_leaf_alone(values, spread):
@@ -515,10 +515,9 @@ def test_clip_spikes_adaptive_counts_stacked_leaves_as_each_leaf_alone(
   (outs, counts), alone = _ADAPTIVE(*_spike_steps(values, spread))
   # One ulp: compiled as the tests compile (fast_compile, optimization
   # level 0), a float16 output rounded from a tie came out one float16 ulp
-  # apart in the stacked and the per-leaf program (release profile:
-  # values=[916726, 0, 148, 747], spread=10: the element's limit read
-  # 5.7675786 there, 5.767578125 under the default compilation, whose
-  # outputs were equal).
+  # apart in the stacked and the per-leaf program (values=[916726, 0, 148,
+  # 747], spread=10: the element's limit reads 5.7675786 there,
+  # 5.767578125 under the default compilation, whose outputs are equal).
   _check_as_each_leaf_alone(outs, counts, alone, ulps=1)
 
 
@@ -573,8 +572,8 @@ _WHOLE_PROGRAMS = {
   ),
   spread=st.sampled_from([1.0, 10.0, 1e3]),
 )
-# The release profile's case: an element 18 times smaller than its leaf's
-# largest, 1.1e-6 apart relative to itself.
+# An element 18 times smaller than its leaf's largest, 1.1e-6 apart relative
+# to itself.
 @hypothesis.example(name="spam", values=[0, 0, 8, 0], spread=1.0)
 @hypothesis.example(
   name="stable_spam", values=[2475, 2475, 44276179, 65], spread=1000.0
@@ -593,12 +592,12 @@ def test_whole_optimizers_step_packed_leaves_as_each_leaf_alone(
 
   def check(got, want, floor=0.0, dtype=None, roundings=16):
     # A few roundings of the leaf's largest element: an element near zero
-    # may differ by more than a few of its own (found by the release profile:
-    # 1.1e-6 relative on an element 18 times smaller than its leaf's largest).
+    # may differ by more than a few of its own (1.1e-6 relative on an
+    # element 18 times smaller than its leaf's largest).
     # Sixteen: Stable-SPAM's stages divide five times per leaf (the AdaClip
     # ratio, both bias corrections, the target, its quotient by the norm's
-    # mantissa); a scalar leaf's update was seen 9 float32 roundings apart
-    # (release profile: values=[29, 0, 524287, 20330596], spread=10).
+    # mantissa); a scalar leaf's update may be 9 float32 roundings apart
+    # (values=[29, 0, 524287, 20330596], spread=10).
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == want.dtype
     want64 = want.astype(np.float64)
@@ -615,16 +614,16 @@ def test_whole_optimizers_step_packed_leaves_as_each_leaf_alone(
   for t in range(SPIKES_STEPS):
     for i, a in enumerate(alone):
       # An update is -lr (direction + weight_decay p), terms of order lr
-      # that may cancel (release profile: a scalar leaf's update of 1.8e-3,
-      # 1.7e-5 apart relative, values=[1, 2, 0, 23], spread=1): roundings
-      # of lr, not of the update.
+      # that may cancel (a scalar leaf's update of 1.8e-3, 1.7e-5 apart
+      # relative, values=[1, 2, 0, 23], spread=1): roundings of lr, not of
+      # the update.
       check(outs[t][i], a[0][t][0], floor=WHOLE_LR)
   tree = dict(jax.tree_util.tree_flatten_with_path(state)[0])
   compared = 0
   # The state after the last step, relative to itself: the roundings above
-  # carried through four steps of the stages and Adam's moments (release
-  # profile: a scalar leaf's first moment 2.8e-6 apart, 23 float32
-  # roundings, values=[1, 88, 184, 512], spread=1; on an Intel Xeon with
+  # carried through four steps of the stages and Adam's moments (a scalar
+  # leaf's first moment 2.8e-6 apart, 23 float32 roundings, values=[1, 88,
+  # 184, 512], spread=1; on an Intel Xeon with
   # AVX-512, whose kernels round apart more often, 154 roundings: a scalar
   # leaf's moment -8.1e-4, 7.5e-9 apart, values=[2475, 2475, 44276179, 65],
   # spread=1000). A packing fault (a wrong row or element) is off by its
@@ -710,10 +709,10 @@ def test_donated_moments_are_updated_in_place(name, shapes, dtype):
   """The compiled, donated step of clip_spikes (chained before adam), spam
   and stable_spam copies no array: every read of a stored moment (the
   clip, the count of spikes, stacked or per leaf) comes before its
-  in-place update. Found by reading the compiled step: XLA fused the clip
-  into each consumer, each read the old moment again, and XLA copied every
-  moment of clip_spikes and spam first (clip_spikes' step on the
-  transformer tree 3.6x -> 2.8x adam's without the copies).
+  in-place update. Were the clip fused into each consumer, each would read
+  the old moment again and XLA would copy every moment of clip_spikes and
+  spam first (clip_spikes' step on the transformer tree: 3.6x adam's with
+  the copies, 2.8x without).
   """
   tree = {
     f"leaf{i}": np.ones(shape, fz.DTYPES[dtype])
@@ -763,11 +762,11 @@ def test_stable_spam_stages_keep_finite_leaves_finite(dtype, shape, data):
   clip_spikes_adaptive and scale_by_norm_ema give finite updates that keep
   each element's sign, clip_spikes_adaptive passes the first step as it is
   (its limit is then max|g|) and never enlarges an element, and the
-  derivative of both stages is finite. Found by a user's probe (5 Dec):
-  clip_spikes_adaptive made a leaf below about 1e-35 NaN (its limit had
-  underflowed), scale_by_norm_ema made leaves of norm above 1.8e19 zero (a
-  bias-corrected EMA that rounded to inf), and their derivatives near 1e-20
-  were NaN or -inf.
+  derivative of both stages is finite: clip_spikes_adaptive's limit does
+  not underflow (a leaf below about 1e-35 would come out NaN),
+  scale_by_norm_ema's bias-corrected EMA does not round to inf (leaves of
+  norm above 1.8e19 would come out zero), and their derivatives near 1e-20
+  are not NaN or -inf.
   """
   with fz.x64([dtype]):
     steps = [
@@ -800,10 +799,10 @@ def test_stable_spam_stages_keep_finite_leaves_finite(dtype, shape, data):
 def test_an_infinite_element_is_not_clipped_to_a_finite_one(
   name, position, value
 ):
-  """Found by a user's probe (5 Dec): clip_spikes and spam clipped an
-  infinite element to the finite ``sqrt(threshold nu)`` (as the reference
-  does), hiding it from guard; by the non-finite policy it comes out NaN,
-  and the other elements as they would without it.
+  """clip_spikes and spam do not clip an infinite element to the finite
+  ``sqrt(threshold nu)`` (as the reference does), which would hide it from
+  guard: by the non-finite policy it comes out NaN, and the other elements
+  as they would without it.
   """
   tx = (
     optaxclip.clip_spikes(grad_accu_steps=2)
@@ -833,8 +832,8 @@ def test_an_infinite_element_is_not_clipped_to_a_finite_one(
 def test_a_nan_threshold_from_a_schedule_gives_a_nan_update(name, at):
   """A NaN from the ``threshold`` schedule makes that step's update NaN,
   every coordinate counted (the rule of every clipper's schedules), and
-  the other steps as they would be. Found by a user's probe (5 Dec): the
-  NaN switched spike clipping off for the step (a spike of 100 passed).
+  the other steps as they would be: the NaN does not switch spike clipping
+  off for the step (a spike of 100 would pass).
   """
 
   def schedule(count):
@@ -909,10 +908,10 @@ def test_norm_ema_rescales_a_stream_scaled_by_a_power_of_two_alike(
   """scale_by_norm_ema (eps=0) takes each leaf to the norm m_hat /
   sqrt(v_hat) of its recent norms, a ratio: on leaves whose norms are
   ``stream * 2**k`` (within the dtype's range) it returns the updates it
-  returns on ``stream``. Found by a probe (5 Dec): its ``v`` was capped at
-  float32's largest value, so that norms of 1e20 came out as 5.4 and norms
-  of 1e30 as 5.4e10 (where norms of 1 come out as 1); below about 1e-19
-  every leaf came out at norm 1, spikes included. ``v`` is kept scaled now.
+  returns on ``stream``. ``v`` is kept scaled: capped at float32's largest
+  value, norms of 1e20 would come out as 5.4 and norms of 1e30 as 5.4e10
+  (where norms of 1 come out as 1), and below about 1e-19 every leaf at
+  norm 1, spikes included.
   """
   dtype = np.float64 if x64 else np.float32
   info = np.finfo(dtype)
@@ -1002,12 +1001,12 @@ def test_norm_ema_after_runs_of_zero_norms_equals_the_oracle(
 ):
   """scale_by_norm_ema over runs of constant norms, zeros among them (a
   frozen leaf, a loss switched off by a schedule), equals a float64 oracle.
-  Found by the release profile's scale property: with gamma1 < gamma2, m
-  decays faster than v over zero norms; at m = 0 the scaled v (kept with
-  m's exponent) saturated and lost its history, and the leaf came back at
-  norm 6.7 where it should be 1.03 (gammas 0.5, 0.999, 150 zero steps).
-  ``m`` is kept at least 2**-22 of sqrt(v) above 0 now: a target within
-  about 2**-21 of the oracle's on the first step back.
+  With gamma1 < gamma2, m decays faster than v over zero norms; at m = 0
+  the scaled v (kept with m's exponent) would saturate and lose its
+  history, and the leaf come back at norm 6.7 where it should be 1.03
+  (gammas 0.5, 0.999, 150 zero steps). ``m`` is kept at least 2**-22 of
+  sqrt(v) above 0: a target within about 2**-21 of the oracle's on the
+  first step back.
   """
   g1, g2 = gammas
   norms = [math.ldexp(n, k) for n, r in runs for _ in range(r)]
@@ -1056,9 +1055,9 @@ def test_a_square_beyond_the_range_leaves_the_moment_finite(
 ):
   """A finite element whose square overflows the dtype (above 256 in
   float16, about 1.8e19 in float32), on a step before clipping starts,
-  leaves the second moment finite and every update finite; it was inf for
-  good, so that every later ``g^2 > threshold nu`` was false (clipping off
-  until the next reset; found by a scale-equivariance probe, 5 Dec).
+  leaves the second moment finite and every update finite (an inf moment
+  would make every later ``g^2 > threshold nu`` false: clipping off until
+  the next reset).
   """
   np_dtype = fz.DTYPES[dtype]
   big = float(np.finfo(np_dtype).max) * huge
@@ -1088,8 +1087,8 @@ def test_an_element_whose_moment_is_zero_is_not_zeroed(
   term to be represented (with this b2 = 0.5, below about 2.4e-4: the
   moment stays 0), and an element that was 0 until the last step, are not
   clipped: SPAM's reference clips a coordinate against a zero moment to 0,
-  which zeroed such elements at every step (found 5 Dec: clip_spikes zeroed
-  float16 gradients of 1e-3).
+  which zeroes such elements at every step (float16 gradients of 1e-3,
+  for clip_spikes).
   """
   np_dtype = fz.DTYPES[dtype]
   tx, update = _square_edge_step(name, dtype)

@@ -101,9 +101,9 @@ def trees_with_none(draw):
 @hypothesis.given(case=trees_with_none())
 def test_leaf_norm_names_match_their_values_beside_none_nodes(case):
   """Every name of leaf_norm_table (and stats()' leaf_norm keys) carries its
-  own leaf's (or layer's) norm, with None nodes anywhere in the tree. Found
-  by a user's probe (5 Dec): a None node took a name, and every later name
-  the norm of the leaf before it (3 names for 2 values).
+  own leaf's (or layer's) norm, with None nodes anywhere in the tree: a None
+  node takes no name (else every later name would carry the norm of the
+  leaf before it: 3 names for 2 values).
   """
   tree, axes = case
   tx = optaxclip.clip_global(1.0, leaf_stats=True, layer_axis=axes)

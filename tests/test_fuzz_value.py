@@ -1,4 +1,4 @@
-"""Properties of ``clip_value(stats="sampled")`` (issue 10, item 10), and of
+"""Properties of ``clip_value(stats="sampled")``, and of
 the exact mode's count on leaves too large to be their own sample.
 
 Its update must be ``optax.clip``'s element by element, except that an inf
@@ -216,9 +216,8 @@ def test_exact_stats_count_every_clipped_element_of_a_large_leaf(
   """A few elements above the limit anywhere in a leaf of 70000 (mostly off
   the sample's grid of every 257th element, where a sampled count misses
   them) and in a small leaf beside it: ``clip_fraction`` is their exact
-  share.
-  Before the count came with the read of the max (one pass), a large
-  leaf's count was estimated from the sample.
+  share: the exact mode counts in the same pass as it reads the max, and
+  does not estimate a large leaf's count from the sample.
   """
   rng = np.random.default_rng(seed)
   dt = fz.DTYPES[dtype]

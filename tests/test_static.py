@@ -1022,11 +1022,11 @@ class JitTest(parameterized.TestCase):
         self.assertTrue(np.isfinite(float(value)))
 
 
-# --- Every finite magnitude, every dtype (issue 10, item 1) -------------------
+# --- Every finite magnitude, every dtype --------------------------------------
 #
 # XLA compiles x / s as x * (1 / s); above 2**126 the reciprocal is subnormal
-# and flushed to zero. Before the fix these cases returned zeros (or passed
-# the gradient unclipped) and recorded a norm or clipped norm of 0.
+# and flushed to zero. A clipper dividing by such a norm would return zeros
+# (or pass the gradient unclipped) and record a norm or clipped norm of 0.
 
 
 def _clip_np(leaves, limit, norm):
@@ -1195,7 +1195,7 @@ class ExtremeMagnitudeTest(parameterized.TestCase):
     _close(state.norm, math.sqrt(2) * 1e38)
 
 
-# --- Non-finite gradients: one policy (issue 10, item 5) ----------------------
+# --- Non-finite gradients: one policy -----------------------------------------
 
 
 _NONFINITE_CASES = {
@@ -1346,7 +1346,7 @@ class SampledValueStatsTest(chex.TestCase):
     self.assertLen(traces, 1)
 
 
-# --- Derivatives of order 0-2 (issue 10, item 2) ------------------------------
+# --- Derivatives of order 0-2 -------------------------------------------------
 
 
 def _second_order_cases():
@@ -1395,8 +1395,8 @@ def _second_order_cases():
 class SecondOrderTest(parameterized.TestCase):
   """Hessians through ``update`` match optax's clippers where both are smooth.
 
-  Before the fix every case raised ``TypeError ... ad_util.Zero ... reshape``
-  (the custom-JVP rules returned a primal that had no JVP of its own).
+  The custom-JVP rules return a primal that has a JVP of its own (else every
+  case raises ``TypeError ... ad_util.Zero ... reshape``).
   """
 
   def test_hessians_match_optax_away_from_the_threshold(self):
