@@ -22,8 +22,11 @@ from optaxclip._functional import clip_by_norm
 from optaxclip._functional import clip_by_value
 from optaxclip._functional import global_norm
 from optaxclip._functional import leaf_norms
+from optaxclip._guard import GuardCounts
 from optaxclip._guard import GuardState
-from optaxclip._guard import LossMoments
+from optaxclip._guard import GuardVerdict
+from optaxclip._guard import LossMonitor
+from optaxclip._guard import Moments
 from optaxclip._guard import Window
 from optaxclip._guard import guard
 from optaxclip._per_example import ClipPerExampleState
@@ -61,6 +64,23 @@ from optaxclip._wrappers import clipped
 
 __version__ = "0.1.0"
 
+# Names kept for code written against an earlier release: old name -> today's.
+_DEPRECATED = {"LossMoments": "Moments"}
+
+
+def __getattr__(name: str):
+  if name in _DEPRECATED:
+    import warnings
+
+    warnings.warn(
+      f"optaxclip.{name} is deprecated: use optaxclip.{_DEPRECATED[name]}.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return globals()[_DEPRECATED[name]]
+  raise AttributeError(f"module 'optaxclip' has no attribute {name!r}")
+
+
 __all__ = (
   "ClipBlockRMSState",
   "ClipGlobalState",
@@ -74,9 +94,12 @@ __all__ = (
   "ClipValueState",
   "ClipZscoreState",
   "DpNoiseState",
+  "GuardCounts",
   "GuardState",
+  "GuardVerdict",
   "LeafNorms",
-  "LossMoments",
+  "LossMonitor",
+  "Moments",
   "ScaleByNormEmaState",
   "Sensitivity",
   "SpamState",

@@ -48,9 +48,10 @@ import optax
 
 from optaxclip import _checks
 from optaxclip import _compiled
+from optaxclip import _measure
+from optaxclip import _moments
 from optaxclip import _norms
 from optaxclip import _schedules
-from optaxclip import _sharding
 from optaxclip import _stats
 from optaxclip import _telemetry
 from optaxclip._typing import AxisName
@@ -89,7 +90,7 @@ class ClipZscoreState(NamedTuple):
       ``2**488`` in float64), beyond that ``var * 4**-e`` with ``e`` the
       mean's binary exponent less (plus) 40 (488), so that spreads from
       ``2**-24`` to ``2**24`` times the mean stay in range
-      (``optaxclip._adaptive.spread`` gives the standard deviation).
+      (``optaxclip._moments.spread`` gives the standard deviation).
     consecutive_spikes: spikes in a row so far, per unit (judged against
       the statistics as they were before any raise).
     restarts: steps on which a unit's statistics moved to a new level: a
@@ -213,196 +214,7 @@ class ClipRelativeState(NamedTuple):
   top_leaf: Optional[jax.Array] = None  # int32 scalar
 
 
-# --- Shared pieces ------------------------------------------------------------
-
-
-def stats_dtype(params: Any, who: str) -> np.dtype:
-  """The dtype of an adaptive state's statistics, fixed at ``init``.
-
-  The accumulation dtype of the parameters' float leaves: float32, or
-  float64 when one is float64 (so float64 trees keep float64 decisions).
-  A float leaf narrower than 16 bits is ``who``'s TypeError.
-  """
-  _checks.check_float_width(params, f"{who}: params")
-  leaves = [
-    x
-    for x in jax.tree.leaves(params)
-    if jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.inexact)
-  ]
-  return np.dtype(_norms.tree_accumulation_dtype(leaves))
-
-
-def _unit_shape(params: Any, scope: str) -> tuple[int, ...]:
-  """Shape of the per-unit statistics: () for the tree, (n_leaves,) per leaf."""
-  return () if scope == "global" else (len(jax.tree.leaves(params)),)
-
-
-def _stat(x: Any, dtype: Any) -> jax.Array:
-  return jnp.asarray(x).astype(dtype).reshape(())
-
-
-def _total(values: jax.Array, dtype: Any) -> jax.Array:
-  """A scalar: the value itself, or the L2 norm of per-leaf values."""
-  if values.ndim == 0:
-    return _stat(values, dtype)
-  return _stat(_norms.combine_norms([values]), dtype)
-
-
-class _Measured:
-  """The updates' leaves and their norm(s), one pass over the tree.
-
-  Norms are taken in the wider of the state's dtype and the tree's
-  accumulation dtype; with ``axis_name``, of the whole (sharded) arrays.
-  """
-
-  def __init__(
-    self,
-    updates: Any,
-    scope: str,
-    who: str,
-    state_dtype: Any,
-    unit_shape: Optional[tuple[int, ...]] = None,
-    *,
-    axis_name: AxisName = None,
-    sharded: Any = True,
-    leaf_stats: bool = False,
-    layer_axis: Any = None,
-    state_norms: Any = None,
-  ):
-    _checks.check_float_leaves(updates, f"{who}: updates")
-    self.leaves, self.treedef = jax.tree.flatten(updates)
-    self.scope = scope
-    # Per-leaf scope: the packing of the leaves (see _norms.UnitLayout).
-    self.layout = None
-    self.state_dtype = state_dtype
-    self.telemetry = _telemetry.LeafStats()
-    # Per leaf, how it is split (with the dimensions a PartitionSpec
-    # declares: the per-layer telemetry refuses a split layer axis).
-    splits = (
-      _sharding.resolve(updates, sharded, axis_name, who) if axis_name else None
-    )
-    flags = None if splits is None else [s.axes for s in splits]
-    self.dtype = _norms.promote_types(
-      state_dtype, _norms.tree_accumulation_dtype(self.leaves)
-    )
-    acc = _norms.tree_accumulation_dtype(self.leaves)
-    if scope == "global" and leaf_stats:
-      scaled, self.telemetry = _telemetry.global_norm_with_leaves(
-        who,
-        updates,
-        self.leaves,
-        2.0,
-        state_norms,
-        layer_axis,
-        axis_name=axis_name,
-        splits=splits,
-      )
-    elif scope == "global":
-      scaled = _norms.global_norm_scaled(
-        self.leaves, axis_name=axis_name, sharded=flags
-      )
-    else:
-      if unit_shape is not None and unit_shape != (len(self.leaves),):
-        raise ValueError(
-          f"{who}: the state was built for {unit_shape[0]} leaves but the "
-          f"updates have {len(self.leaves)}; call init with parameters of "
-          "the same structure as the updates."
-        )
-      # Packed: the leaves' norms come as one vector from a few reductions,
-      # whatever the number of leaves (compile time on many tiny leaves).
-      layout, per_part, self.telemetry = _telemetry.unit_norms(
-        who,
-        updates,
-        self.leaves,
-        2.0,
-        [None] * len(self.leaves),
-        on=leaf_stats,
-        state_norms=state_norms,
-        layer_axis=layer_axis,
-        axis_name=axis_name,
-        splits=splits,
-      )
-      self.layout = layout
-      scaled = (
-        layout.leaf_vector_scaled(per_part, acc)
-        if per_part
-        else _norms.Scaled(jnp.zeros((0,), acc), jnp.zeros((0,), jnp.int32))
-      )
-    # The norm exactly (value * 2**exponent, even beyond the dtype's range)
-    # for the scaling; as a plain float for the statistics and decisions.
-    self.scaled = scaled
-    # Statistics are not differentiated through (as in every reference,
-    # where they are Python floats): only the scaling carries gradients.
-    self.stat_norm = jax.lax.stop_gradient(scaled.as_float()).astype(self.dtype)
-    # NaN/Inf in the input (a norm of finite values beyond the dtype's
-    # range is finite here, and inf as a statistic: it is not recorded).
-    self.unit_finite = jnp.isfinite(jax.lax.stop_gradient(scaled.value))
-    if self.stat_norm.ndim and self.stat_norm.size:
-      # The total (a statistic) and whether every unit is finite in one
-      # pass: one kernel to compile (see _norms.combine_norms_each).
-      (self.total,), (n_bad,) = _norms.combine_norms_each(
-        [self.stat_norm], counts=[~jnp.isfinite(self.stat_norm)]
-      )
-      self.finite = n_bad == 0
-    else:
-      self.total = _total(self.stat_norm, self.dtype)
-      self.finite = jnp.all(jnp.isfinite(self.stat_norm))
-
-  def clip(self, limit: jax.Array, counts: Sequence[jax.Array] = ()):
-    """Scales each clipping unit to ``limit``; returns updates, stats and
-    the number of True entries (float32) of each per-unit boolean array of
-    ``counts``, counted in the statistics' pass.
-    """
-    limit = jax.lax.stop_gradient(jnp.asarray(limit, self.dtype))
-    g = self.stat_norm
-    # Exact, and NaN for a unit with a NaN or infinite norm: the non-finite
-    # policy (see the module's docstring), from _norms.clip_scale.
-    factor = _norms.clip_scale(self.scaled, limit)
-    if self.layout is not None:
-      # In memory: the scaling's parts and the statistics below would each
-      # compile the factor's arithmetic into their own kernels.
-      factor = _norms.materialized_scaled(factor)
-    if self.scope == "global":
-      out = _norms.scale_all(self.leaves, factor)
-    elif self.layout is not None:
-      # Small leaves scaled in their packed parts (compile time).
-      out = self.layout.scale_leafwise(self.leaves, factor)
-    else:
-      # scale_each, not factor[i]: kernels shared by leaves of one shape.
-      out = _norms.scale_each(self.leaves, factor)
-    scaled = _norms.is_scaled_down(jax.lax.stop_gradient(factor))
-    # Exactly min(norm, limit), without inf * 0; NaN for a non-finite unit,
-    # whose output holds NaN.
-    clipped = jnp.where(self.unit_finite, jnp.where(scaled, limit, g), jnp.nan)
-    dtype = self.state_dtype
-    updates = jax.tree.unflatten(self.treedef, out)
-    if g.ndim == 0 or not g.size:
-      stats = (
-        _stat(self.total, dtype),
-        _total(clipped, dtype),
-        _stat(jnp.mean(scaled, dtype=_F32) if scaled.size else 0.0, dtype),
-        _total(limit, dtype),
-      )
-      return updates, stats, [jnp.sum(c, dtype=_F32) for c in counts]
-    # Per-unit statistics in one pass (one kernel to compile, not several
-    # per statistic: see _norms.combine_norms_each).
-    per_unit = [clipped] + ([limit] if limit.shape == g.shape else [])
-    totals, numbers = _norms.combine_norms_each(
-      per_unit, counts=[scaled, *counts]
-    )
-    stats = (
-      _stat(self.total, dtype),
-      _stat(totals[0], dtype),
-      _stat(numbers[0] / scaled.size, dtype),
-      _stat(totals[1], dtype) if len(totals) > 1 else _total(limit, dtype),
-    )
-    return updates, stats, numbers[1:]
-
-
-# Shared with guard.
-Measured = _Measured
-unit_shape = _unit_shape
-total = _total
+# --- Shared pieces ---------------------------------------------------------
 
 
 def _keep_if(finite: jax.Array, new, old):
@@ -417,279 +229,6 @@ def _nan_if_nan(limit: Any, value: Any) -> Any:
   if not isinstance(value, jax.Array):
     return limit
   return jnp.where(jnp.isnan(value), jnp.nan, limit)
-
-
-# A variance is kept with the exponent of spread_exponent: as the variance
-# itself while 2**-41 <= |mean| < 2**40 (about 4.5e-13 to 1.1e12) in float32
-# (2**-489 to 2**488 in float64), beyond that as var * 4**-e, so that
-# spreads from 2**-24 to 2**24 times the mean stay in range. Kept as the
-# variance itself, it saturated at the dtype's largest value once the norms
-# passed about 1e19 (float32), where ordinary steps then read as spikes, and
-# it flushed to 0 below about 1e-19, where every move read as a new level.
-# A spread larger than that beside a mean near 0 (losses around 0, a restart
-# at 0, EMAs of a stream of zeros) would saturate too: the kept mean is held
-# at least 2**-_NUDGE standard deviations from 0 (see kept_moments).
-_HEADROOM = 24
-_NUDGE = _HEADROOM - 2
-
-
-def _spread_offset(dtype: Any) -> int:
-  return int(jnp.finfo(dtype).maxexp) // 2 - _HEADROOM
-
-
-def spread_exponent(mean: jax.Array) -> jax.Array:
-  """The int32 ``e`` with which a variance beside ``mean`` is kept, as
-  ``var * 4**-e``: 0 while ``2**-41 <= |mean| < 2**40`` (float32;
-  ``2**-489`` to ``2**488`` in float64), beyond that the mean's binary
-  exponent less (plus) 40 (488). ``|e|`` is at most 89 (537), so that
-  ``2**e`` and ``2**-e`` are normal: ``ldexp`` by it takes one piece.
-  """
-  offset = np.int32(_spread_offset(mean.dtype))
-  e = _norms.exponent(mean)
-  zero = jnp.zeros_like(offset)
-  above = jax.lax.max(jax.lax.sub(e, offset), zero)
-  below = jax.lax.min(jax.lax.add(e, offset), zero)
-  return jax.lax.add(above, below)
-
-
-def spread_exponent_of(mean: float, dtype: Any) -> int:
-  """:func:`spread_exponent` of a Python number (for reports)."""
-  info = jnp.finfo(dtype)
-  if not math.isfinite(mean):
-    e = int(info.maxexp) + 1
-  elif mean == 0:  # 0 and subnormals as the smallest normal, as exponent()
-    e = int(info.minexp) + 1
-  else:
-    e = max(math.frexp(mean)[1], int(info.minexp) + 1)
-  offset = _spread_offset(dtype)
-  return max(e - offset, 0) + min(e + offset, 0)
-
-
-def spread(mean: jax.Array, var: jax.Array) -> jax.Array:
-  """The standard deviation of a statistic kept as ``(mean, var)``, ``var``
-  with :func:`spread_exponent`'s scale (+inf beyond the dtype's range).
-  """
-  return _norms.ldexp(jnp.sqrt(var), spread_exponent(mean), pieces=1)
-
-
-def safe_exponent(*values: jax.Array) -> jax.Array:
-  """A variance exponent at which squares of differences of ``values`` (and
-  a variance kept beside any of them) stay in range: :func:`spread_exponent`
-  of the largest magnitude (``spread_exponent`` grows with it).
-  """
-  largest = jnp.abs(values[0])
-  for v in values[1:]:
-    largest = jnp.maximum(largest, jnp.abs(v))
-  return spread_exponent(largest)
-
-
-def kept_moments(mean: jax.Array, var: Any, e: jax.Array):
-  """The ``(mean, var)`` to keep for a mean and a variance held as ``var *
-  4**-e`` (``e`` from :func:`safe_exponent`, so that nothing saturated).
-
-  The variance is re-expressed with :func:`spread_exponent` of the kept
-  mean, which is ``mean`` itself unless it lies within ``2**-22`` standard
-  deviations of 0 (in float32 a spread above ``2**22`` times the mean, e.g.
-  losses averaging 0, saturated there): then it is moved away from 0, to
-  the power of two ``2**(E - 22)`` with the spread's exponent ``E`` (its
-  sign kept). A z-score against the kept mean moves by less than ``2**-21``,
-  and only when the mean is that close to 0 (decisions are unchanged beyond
-  rounding); a variance of 0 leaves the mean as it is.
-  """
-  dtype = mean.dtype
-  var = jnp.minimum(var, jnp.finfo(dtype).max)
-  spread_e = jax.lax.add(_norms.exponent(jnp.sqrt(var)), e)
-  floor = _norms.pow2(jax.lax.sub(spread_e, np.int32(_NUDGE)), dtype)
-  near = (var > 0) & (jnp.abs(mean) < floor)
-  kept = jnp.where(near, jnp.where(jnp.signbit(mean), -floor, floor), mean)
-  return kept, rescaled(var, e, spread_exponent(kept))
-
-
-def rescaled(var: jax.Array, e_from: jax.Array, e_to: jax.Array):
-  """A variance kept with exponent ``e_from``, kept with ``e_to`` (capped at
-  the dtype's largest value: a spread beyond the range saturates).
-  """
-  moved = _norms.ldexp(var, 2 * (e_from - e_to))
-  return jnp.minimum(moved, jnp.finfo(var.dtype).max)
-
-
-def welford(count, mean, var, x, e):
-  """Adds ``x`` to a running mean and population variance of ``count`` values.
-
-  Returns the mean and variance of the ``count + 1`` values, equal up to
-  rounding to ``sum(xs) / n`` and ``sum((xs - mean)**2) / n``; ``var`` in
-  and out held as ``var * 4**-e`` (``e`` from :func:`safe_exponent` of
-  ``x``, ``mean`` and ``x - mean``: nothing saturates; see
-  :func:`kept_moments`).
-  """
-  k = (count + 1).astype(mean.dtype)
-  delta = x - mean
-  new_mean = mean + delta / k
-  step = _norms.ldexp(delta, -e, 1) * _norms.ldexp(x - new_mean, -e, 1)
-  new_var = var + (step - var) / k
-  return new_mean, new_var
-
-
-def ema_mean_var(alpha, mean, var, x, e):
-  """EMA update of mean and variance; the variance uses the *new* mean.
-
-  This is the order of the ZClip reference implementation:
-  ``mean = a*mean + (1-a)*x`` first, then ``var = a*var + (1-a)*(x-mean)**2``.
-  The mean is computed as ``mean + (1-a)*(x-mean)``, equal up to rounding:
-  a value equal to the mean leaves it exactly as it was (ZClip's form
-  drifts by an ulp a step on a constant stream, and the variance that the
-  drift builds up makes the constant value itself a spike). ``var`` in and
-  out held with exponent ``e``, as :func:`welford`'s.
-  """
-  new_mean = mean + (1 - alpha) * (x - mean)
-  new_var = alpha * var + (1 - alpha) * _norms.ldexp(x - new_mean, -e, 1) ** 2
-  return new_mean, new_var
-
-
-def running_moments(
-  count, mean, var, x, *, alpha, warmup_steps, finite, take, restart
-):
-  """One step of the norm statistics that :func:`clip_zscore` and
-  :func:`guard` share: a warm-up, then an EMA, and restarts.
-
-  While ``count < warmup_steps`` the plain mean and variance of the values
-  so far (:func:`welford`); then the EMA (:func:`ema_mean_var`). A unit that
-  ``restart``-s has its mean moved to ``x`` and its variance take in the
-  jump ``(x - mean)**2`` as one EMA step would.
-
-  Args:
-    count: int32 scalar, values gathered for the warm-up.
-    mean: the running mean, a scalar or one per unit.
-    var: the running variance, likewise, kept with
-      :func:`spread_exponent`'s scale.
-    x: the value to take in, shaped like ``mean``.
-    alpha: the EMA's smoothing.
-    warmup_steps: values that start the statistics.
-    finite: bool scalar; when false nothing changes (a NaN/Inf step).
-    take: per unit, whether to take ``x`` in (false: the unit's statistics
-      stay, as for ZClip's ``skip_update_on_spike``).
-    restart: per unit, whether the statistics restart at ``x``.
-
-  Returns:
-    The new ``(count, mean, var)``, as :func:`kept_moments` keeps them.
-  """
-  warming = count < warmup_steps
-  # One exponent for the three updates: each new mean lies between mean
-  # and x, each new deviation within |x - mean|.
-  e = safe_exponent(x, mean, x - mean)
-  old = rescaled(var, spread_exponent(mean), e)
-  warm_mean, warm_var = welford(count, mean, old, x, e)
-  ema_mean, ema_var = ema_mean_var(alpha, mean, old, x, e)
-  restart_var = alpha * old + (1 - alpha) * (_norms.ldexp(x - mean, -e, 1) ** 2)
-  new_mean, new_var = kept_moments(
-    jnp.where(restart, x, jnp.where(warming, warm_mean, ema_mean)),
-    jnp.where(restart, restart_var, jnp.where(warming, warm_var, ema_var)),
-    e,
-  )
-  take = finite & (take | restart)
-  new_count = jnp.where(finite, jnp.minimum(count + 1, warmup_steps), count)
-  return (
-    new_count.astype(jnp.int32),
-    jnp.where(take, new_mean, mean).astype(mean.dtype),
-    jnp.where(take, new_var, var).astype(var.dtype),
-  )
-
-
-class Window(NamedTuple):
-  """A ring buffer of the last values of a statistic, per unit.
-
-  Attributes:
-    values: ``(size,)`` or ``(size, n_units)``; the first ``filled`` rows of
-      a unit's column hold its values (the order is irrelevant).
-    filled: how many rows hold a value, per unit (int32, at most ``size``).
-    index: the row the next value goes to, per unit (int32).
-  """
-
-  values: jax.Array
-  filled: jax.Array
-  index: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]
-
-
-def window_init(size: int, unit_shape: tuple[int, ...], dtype: Any) -> Window:
-  """An empty :class:`Window` of ``size`` rows per unit."""
-  return Window(
-    values=jnp.zeros((size, *unit_shape), dtype),
-    filled=jnp.zeros(unit_shape, jnp.int32),
-    index=jnp.zeros(unit_shape, jnp.int32),
-  )
-
-
-def rolling_moments(count, window: Window, x, *, warmup_steps, take, restart):
-  """One step of exact rolling statistics: the mean and sample variance of
-  the last ``size`` values taken in, per unit.
-
-  The values sit in a ring buffer and both moments are recomputed over it at
-  every step (two passes over ``size`` scalars per unit: exact, no running
-  sums to drift, and cheap next to one pass over the gradients). A unit that
-  ``restart``-s empties its window and starts it again at ``x``, warm-up
-  included (``count`` back to 1).
-
-  Args:
-    count: int32, values gathered for the warm-up (per unit), at most
-      ``warmup_steps``.
-    window: the :class:`Window` so far.
-    x: the value to take in, per unit.
-    warmup_steps: values needed before the statistics judge anything.
-    take: per unit, whether ``x`` enters (it must be finite).
-    restart: per unit, whether the window starts again at ``x``.
-
-  Returns:
-    The new ``(count, window, mean, var)``: ``mean`` and ``var`` are those
-    of the values in the window, ``var`` with Bessel's correction (0 with
-    fewer than two values), as :func:`kept_moments` keeps them (the kept
-    mean may sit a little away from 0: see there).
-  """
-  size = window.values.shape[0]
-  rows = jnp.arange(size, dtype=jnp.int32).reshape((size,) + (1,) * x.ndim)
-  enter = take | restart
-  index = jnp.where(restart, 0, window.index)
-  values = jnp.where((rows == index) & enter, x, window.values)
-  filled = jnp.where(
-    restart,
-    1,
-    jnp.where(take, jnp.minimum(window.filled + 1, size), window.filled),
-  )
-  index = jnp.where(enter, (index + 1) % size, window.index)
-  count = jnp.where(
-    restart, 1, jnp.where(take, jnp.minimum(count + 1, warmup_steps), count)
-  )
-  valid = rows < filled
-  n = filled.astype(values.dtype)
-  # Summed at the scale of the largest magnitude (a power of two: the same
-  # roundings), so that values near the dtype's largest do not overflow.
-  largest = jnp.max(jnp.where(valid, jnp.abs(values), 0), axis=0)
-  top = _norms.scale_exponent(largest)
-  scaled = jnp.where(valid, _norms.ldexp(values, -top, 1), 0)
-  mean = _norms.ldexp(jnp.sum(scaled, axis=0) / jnp.maximum(n, 1), top, 1)
-  e = safe_exponent(mean, largest)
-  squares = jnp.where(valid, _norms.ldexp(values - mean, -e, 1) ** 2, 0)
-  var = jnp.sum(squares, axis=0) / jnp.maximum(n - 1, 1)
-  mean, var = kept_moments(mean, jnp.where(filled < 2, 0, var), e)
-  return (
-    count.astype(jnp.int32),
-    Window(values, filled.astype(jnp.int32), index.astype(jnp.int32)),
-    mean.astype(values.dtype),
-    var.astype(values.dtype),
-  )
-
-
-def streak(run: jax.Array, hit: jax.Array, finite: jax.Array) -> jax.Array:
-  """Steps in a row with ``hit``: ``run + 1`` on a hit, else 0 (int32,
-  saturating); unchanged on a non-finite step.
-  """
-  grown = jnp.where(hit, jnp.minimum(run, _INT32_MAX - 1) + 1, 0)
-  return jnp.where(finite, grown, run).astype(jnp.int32)
-
-
-def add_count(total: jax.Array, n: jax.Array) -> jax.Array:
-  """``total + n`` for int32 counters, saturating at the int32 maximum."""
-  n = jnp.sum(jnp.asarray(n, jnp.int32))
-  return (total + jnp.minimum(n, _INT32_MAX - total)).astype(jnp.int32)
 
 
 # --- ZClip -------------------------------------------------------------------
@@ -872,8 +411,8 @@ def clip_zscore(
   leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def init_fn(params):
-    shape = _unit_shape(params, scope)
-    dtype = stats_dtype(params, who)
+    shape = _measure.unit_shape(params, scope)
+    dtype = _measure.stats_dtype(params, who)
     return ClipZscoreState(
       *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
       count=jnp.zeros((), jnp.int32),
@@ -887,7 +426,7 @@ def clip_zscore(
 
   def spike_rule(g, mean, var, z_thresh):
     """Returns (spike?, value to clip to on a spike, spike boundary)."""
-    std = spread(mean, var)
+    std = _moments.spread(mean, var)
     if mode == "percentile":
       boundary = mean + z_thresh * std
       return g > boundary, boundary, boundary
@@ -905,7 +444,7 @@ def clip_zscore(
 
   def update_fn(updates, state, params=None):
     del params
-    measured = _Measured(
+    measured = _measure.Measured(
       updates,
       scope,
       who,
@@ -942,13 +481,15 @@ def clip_zscore(
       raised = spike & (state.consecutive_spikes >= patience)
       big = jnp.finfo(mean.dtype).max
       up = jnp.where(raised, jnp.minimum(growth * mean, big), mean)
-      var = rescaled(var, spread_exponent(mean), spread_exponent(up))
+      var = _moments.rescaled(
+        var, _moments.spread_exponent(mean), _moments.spread_exponent(up)
+      )
       mean = up
       spike_up, value_up, boundary_up = spike_rule(g, mean, var, z_now)
       spike = jnp.where(raised, spike_up, spike)
       value = jnp.where(raised, value_up, value)
       boundary = jnp.where(raised, boundary_up, boundary)
-    count, new_mean, new_var = running_moments(
+    count, new_mean, new_var = _moments.running_moments(
       state.count,
       mean,
       var,
@@ -965,16 +506,18 @@ def clip_zscore(
       _nan_if_nan(limit, z_now), [restart | raised]
     )
     threshold = jnp.minimum(jnp.where(warming, jnp.inf, boundary), cap)
-    stats = stats[:3] + (_total(threshold, state.mean.dtype),)
+    stats = stats[:3] + (_measure.total(threshold, state.mean.dtype),)
     return new_updates, ClipZscoreState(
       *stats,
       count=count,
       mean=new_mean.astype(state.mean.dtype),
       var=new_var.astype(state.var.dtype),
-      consecutive_spikes=streak(state.consecutive_spikes, held, finite),
+      consecutive_spikes=_moments.streak(
+        state.consecutive_spikes, held, finite
+      ),
       restarts=jnp.where(
         finite,
-        add_count(state.restarts, restarted.astype(jnp.int32)),
+        _moments.add_count(state.restarts, restarted.astype(jnp.int32)),
         state.restarts,
       ),
       step=_schedules.next_count(state.step),
@@ -1190,8 +733,8 @@ def clip_percentile(
   leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def init_fn(params):
-    shape = (history,) + _unit_shape(params, scope)
-    dtype = stats_dtype(params, who)
+    shape = (history,) + _measure.unit_shape(params, scope)
+    dtype = _measure.stats_dtype(params, who)
     return ClipPercentileState(
       *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
       filled=jnp.zeros((), jnp.int32),
@@ -1205,7 +748,7 @@ def clip_percentile(
   def update_fn(updates, state, params=None):
     del params
     dtype = state.history.dtype
-    measured = _Measured(
+    measured = _measure.Measured(
       updates,
       scope,
       who,
@@ -1405,8 +948,8 @@ def clip_relative(
   leaf_stats = _telemetry.check(who, leaf_stats, layer_axis)
 
   def init_fn(params):
-    shape = _unit_shape(params, "leaf")
-    dtype = stats_dtype(params, who)
+    shape = _measure.unit_shape(params, "leaf")
+    dtype = _measure.stats_dtype(params, who)
     return ClipRelativeState(
       *(jnp.zeros((), dtype) for _ in ADAPTIVE_FIELDS),
       count=jnp.zeros((), jnp.int32),
@@ -1419,7 +962,7 @@ def clip_relative(
 
   def update_fn(updates, state, params=None):
     del params
-    measured = _Measured(
+    measured = _measure.Measured(
       updates,
       "leaf",
       who,
@@ -1481,23 +1024,23 @@ def clip_relative(
     threshold = jnp.where(
       warming,
       jnp.asarray(warmup_max_norm_now, stats[3].dtype),
-      _total(relative, stats[3].dtype),
+      _measure.total(relative, stats[3].dtype),
     )
     count, new_gamma, restarts = _keep_if(
       finite,
       (
         jnp.minimum(state.count + 1, warmup_steps).astype(jnp.int32),
         new_gamma.astype(state.gamma.dtype),
-        add_count(state.restarts, n_raised.astype(jnp.int32)),
+        _moments.add_count(state.restarts, n_raised.astype(jnp.int32)),
       ),
       (state.count, state.gamma, state.restarts),
     )
     return new_updates, ClipRelativeState(
       *stats[:3],
-      _stat(threshold, state.gamma.dtype),
+      _measure.as_scalar(threshold, state.gamma.dtype),
       count=count,
       gamma=new_gamma,
-      consecutive_clips=streak(state.consecutive_clips, over, finite),
+      consecutive_clips=_moments.streak(state.consecutive_clips, over, finite),
       restarts=restarts,
       step=_schedules.next_count(state.step),
       **measured.telemetry._asdict(),

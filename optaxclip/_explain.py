@@ -28,7 +28,7 @@ import optax
 from optaxclip import _guard
 from optaxclip import _stats
 from optaxclip import _telemetry
-from optaxclip._adaptive import spread_exponent_of
+from optaxclip._moments import spread_exponent_of
 
 
 def _num(x: float) -> str:
@@ -120,17 +120,18 @@ class _View:
       )
     return float(value.reshape(()))
 
-  def stat(self, name: str) -> float:
+  def stat(self, *names: str) -> float:
     """A statistic every state of its kind keeps."""
-    value = self.scalar(name)
+    value = self.scalar(*names)
     if value is None:
       raise ValueError(
-        f"explain: a {type(self.state).__name__} must hold {name}; got None."
+        f"explain: a {type(self.state).__name__} must hold "
+        f"{'.'.join(names)}; got None."
       )
     return value
 
-  def integer(self, name: str) -> int:
-    value = self.scalar(name)
+  def integer(self, *names: str) -> int:
+    value = self.scalar(*names)
     return 0 if value is None else int(value)
 
 
@@ -312,7 +313,7 @@ def _held_by(view: _View, entry: str) -> str:
   """
   state = view.state
   if isinstance(state, _guard.GuardState) and entry == "inner_state":
-    if view.integer("consecutive_skips") and _guard_skipped_all(view):
+    if view.integer("counts", "consecutive_skips") and _guard_skipped_all(view):
       return "the guard around it skipped the step"
   elif isinstance(state, optax.MultiStepsState) and entry == "inner_opt_state":
     mini = view.integer("mini_step")
@@ -420,7 +421,7 @@ def _value_clip(who: str, view: _View) -> str:
 
 def _std(view: _View, mean: float, var: float) -> float:
   """The standard deviation of a state's ``(mean, var)`` (the variance is
-  kept scaled outside ``2**-41`` to ``2**40``: ``_adaptive.spread``).
+  kept scaled outside ``2**-41`` to ``2**40``: ``_moments.spread``).
   """
   dtype = np.asarray(view.array("mean")).dtype
   e = spread_exponent_of(mean, dtype)
@@ -592,21 +593,21 @@ def _skip_cause(view: _View) -> Optional[str]:
   does not say (a state without ``skip_cause`` whose counters name more
   than one cause).
   """
-  if not view.integer("consecutive_skips"):
+  if not view.integer("counts", "consecutive_skips"):
     return None
-  index = view.scalar("skip_cause")
+  index = view.scalar("verdict", "skip_cause")
   if index is not None and 0 < int(index) < len(_guard.SKIP_CAUSES):
     return _guard.SKIP_CAUSES[int(index)]
   # Without a recorded cause: the counters add up to `skipped`, so one that
   # alone is nonzero counted every skip, this one included.
-  moved = [field for field in _CAUSE_LABELS if view.integer(field)]
+  moved = [field for field in _CAUSE_LABELS if view.integer("counts", field)]
   return moved[0] if len(moved) == 1 else None
 
 
 def _guard_leaves(view: _View) -> Optional[tuple[int, int]]:
   """``(skipped, of)`` leaves this step for ``scope="leaf"``; else None."""
-  skipped = view.scalar("skipped_leaves")
-  counts = view.array("count")
+  skipped = view.scalar("verdict", "skipped_leaves")
+  counts = view.array("norm_moments", "count")
   if skipped is None or counts is None:
     return None
   return int(skipped), int(counts.size)
@@ -621,12 +622,15 @@ def _guard_tally(view: _View) -> str:
   """The streak and total, e.g. "3 skips in a row, 5 in all (1 non-finite,
   4 spike)".
   """
-  streak, skipped = view.integer("consecutive_skips"), view.integer("skipped")
+  streak, skipped = (
+    view.integer("counts", "consecutive_skips"),
+    view.integer("counts", "skipped"),
+  )
   text = f"{_plural(streak, 'skip')} in a row"
   causes = [
     f"{n} {label}"
     for field, label in _CAUSE_LABELS.items()
-    if (n := view.integer(field))
+    if (n := view.integer("counts", field))
   ]
   if streak != skipped or len(causes) > 1:
     text += f", {skipped} in all"
@@ -637,12 +641,15 @@ def _guard_tally(view: _View) -> str:
 
 def _guard_why(view: _View, cause: Optional[str]) -> str:
   """This step's cause, as the facts the state holds about it."""
-  norm, threshold = view.stat("norm"), view.stat("threshold")
-  z = view.stat("z_score")
+  norm, threshold = (
+    view.stat("verdict", "norm"),
+    view.stat("verdict", "threshold"),
+  )
+  z = view.stat("verdict", "z_score")
   per_leaf = _guard_leaves(view) is not None
   subject = "a leaf's norm" if per_leaf else f"the norm {_num(norm)}"
   if cause == "skipped_nonfinite":
-    loss = view.scalar("loss")
+    loss = view.scalar("loss_monitor", "value")
     if loss is not None and not math.isfinite(loss):
       tail = "" if math.isfinite(norm) else f"; the gradient norm {_num(norm)}"
       return f"the loss was {_num(loss)}{tail}"
@@ -654,7 +661,7 @@ def _guard_why(view: _View, cause: Optional[str]) -> str:
     if math.isnan(threshold):
       return "the spike bound was nan (spike_z's schedule gave NaN)"
     if z > 0:
-      mean = None if per_leaf else view.scalar("mean")
+      mean = None if per_leaf else view.scalar("norm_moments", "mean")
       now = "" if mean is None else f"now {_num(mean)}; "
       limit = "" if per_leaf else f"{now}threshold {_num(threshold)}"
       limit = f" ({limit})" if limit else ""
@@ -663,8 +670,11 @@ def _guard_why(view: _View, cause: Optional[str]) -> str:
       )
     return f"{subject} was above the spike bound (threshold {_num(threshold)})"
   if cause == "skipped_loss_spike":
-    loss, loss_z = view.scalar("loss"), view.scalar("loss_z_score")
-    mean = view.scalar("loss_moments", "mean")
+    loss, loss_z = (
+      view.scalar("loss_monitor", "value"),
+      view.scalar("loss_monitor", "z_score"),
+    )
+    mean = view.scalar("loss_monitor", "moments", "mean")
     if loss is None or loss_z is None or loss_z <= 0:
       return "the loss's spike bound was nan (loss_spike_z's schedule gave NaN)"
     of = "" if mean is None else f" {_num(mean)}"
@@ -679,10 +689,13 @@ def _guard_why(view: _View, cause: Optional[str]) -> str:
 
 
 def _guard_step(who: str, view: _View) -> str:
-  norm, threshold = view.stat("norm"), view.stat("threshold")
+  norm, threshold = (
+    view.stat("verdict", "norm"),
+    view.stat("verdict", "threshold"),
+  )
   leaves = _guard_leaves(view)
   blame = _top_leaf_phrase(view)
-  if not view.integer("consecutive_skips"):
+  if not view.integer("counts", "consecutive_skips"):
     what = "every leaf" if leaves is not None else "the step"
     if math.isnan(norm):
       return (
@@ -804,7 +817,7 @@ def _reported(who: str, view: _View) -> str:
 def _batch_of(view_batch: tuple, node: Any, name: str) -> tuple[int, ...]:
   """The batch axes of a wrapper around a state batched as ``view_batch``."""
   if isinstance(node, _guard.GuardState):
-    field = node.consecutive_skips
+    field = node.counts.consecutive_skips
   elif isinstance(node, optax.MultiStepsState):
     field = node.mini_step
   else:

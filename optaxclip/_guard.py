@@ -4,7 +4,9 @@ spiking gradient or a spiking loss.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,8 @@ import optax
 from optaxclip import _adaptive
 from optaxclip import _checks
 from optaxclip import _compiled
+from optaxclip import _measure
+from optaxclip import _moments
 from optaxclip import _norms
 from optaxclip import _schedules
 from optaxclip import _stats
@@ -22,32 +26,142 @@ from optaxclip._typing import Scalar
 from optaxclip._typing import ScalarOrSchedule
 from optaxclip._typing import Scope
 
-Window = _adaptive.Window
+Window = _moments.Window
 Window.__module__ = "optaxclip"
 
 
-class LossMoments(NamedTuple):
-  """The running statistics of the loss in a loss-aware :class:`GuardState`.
+class Moments(NamedTuple):
+  """The running statistics of one value :func:`guard` watches: the gradient
+  norm's (``GuardState.norm_moments``) or the loss's
+  (``GuardState.loss_monitor.moments``).
+
+  Float fields are in the statistics dtype chosen at ``init``. With
+  ``scope="leaf"`` the norm's hold one entry per leaf, in the order of
+  ``jax.tree.leaves(params)``.
 
   Attributes:
-    count: finite losses of accepted steps gathered for the warm-up, at most
-      ``warmup_steps`` (back to 1 when a window of only zeros restarts).
-    mean: the mean of the loss (warm-up mean then EMA, or the window's).
-    var: the variance of the loss, likewise (with the scale of
+    count: finite values gathered for the warm-up, at most ``warmup_steps``
+      (with ``window``: values of steps that went through, back to 1 when a
+      window of only zeros restarts). The loss's take in only accepted
+      steps.
+    mean: the mean (the warm-up's plain mean, then an EMA; with ``window``,
+      the mean of the window).
+    var: the variance, likewise (with the scale of
       :class:`ClipZscoreState`'s ``var`` outside ``2**-41`` to ``2**40``).
-    consecutive_spikes: losses in a row above the spike bound of the
+    consecutive_spikes: values in a row above the spike bound of the
       statistics as they were before any raise (see :func:`guard`).
-    window: the last ``window`` accepted losses (``None`` for the EMA).
+    window: the last ``window`` accepted values, an ``optaxclip.Window``;
+      ``None`` for the EMA.
   """
 
-  count: jax.Array  # int32 scalar  # pyright: ignore[reportIncompatibleMethodOverride]
-  mean: jax.Array  # float scalar
-  var: jax.Array  # float scalar
-  consecutive_spikes: jax.Array  # int32 scalar
+  count: jax.Array  # int32  # pyright: ignore[reportIncompatibleMethodOverride]
+  mean: jax.Array  # float
+  var: jax.Array  # float
+  consecutive_spikes: jax.Array  # int32
   window: Optional[Window]
 
 
-LossMoments.__module__ = "optaxclip"
+class GuardVerdict(NamedTuple):
+  """What :func:`guard` measured and decided on the last step.
+
+  Attributes:
+    norm: the step's global L2 gradient norm.
+    threshold: the largest norm that passed: ``max_norm`` and, after
+      warm-up, the spike bound; +inf when neither applies (with
+      ``scope="leaf"``: the L2 norm of the per-leaf thresholds).
+    z_score: the norm in standard deviations above the mean of the
+      statistics it was judged by, ``(norm - mean) / sqrt(var)``; 0 where
+      that is undefined (during warm-up, for a NaN/Inf norm, or when the
+      variance is 0). With ``scope="leaf"``: the largest over the leaves.
+    skip_cause: why the step was skipped (int32): 0 when it went through,
+      else the counter it was counted in: 1 ``skipped_nonfinite``, 2
+      ``skipped_max_norm``, 3 ``skipped_spike``, 4 ``skipped_loss_spike``.
+      :func:`optaxclip.explain` reads it.
+    skipped_leaves: leaves skipped (``scope="leaf"``; ``None`` with
+      ``scope="global"``).
+  """
+
+  norm: jax.Array  # float scalar
+  threshold: jax.Array  # float scalar
+  z_score: jax.Array  # float scalar
+  skip_cause: jax.Array  # int32 scalar: SKIP_CAUSES index
+  skipped_leaves: Optional[jax.Array]  # int32 scalar
+
+
+class GuardCounts(NamedTuple):
+  """What :func:`guard` counted since ``init`` (int32 scalars, saturating).
+
+  Each skipped step is counted once, under the first cause that holds:
+  the four ``skipped_*`` counters add up to ``skipped`` (for a state
+  counted from ``init``; one upgraded from release 0.1.0 starts them at 0).
+
+  Attributes:
+    skipped: steps skipped, whatever the cause (with ``scope="leaf"``, steps
+      in which at least one leaf was skipped).
+    consecutive_skips: skipped steps in a row, ending with the last one (0
+      when it went through).
+    nonfinite: steps with a NaN/Inf gradient, skipped or not (with
+      ``skip_nonfinite=False`` they pass and are still counted here).
+    restarts: steps on which statistics (of the norm, per leaf with
+      ``scope="leaf"``, or of the loss) moved to a new level: a first value
+      above 0 after only zeros, or a mean raised after ``patience`` spikes
+      in a row (each unit and each statistic counted).
+    skipped_nonfinite: skipped because the gradient (or, when loss-aware,
+      the loss) held NaN/Inf.
+    skipped_max_norm: skipped because the norm was above ``max_norm``.
+    skipped_spike: skipped as a spike of the norm; an infinite norm of
+      finite values counts here when only the spike bound stops it.
+    skipped_loss_spike: skipped as a spike of the loss; always 0 without
+      ``loss_spike_z``.
+  """
+
+  skipped: jax.Array
+  consecutive_skips: jax.Array
+  nonfinite: jax.Array
+  restarts: jax.Array
+  skipped_nonfinite: jax.Array
+  skipped_max_norm: jax.Array
+  skipped_spike: jax.Array
+  skipped_loss_spike: jax.Array
+
+
+class LossMonitor(NamedTuple):
+  """The loss as a loss-aware :func:`guard` (``loss_spike_z``) watches it.
+
+  Attributes:
+    value: the last step's loss (the ``value`` given to ``update``; averaged
+      over ``axis_name``).
+    z_score: the loss in standard deviations above its mean, 0 where
+      undefined (as :class:`GuardVerdict`'s ``z_score``).
+    moments: the statistics of the loss, a :class:`Moments`.
+  """
+
+  value: jax.Array  # float scalar
+  z_score: jax.Array  # float scalar
+  moments: Moments
+
+
+# Where each field of GuardState's earlier flat layout lives now: the stats()
+# key it still names, the deprecated attribute that reads it, and the map
+# upgrade_state follows to restore a checkpoint of that layout.
+FLAT_FIELDS = {
+  "norm": ("verdict", "norm"),
+  "threshold": ("verdict", "threshold"),
+  "z_score": ("verdict", "z_score"),
+  "skip_cause": ("verdict", "skip_cause"),
+  "skipped_leaves": ("verdict", "skipped_leaves"),
+  **{
+    name: ("counts", name)
+    for name in GuardCounts._fields  # pyright: ignore[reportAttributeAccessIssue]
+  },
+  **{
+    name: ("norm_moments", name)
+    for name in Moments._fields  # pyright: ignore[reportAttributeAccessIssue]
+  },
+  "loss": ("loss_monitor", "value"),
+  "loss_z_score": ("loss_monitor", "z_score"),
+  "loss_moments": ("loss_monitor", "moments"),
+}
 
 
 @_stats.register(
@@ -68,70 +182,34 @@ LossMoments.__module__ = "optaxclip"
     "loss_z_score",
     "skipped_leaves",
   ),
+  paths=FLAT_FIELDS,
 )
 class GuardState(NamedTuple):
-  """State of :func:`guard`.
+  """State of :func:`guard`, grouped by concern.
+
+  :func:`optaxclip.stats` reports it under flat keys (``guard/skipped``,
+  ``guard/norm``, ``guard/loss``, ...), the names of the fields inside the
+  groups. The flat attributes of the earlier layout (``state.skipped``,
+  ``state.mean``, ``state.loss``, ...) still read the same values, with a
+  ``DeprecationWarning``; :func:`optaxclip.upgrade_state` restores a
+  checkpoint saved in that layout.
 
   Float fields are in the statistics dtype chosen at ``init`` (float32, or
-  float64 for float64 parameters). With ``scope="leaf"`` the statistics of
-  the norm (``count``, ``mean``, ``var``, ``consecutive_spikes``,
-  ``window``) hold one entry per leaf, in the order of
-  ``jax.tree.leaves(params)``. Fields that a configuration does not use are
-  ``None`` (and left out of :func:`stats`).
+  float64 for float64 parameters). Fields that a configuration does not
+  use are ``None`` (and left out of :func:`stats`).
 
   Attributes:
-    norm: this step's global L2 gradient norm.
-    threshold: the largest norm that passed this step: ``max_norm`` and,
-      after warm-up, the spike bound; +inf when neither applies (with
-      ``scope="leaf"``: the L2 norm of the per-leaf thresholds).
-    skipped: steps skipped so far, whatever the cause: the sum of the
-      ``skipped_*`` counters for a state counted from ``init`` (a state
-      upgraded from release 0.1.0 starts them at 0). With
-      ``scope="leaf"``, steps in which at least one leaf was skipped.
-    nonfinite: steps with a NaN/Inf gradient so far, skipped or not (with
-      ``skip_nonfinite=False`` they pass and are still counted here).
-    consecutive_skips: skipped steps in a row, ending with this one (0 when
-      this step went through).
-    count: finite norms gathered for the warm-up, at most ``warmup_steps``
-      (with ``window``: norms of steps that went through, back to 1 when a
-      window of only zeros restarts).
-    mean: the mean of the norm (the warm-up's plain mean, then an EMA; with
-      ``window``, the mean of the window).
-    var: the variance of the norm, likewise (with the scale of
-      :class:`ClipZscoreState`'s ``var`` outside ``2**-41`` to ``2**40``).
     inner_state: the state of the guarded transformation.
-    consecutive_spikes: norms in a row above the spike bound of the
-      statistics as they were before any raise (see :func:`guard`).
-    restarts: steps on which statistics (of the norm, per leaf with
-      ``scope="leaf"``, or of the loss) moved to a new level: a first
-      value above 0 after only zeros, or a mean raised after ``patience``
-      spikes in a row (each unit and each statistic counted).
     step: updates so far, skipped ones included (int32, saturating): the
       step at which a schedule of ``max_norm``, ``spike_z`` or
       ``loss_spike_z`` is evaluated.
-    skipped_nonfinite: steps skipped because the gradient (or, when
-      loss-aware, the loss) held NaN/Inf.
-    skipped_max_norm: steps skipped because the norm was above ``max_norm``
-      (and for no cause above).
-    skipped_spike: steps skipped as a spike of the norm (and for no cause
-      above); an infinite norm of finite values counts here when only the
-      spike bound stops it.
-    z_score: this step's norm in standard deviations above the mean of the
-      statistics it was judged by, ``(norm - mean) / sqrt(var)``; 0 where
-      that is undefined (during warm-up, for a NaN/Inf norm, or when the
-      variance is 0). With ``scope="leaf"``: the largest over the leaves.
-    skipped_loss_spike: steps skipped as a spike of the loss (and for no
-      cause above); always 0 without ``loss_spike_z``.
-    loss: this step's loss (the ``value`` given to ``update``; averaged over
-      ``axis_name``); ``None`` without ``loss_spike_z``.
-    loss_z_score: the loss in standard deviations above its mean, 0 where
-      undefined, as ``z_score``; ``None`` without ``loss_spike_z``.
-    loss_moments: the statistics of the loss, a :class:`LossMoments`;
+    verdict: the last step's norm, threshold, z-score and skip cause, a
+      :class:`GuardVerdict`.
+    counts: the skip counters, a :class:`GuardCounts`.
+    norm_moments: the statistics of the norm, a :class:`Moments` (one entry
+      per leaf with ``scope="leaf"``).
+    loss_monitor: the loss and its statistics, a :class:`LossMonitor`;
       ``None`` without ``loss_spike_z``.
-    window: the last ``window`` accepted norms (per leaf with
-      ``scope="leaf"``), an ``optaxclip.Window``; ``None`` for the EMA.
-    skipped_leaves: leaves skipped this step (``scope="leaf"``; ``None``
-      with ``scope="global"``).
     leaf_norms: with ``leaf_stats=True``, each leaf's L2 norm this step (a
       ``(L,)`` vector per layer for a leaf with a ``layer_axis``), float32,
       a :class:`LeafNorms` (one vector; ``.tree()`` is a pytree shaped
@@ -140,38 +218,40 @@ class GuardState(NamedTuple):
       global norm carried by the largest leaf or layer; else ``None``.
     top_leaf: with ``leaf_stats=True``, that leaf's or layer's index in the
       flattened ``leaf_norms``; else ``None``.
-    skip_cause: why this step was skipped (int32): 0 when it went through,
-      else the counter it was counted in: 1 ``skipped_nonfinite``, 2
-      ``skipped_max_norm``, 3 ``skipped_spike``, 4 ``skipped_loss_spike``.
-      :func:`optaxclip.explain` reads it.
   """
 
-  norm: jax.Array  # float scalar
-  threshold: jax.Array  # float scalar
-  skipped: jax.Array  # int32 scalar
-  nonfinite: jax.Array  # int32 scalar
-  consecutive_skips: jax.Array  # int32 scalar
-  count: jax.Array  # int32: scalar, or (n_leaves,) with scope="leaf"  # pyright: ignore[reportIncompatibleMethodOverride]
-  mean: jax.Array  # float: as count
-  var: jax.Array  # float: as count
   inner_state: Any
-  consecutive_spikes: jax.Array  # int32: as count
-  restarts: jax.Array  # int32 scalar
   step: jax.Array  # int32 scalar
-  skipped_nonfinite: jax.Array  # int32 scalar
-  skipped_max_norm: jax.Array  # int32 scalar
-  skipped_spike: jax.Array  # int32 scalar
-  z_score: jax.Array  # float scalar
-  skipped_loss_spike: jax.Array  # int32 scalar
-  loss: Optional[jax.Array]  # float scalar
-  loss_z_score: Optional[jax.Array]  # float scalar
-  loss_moments: Optional[LossMoments]
-  window: Optional[Window]
-  skipped_leaves: Optional[jax.Array]  # int32 scalar
+  verdict: GuardVerdict
+  counts: GuardCounts
+  norm_moments: Moments
+  loss_monitor: Optional[LossMonitor]
   leaf_norms: Any = None  # LeafNorms: float32 (entries,), static structure
   top_leaf_share: Optional[jax.Array] = None  # float32 scalar in [0, 1]
   top_leaf: Optional[jax.Array] = None  # int32 scalar
-  skip_cause: Optional[jax.Array] = None  # int32 scalar: SKIP_CAUSES index
+
+
+def _flat_alias(name: str, path: tuple[str, ...]) -> property:
+  """A read-only attribute of the flat layout, reading ``path``."""
+  where = ".".join(path)
+
+  def read(state: GuardState) -> Any:
+    warnings.warn(
+      f"GuardState.{name} is deprecated: read state.{where} (the stats() "
+      f"key guard/{name} is unchanged).",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return _stats.follow(state, path)
+
+  return property(read, doc=f"Deprecated: ``{where}``.")
+
+
+for _name, _path in FLAT_FIELDS.items():
+  setattr(GuardState, _name, _flat_alias(_name, _path))
+
+for _cls in (Moments, GuardVerdict, GuardCounts, LossMonitor):
+  _cls.__module__ = "optaxclip"
 
 
 # GuardState.skip_cause's values: the cause counter each one is counted in.
@@ -282,7 +362,7 @@ def _judge(
   kept, at the new mean's scale) and the value is judged against that.
   """
   warming = count < warmup_steps
-  std = _adaptive.spread(mean, var)
+  std = _moments.spread(mean, var)
   no = jnp.zeros(jnp.shape(x), bool)
   if z is None:
     bound, spike = jnp.full(jnp.shape(x), jnp.inf, x.dtype), no
@@ -295,9 +375,9 @@ def _judge(
     held = spike & ~restart
     raised = held & (run >= patience)
     up = jnp.where(raised, _raised_level(mean, std, growth), mean)
-    e_up = _adaptive.spread_exponent(up)
-    e_from = _adaptive.spread_exponent(mean)
-    var = jnp.where(raised, _adaptive.rescaled(var, e_from, e_up), var)
+    e_up = _moments.spread_exponent(up)
+    e_from = _moments.spread_exponent(mean)
+    var = jnp.where(raised, _moments.rescaled(var, e_from, e_up), var)
     bound_up, spike_up = _above(x, finite, up, std, z)
     bound = jnp.where(raised, bound_up, bound)
     spike = jnp.where(raised, spike_up, held)
@@ -512,38 +592,231 @@ def _loss_value(extra_args: dict, dtype, axis_name) -> jax.Array:
   return loss
 
 
-def _learn(
-  count, old_mean, judged, win, x, *, finite, take, alpha, warmup_steps
-):
-  """The statistics after taking ``x`` in where ``finite & take``, from
-  those ``judged`` by (a raise is kept whether ``x`` enters or not: a
-  window's values move with the mean). Returns ``(count, mean, var,
-  window)``.
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """What a :func:`guard` was built with, for the pieces of its update."""
+
+  skip_nonfinite: bool
+  spike_z: Optional[ScalarOrSchedule]
+  max_norm: Optional[ScalarOrSchedule]
+  loss_spike_z: Optional[ScalarOrSchedule]
+  alpha: Scalar
+  warmup_steps: Scalar
+  patience: Scalar
+  growth: Scalar
+  window: Optional[int]
+  axis_name: AxisName
+
+  def at(self, schedule: ScalarOrSchedule, step: jax.Array, name: str):
+    return _schedules.value_at(schedule, step, who="guard", name=name)
+
+
+def _init_moments(cfg: _Config, shape: tuple, dtype) -> Moments:
+  """Statistics that have seen nothing, one entry per unit of ``shape``."""
+  return Moments(
+    count=jnp.zeros(shape, jnp.int32),
+    mean=jnp.zeros(shape, dtype),
+    var=jnp.zeros(shape, dtype),
+    consecutive_spikes=jnp.zeros(shape, jnp.int32),
+    window=None
+    if cfg.window is None
+    else _moments.window_init(cfg.window, shape, dtype),
+  )
+
+
+def _judge_against(cfg: _Config, moments: Moments, x, finite, z) -> _Judged:
+  """:func:`_judge` of ``x`` against ``moments`` (in ``x``'s dtype)."""
+  return _judge(
+    x,
+    finite,
+    moments.count,
+    moments.mean.astype(x.dtype),
+    moments.var.astype(x.dtype),
+    moments.consecutive_spikes,
+    z=z,
+    warmup_steps=cfg.warmup_steps,
+    patience=cfg.patience,
+    growth=cfg.growth,
+  )
+
+
+def _next_moments(
+  cfg: _Config, moments: Moments, judged: _Judged, x, *, finite, take
+) -> Moments:
+  """``moments`` after taking ``x`` in where ``finite & take``, from those
+  ``judged`` by (a raise is kept whether ``x`` enters or not: a window's
+  values move with the mean).
   """
+  old_mean = moments.mean.astype(x.dtype)
   restart = judged.restart
+  win = moments.window
   if win is None:
-    count, mean, var = _adaptive.running_moments(
-      count,
+    count, mean, var = _moments.running_moments(
+      moments.count,
       judged.mean,
       judged.var,
       x,
-      alpha=alpha,
-      warmup_steps=warmup_steps,
+      alpha=cfg.alpha,
+      warmup_steps=cfg.warmup_steps,
       finite=finite & (take | restart),
       take=jnp.ones((), bool),
       restart=restart,
     )
-    return count, mean, var, None
-  win = _shifted(win, judged.mean - old_mean, judged.raised)
-  count, win, mean, var = _adaptive.rolling_moments(
-    count,
-    win,
-    x,
-    warmup_steps=warmup_steps,
-    take=finite & take,
-    restart=finite & restart,
+  else:
+    win = _shifted(win, judged.mean - old_mean, judged.raised)
+    count, win, mean, var = _moments.rolling_moments(
+      moments.count,
+      win,
+      x,
+      warmup_steps=cfg.warmup_steps,
+      take=finite & take,
+      restart=finite & restart,
+    )
+  return Moments(
+    count=count,
+    mean=mean.astype(moments.mean.dtype),
+    var=var.astype(moments.var.dtype),
+    consecutive_spikes=_moments.streak(
+      moments.consecutive_spikes, judged.held, finite
+    ),
+    window=win,
   )
-  return count, mean, var, win
+
+
+class _NormCheck(NamedTuple):
+  """The judgement of a step's gradient norm, per unit (the whole gradient,
+  or each leaf with ``scope="leaf"``).
+  """
+
+  norm: jax.Array  # per unit
+  finite: jax.Array  # the norm is finite
+  nonfinite: jax.Array  # NaN/Inf in the gradient
+  judged: _Judged
+  cap: jax.Array  # max_norm this step (+inf: none)
+  above_cap: jax.Array
+  spike: jax.Array  # stopped by the spike bound
+  skip: jax.Array  # skipped for the norm's sake
+
+
+def _check_norm(
+  cfg: _Config, moments: Moments, step: jax.Array, measured
+) -> _NormCheck:
+  """This step's norm against ``max_norm`` and the spike bound."""
+  g = measured.stat_norm
+  dtype = g.dtype
+  # NaN/Inf in the gradient. A norm of finite values beyond the dtype's
+  # range is not one (inf as a number: above any bound, kept out of the
+  # statistics).
+  nonfinite = ~measured.unit_finite
+  finite = jnp.isfinite(g)
+  cap = jnp.asarray(
+    jnp.inf if cfg.max_norm is None else cfg.at(cfg.max_norm, step, "max_norm"),
+    dtype,
+  )
+  z = None if cfg.spike_z is None else cfg.at(cfg.spike_z, step, "spike_z")
+  judged = _judge_against(cfg, moments, g, finite, z)
+  bound = judged.bound
+  # An infinite norm is above any finite bound, whatever skip_nonfinite.
+  # A NaN bound (from a schedule) skips the step.
+  spike = judged.spike | (jnp.isinf(g) & (bound < jnp.inf)) | jnp.isnan(bound)
+  # A bound of 0 lets nothing through, not even a zero gradient (whose
+  # inner update, with momentum, need not be zero); nor does a NaN one.
+  above_cap = (g > cap) | ~(cap > 0)
+  skip = above_cap | spike
+  if cfg.skip_nonfinite:
+    skip = skip | nonfinite
+  return _NormCheck(g, finite, nonfinite, judged, cap, above_cap, spike, skip)
+
+
+class _LossCheck(NamedTuple):
+  """The judgement of a step's loss."""
+
+  loss: jax.Array
+  finite: jax.Array
+  judged: _Judged
+  spike: jax.Array  # stopped by the loss's spike bound
+  nonfinite: jax.Array  # skipped as NaN/Inf (with skip_nonfinite)
+
+
+def _check_loss(
+  cfg: _Config, monitor: LossMonitor, step, extra_args: dict, dtype
+) -> _LossCheck:
+  """This step's loss (``value=``) against its spike bound."""
+  assert cfg.loss_spike_z is not None
+  loss = _loss_value(extra_args, dtype, cfg.axis_name)
+  finite = jnp.isfinite(loss)
+  z = cfg.at(cfg.loss_spike_z, step, "loss_spike_z")
+  judged = _judge_against(cfg, monitor.moments, loss, finite, z)
+  # A NaN bound (from a schedule) skips the step, as a spike would.
+  spike = judged.spike | jnp.isnan(judged.bound)
+  nonfinite = ~finite if cfg.skip_nonfinite else jnp.zeros((), bool)
+  return _LossCheck(loss, finite, judged, spike, nonfinite)
+
+
+def _next_loss_monitor(
+  cfg: _Config, monitor: LossMonitor, check: _LossCheck, applied
+) -> LossMonitor:
+  """The loss's statistics after a step: only a step that went through (in
+  any leaf) enters them.
+  """
+  dtype = monitor.moments.mean.dtype
+  return LossMonitor(
+    value=check.loss.astype(dtype),
+    z_score=check.judged.z_score.astype(dtype),
+    moments=_next_moments(
+      cfg,
+      monitor.moments,
+      check.judged,
+      check.loss,
+      finite=check.finite,
+      take=jnp.any(applied),
+    ),
+  )
+
+
+def _next_counts(
+  counts: GuardCounts, skip_any, nonfinite, restarts, causes
+) -> GuardCounts:
+  """The counters after a step; ``causes`` from :func:`_one_cause`."""
+  by_nonfinite, by_max_norm, by_spike, by_loss = causes
+  add = _moments.add_count
+  return GuardCounts(
+    skipped=jnp.where(
+      skip_any, optax.safe_increment(counts.skipped), counts.skipped
+    ),
+    consecutive_skips=jnp.where(
+      skip_any, optax.safe_increment(counts.consecutive_skips), 0
+    ),
+    nonfinite=add(counts.nonfinite, nonfinite),
+    restarts=restarts,
+    skipped_nonfinite=add(counts.skipped_nonfinite, by_nonfinite),
+    skipped_max_norm=add(counts.skipped_max_norm, by_max_norm),
+    skipped_spike=add(counts.skipped_spike, by_spike),
+    skipped_loss_spike=add(counts.skipped_loss_spike, by_loss),
+  )
+
+
+def _verdict(
+  norm: _NormCheck, skip, causes, dtype, per_leaf: bool
+) -> GuardVerdict:
+  """The step's verdict: per-unit values summed into one (the L2 norm of
+  the per-leaf norms and thresholds, the largest z-score).
+  """
+  judged = norm.judged
+  threshold = jnp.minimum(
+    norm.cap, jnp.where(judged.restart, jnp.inf, judged.bound)
+  )
+  z_score = judged.z_score
+  if per_leaf:
+    top = _norms.nan_max(z_score, initial=-jnp.inf) if z_score.size else 0.0
+    z_score = jnp.where(jnp.isfinite(top), top, 0)
+  return GuardVerdict(
+    norm=_measure.total(norm.norm, dtype),
+    threshold=_measure.total(threshold, dtype),
+    z_score=jnp.asarray(z_score).astype(dtype),
+    skip_cause=_cause_index(*causes),
+    skipped_leaves=jnp.sum(skip, dtype=jnp.int32) if per_leaf else None,
+  )
 
 
 @_compiled.compiled_once
@@ -587,9 +860,10 @@ def guard(
   through; a loss-aware guard called without ``value`` fails when traced.
   Each skipped step is counted once, under the first cause that holds in
   the order non-finite, ``max_norm``, spike of the norm, spike of the loss
-  (``skipped_nonfinite``, ``skipped_max_norm``, ``skipped_spike``,
-  ``skipped_loss_spike``; they add up to ``skipped``), and ``z_score`` /
-  ``loss_z_score`` record how far above its mean each value was.
+  (``state.counts``: ``skipped_nonfinite``, ``skipped_max_norm``,
+  ``skipped_spike``, ``skipped_loss_spike``; they add up to ``skipped``),
+  and ``state.verdict.z_score`` / ``state.loss_monitor.z_score`` record how
+  far above its mean each value was.
 
   **The statistics.** With ``window=None`` (the default), the norm's start
   as the plain mean and variance of the first ``warmup_steps`` finite norms
@@ -730,7 +1004,9 @@ def guard(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`GuardState` holding ``inner``'s state. Extra arguments
+    :class:`GuardState` holding ``inner``'s state, the last step's
+    ``verdict``, the skip ``counts`` and the statistics of the norm
+    (``norm_moments``) and of the loss (``loss_monitor``). Extra arguments
     (``value`` included) are passed on to ``inner``.
 
   References:
@@ -748,13 +1024,15 @@ def guard(
     >>> params = {"w": jnp.zeros(2)}
     >>> state = tx.init(params)
     >>> updates, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state)
-    >>> updates["w"], int(state.skipped), int(state.skipped_nonfinite)
+    >>> counts = state.counts
+    >>> updates["w"], int(counts.skipped), int(counts.skipped_nonfinite)
     (Array([0., 0.], dtype=float32), 1, 1)
     >>> updates, state = tx.update({"w": jnp.array([30.0, 40.0])}, state)
-    >>> updates["w"], int(state.skipped), int(state.skipped_max_norm)
+    >>> counts = state.counts
+    >>> updates["w"], int(counts.skipped), int(counts.skipped_max_norm)
     (Array([0., 0.], dtype=float32), 2, 1)
     >>> updates, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
-    >>> updates["w"], int(state.consecutive_skips)
+    >>> updates["w"], int(state.counts.consecutive_skips)
     (Array([-3., -4.], dtype=float32), 0)
 
     Loss-aware, over a window of the last 4 accepted losses:
@@ -765,7 +1043,8 @@ def guard(
     >>> g = {"w": jnp.ones(2)}
     >>> for loss in [2.0, 2.1, 1.9, 2.0, 9.0]:
     ...   updates, state = tx.update(g, state, params, value=loss)
-    >>> int(state.skipped_loss_spike), round(float(state.loss_z_score), 1)
+    >>> skips, z = state.counts.skipped_loss_spike, state.loss_monitor.z_score
+    >>> int(skips), round(float(z), 1)
     (1, 85.7)
 
     Per tensor: only the leaf with a NaN is skipped.
@@ -774,7 +1053,7 @@ def guard(
     >>> params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
     >>> g = {"a": jnp.array([1.0, jnp.nan]), "b": jnp.ones(2)}
     >>> updates, state = tx.update(g, tx.init(params), params)
-    >>> updates["a"], int(state.skipped_leaves)
+    >>> updates["a"], int(state.verdict.skipped_leaves)
     (Array([0., 0.], dtype=float32), 1)
     >>> adam = state.inner_state[0]  # a's moments kept, b's moved on
     >>> adam.mu["a"], adam.mu["b"], int(adam.count)
@@ -803,235 +1082,118 @@ def guard(
   scope = _checks.check_choice(who, "scope", scope, _adaptive.SCOPES)
   inner = optax.with_extra_args_support(inner)
   per_leaf = scope == "leaf"
-  loss_aware = loss_spike_z is not None
-
-  def counter(shape=()):
-    return jnp.zeros(shape, jnp.int32)
+  cfg = _Config(
+    skip_nonfinite=skip_nonfinite,
+    spike_z=spike_z,
+    max_norm=max_norm,
+    loss_spike_z=loss_spike_z,
+    alpha=alpha,
+    warmup_steps=warmup_steps,
+    patience=patience,
+    growth=growth,
+    window=window,
+    axis_name=axis_name,
+  )
 
   def init_fn(params):
     # A fresh array per field: a donated state must not hold one buffer twice.
-    dtype = _adaptive.stats_dtype(params, who)
-    units = _adaptive.unit_shape(params, scope)
+    dtype = _measure.stats_dtype(params, who)
     inner_state = inner.init(params)
     if per_leaf:
       _splits(inner_state, _leaf_paths(params))
-    loss_moments = None
-    if loss_aware:
-      loss_moments = LossMoments(
-        count=counter(),
-        mean=jnp.zeros((), dtype),
-        var=jnp.zeros((), dtype),
-        consecutive_spikes=counter(),
-        window=None
-        if window is None
-        else _adaptive.window_init(window, (), dtype),
+    counter = lambda: jnp.zeros((), jnp.int32)
+    loss_monitor = None
+    if loss_spike_z is not None:
+      loss_monitor = LossMonitor(
+        value=jnp.zeros((), dtype),
+        z_score=jnp.zeros((), dtype),
+        moments=_init_moments(cfg, (), dtype),
       )
     return GuardState(
-      norm=jnp.zeros((), dtype),
-      threshold=jnp.full((), jnp.inf, dtype),
-      skipped=counter(),
-      nonfinite=counter(),
-      consecutive_skips=counter(),
-      count=counter(units),
-      mean=jnp.zeros(units, dtype),
-      var=jnp.zeros(units, dtype),
       inner_state=inner_state,
-      consecutive_spikes=counter(units),
-      restarts=counter(),
       step=counter(),
-      skipped_nonfinite=counter(),
-      skipped_max_norm=counter(),
-      skipped_spike=counter(),
-      z_score=jnp.zeros((), dtype),
-      skipped_loss_spike=counter(),
-      loss=jnp.zeros((), dtype) if loss_aware else None,
-      loss_z_score=jnp.zeros((), dtype) if loss_aware else None,
-      loss_moments=loss_moments,
-      window=None
-      if window is None
-      else _adaptive.window_init(window, units, dtype),
-      skipped_leaves=counter() if per_leaf else None,
+      verdict=GuardVerdict(
+        norm=jnp.zeros((), dtype),
+        threshold=jnp.full((), jnp.inf, dtype),
+        z_score=jnp.zeros((), dtype),
+        skip_cause=counter(),
+        skipped_leaves=counter() if per_leaf else None,
+      ),
+      counts=GuardCounts(*(counter() for _ in GuardCounts._fields)),
+      norm_moments=_init_moments(
+        cfg, _measure.unit_shape(params, scope), dtype
+      ),
+      loss_monitor=loss_monitor,
       **_telemetry.init_fields(who, params, leaf_stats, layer_axis),
-      skip_cause=counter(),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    measured = _adaptive.Measured(
+    moments = state.norm_moments
+    measured = _measure.Measured(
       updates,
       scope,
       who,
-      state.mean.dtype,
-      state.mean.shape if per_leaf else None,
+      moments.mean.dtype,
+      moments.mean.shape if per_leaf else None,
       axis_name=axis_name,
       sharded=sharded,
       leaf_stats=leaf_stats,
       layer_axis=layer_axis,
       state_norms=state.leaf_norms if leaf_stats else None,
     )
-    dtype = measured.dtype
-    g = measured.stat_norm  # per unit
-    # NaN/Inf in the gradient. A norm of finite values beyond the dtype's
-    # range is not one (inf as a number: above any bound, kept out of the
-    # statistics).
-    nonfinite = ~measured.unit_finite
-    finite = jnp.isfinite(g)
-    mean, var = state.mean.astype(dtype), state.var.astype(dtype)
-    cap = jnp.asarray(
-      jnp.inf
-      if max_norm is None
-      else _schedules.value_at(max_norm, state.step, who=who, name="max_norm"),
-      dtype,
-    )
-    judged = _judge(
-      g,
-      finite,
-      state.count,
-      mean,
-      var,
-      state.consecutive_spikes,
-      z=None
-      if spike_z is None
-      else _schedules.value_at(spike_z, state.step, who=who, name="spike_z"),
-      warmup_steps=warmup_steps,
-      patience=patience,
-      growth=growth,
-    )
-    bound, spike, z_score = judged.bound, judged.spike, judged.z_score
-    # An infinite norm is above any finite bound, whatever skip_nonfinite.
-    # A NaN bound (from a schedule) skips the step.
-    spike_skip = spike | (jnp.isinf(g) & (bound < jnp.inf)) | jnp.isnan(bound)
-    # A bound of 0 lets nothing through, not even a zero gradient (whose
-    # inner update, with momentum, need not be zero); nor does a NaN one.
-    above_cap = (g > cap) | ~(cap > 0)
-    skip = above_cap | spike_skip
-    if skip_nonfinite:
-      skip = skip | nonfinite
-
-    no = jnp.zeros((), bool)
-    loss_skip = loss_nonfinite = loss_finite = loss_spike_skip = no
-    loss = jnp.zeros((), dtype)
-    l_judged: Optional[_Judged] = None
-    if loss_aware:
-      moments = state.loss_moments
-      loss = _loss_value(extra_args, dtype, axis_name)
-      loss_finite = jnp.isfinite(loss)
-      l_judged = _judge(
-        loss,
-        loss_finite,
-        moments.count,
-        moments.mean.astype(dtype),
-        moments.var.astype(dtype),
-        moments.consecutive_spikes,
-        z=_schedules.value_at(
-          loss_spike_z, state.step, who=who, name="loss_spike_z"
-        ),
-        warmup_steps=warmup_steps,
-        patience=patience,
-        growth=growth,
+    norm = _check_norm(cfg, moments, state.step, measured)
+    loss = None
+    skip = norm.skip
+    if loss_spike_z is not None:
+      loss = _check_loss(
+        cfg, state.loss_monitor, state.step, extra_args, measured.dtype
       )
-      # A NaN bound (from a schedule) skips the step, as a spike would.
-      loss_spike_skip = l_judged.spike | jnp.isnan(l_judged.bound)
-      loss_nonfinite = ~loss_finite if skip_nonfinite else no
-      loss_skip = loss_spike_skip | loss_nonfinite
-      skip = skip | loss_skip
+      skip = skip | loss.spike | loss.nonfinite
     skip_any = jnp.any(skip)
     applied = ~skip  # per unit
-
-    by_nonfinite, by_max_norm, by_spike, by_loss = _one_cause(
+    no = jnp.zeros((), bool)
+    causes = _one_cause(
       skip_any,
-      jnp.any(nonfinite) & skip_nonfinite | loss_nonfinite,
-      jnp.any(above_cap),
-      jnp.any(spike_skip),
-      loss_spike_skip,
+      jnp.any(norm.nonfinite) & skip_nonfinite
+      | (no if loss is None else loss.nonfinite),
+      jnp.any(norm.above_cap),
+      jnp.any(norm.spike),
+      no if loss is None else loss.spike,
     )
     apply = _skip_leaves if per_leaf else _skip_whole_step
     new_updates, new_inner = apply(
       inner, updates, state.inner_state, params, skip, extra_args
     )
-
-    # Statistics of the norm: the EMA takes in every finite norm (a spike at
-    # its bound); a window only the norms of units that went through.
-    count, new_mean, new_var, new_window = _learn(
-      state.count,
-      mean,
-      judged,
-      state.window,
-      jnp.where(spike, bound, g) if window is None else g,
-      finite=finite,
-      take=jnp.ones((), bool) if window is None else applied,
-      alpha=alpha,
-      warmup_steps=warmup_steps,
+    judged = norm.judged
+    # The EMA takes in every finite norm (a spike at its bound); a window
+    # only the norms of units that went through.
+    if window is None:
+      x = jnp.where(judged.spike, judged.bound, norm.norm)
+      take = jnp.ones((), bool)
+    else:
+      x, take = norm.norm, applied
+    new_moments = _next_moments(
+      cfg, moments, judged, x, finite=norm.finite, take=take
     )
-    threshold = jnp.minimum(cap, jnp.where(judged.restart, jnp.inf, bound))
-    restarts = _adaptive.add_count(
-      state.restarts, judged.restart | judged.raised
+    restarts = _moments.add_count(
+      state.counts.restarts, judged.restart | judged.raised
     )
-    loss_fields = {}
-    if loss_aware:
-      assert l_judged is not None
-      moments = state.loss_moments
-      l_count, l_mean, l_var, l_window = _learn(
-        moments.count,
-        moments.mean.astype(dtype),
-        l_judged,
-        moments.window,
-        loss,
-        finite=loss_finite,
-        take=jnp.any(applied),
-        alpha=alpha,
-        warmup_steps=warmup_steps,
+    loss_monitor = None
+    if loss is not None:
+      loss_monitor = _next_loss_monitor(cfg, state.loss_monitor, loss, applied)
+      restarts = _moments.add_count(
+        restarts, loss.judged.restart | loss.judged.raised
       )
-      restarts = _adaptive.add_count(
-        restarts, l_judged.restart | l_judged.raised
-      )
-      loss_fields = dict(
-        loss=loss.astype(moments.mean.dtype),
-        loss_z_score=l_judged.z_score.astype(moments.mean.dtype),
-        loss_moments=LossMoments(
-          count=l_count,
-          mean=l_mean.astype(moments.mean.dtype),
-          var=l_var.astype(moments.var.dtype),
-          consecutive_spikes=_adaptive.streak(
-            moments.consecutive_spikes, l_judged.held, loss_finite
-          ),
-          window=l_window,
-        ),
-      )
-    out_dtype = state.norm.dtype
-    if per_leaf:
-      top_z = _norms.nan_max(z_score, initial=-jnp.inf) if z_score.size else 0.0
-      z_score = jnp.where(jnp.isfinite(top_z), top_z, 0)
-    return new_updates, state._replace(
-      norm=_adaptive.total(g, out_dtype),
-      threshold=_adaptive.total(threshold, out_dtype),
-      skipped=jnp.where(
-        skip_any, optax.safe_increment(state.skipped), state.skipped
-      ),
-      nonfinite=_adaptive.add_count(state.nonfinite, jnp.any(nonfinite)),
-      consecutive_skips=jnp.where(
-        skip_any, optax.safe_increment(state.consecutive_skips), 0
-      ),
-      count=count,
-      mean=new_mean.astype(state.mean.dtype),
-      var=new_var.astype(state.var.dtype),
+    return new_updates, GuardState(
       inner_state=new_inner,
-      consecutive_spikes=_adaptive.streak(
-        state.consecutive_spikes, judged.held, finite
-      ),
-      restarts=restarts,
-      skipped_nonfinite=_adaptive.add_count(
-        state.skipped_nonfinite, by_nonfinite
-      ),
-      skipped_max_norm=_adaptive.add_count(state.skipped_max_norm, by_max_norm),
-      skipped_spike=_adaptive.add_count(state.skipped_spike, by_spike),
-      z_score=jnp.asarray(z_score).astype(out_dtype),
-      skipped_loss_spike=_adaptive.add_count(state.skipped_loss_spike, by_loss),
-      window=new_window,
-      skipped_leaves=jnp.sum(skip, dtype=jnp.int32) if per_leaf else None,
       step=_schedules.next_count(state.step),
-      **loss_fields,
+      verdict=_verdict(norm, skip, causes, state.verdict.norm.dtype, per_leaf),
+      counts=_next_counts(
+        state.counts, skip_any, jnp.any(norm.nonfinite), restarts, causes
+      ),
+      norm_moments=new_moments,
+      loss_monitor=loss_monitor,
       **measured.telemetry._asdict(),
-      skip_cause=_cause_index(by_nonfinite, by_max_norm, by_spike, by_loss),
     )
 
   return optax.GradientTransformationExtraArgs(

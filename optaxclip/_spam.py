@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxclip import _adaptive
 from optaxclip import _checks
 from optaxclip import _compiled
 from optaxclip import _functional
+from optaxclip import _measure
+from optaxclip import _moments
 from optaxclip import _norms
 from optaxclip import _packed
 from optaxclip import _schedules
@@ -142,7 +143,7 @@ def _per_leaf_zeros(params: Any, who: str) -> jax.Array:
   dtype (float32; float64 when a leaf is float64).
   """
   _checks.check_float_leaves(params, f"{who}: params", real=True)
-  dtype = _adaptive.stats_dtype(params, who)
+  dtype = _measure.stats_dtype(params, who)
   return jnp.zeros((len(jax.tree.leaves(params)),), dtype)
 
 
@@ -1133,20 +1134,20 @@ def scale_by_norm_ema(
     # at an exponent that holds the new square and the old nu, then kept
     # with mu's, mu held at least 2**-22 of sqrt(nu) above 0 (after steps of
     # zero norms mu decays faster than nu when gamma1 < gamma2; at 0, nu
-    # would saturate and lose its history; see _adaptive.kept_moments).
+    # would saturate and lose its history; see _moments.kept_moments).
     # Two kernels read the stored mu (nu's update, for its old scale) and one
     # overwrites it in place: XLA copies the vector first (a few bytes).
     # At e_new the square is at most 2**80 (2**976 in float64): no cap.
-    e_new = _adaptive.safe_exponent(new_mu, mu, n_ema)
+    e_new = _moments.safe_exponent(new_mu, mu, n_ema)
     square = _norms.ldexp(n_ema, -e_new, 1) ** 2
     new_nu = (
-      gamma2 * _adaptive.rescaled(nu, _adaptive.spread_exponent(mu), e_new)
+      gamma2 * _moments.rescaled(nu, _moments.spread_exponent(mu), e_new)
       + (1 - gamma2) * square
     )
-    new_mu, new_nu = _adaptive.kept_moments(new_mu, new_nu, e_new)
+    new_mu, new_nu = _moments.kept_moments(new_mu, new_nu, e_new)
     mu = jnp.where(finite, new_mu, mu)
     nu = jnp.where(finite, new_nu, nu)
-    e = _adaptive.spread_exponent(mu)
+    e = _moments.spread_exponent(mu)
     # Bias-corrected, capped at the largest value too: near it, the division
     # by 1 - gamma^k may round above it (inf would make the target 0).
     mu_hat = jnp.minimum(_over(mu, correction1), largest)

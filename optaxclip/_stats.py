@@ -8,7 +8,7 @@ in a nested optimizer state.
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,29 +21,43 @@ CLIP_FIELDS = ("norm", "clipped_norm", "clip_fraction")
 # The per-leaf telemetry fields a state may end with (leaf_stats=True).
 TELEMETRY_FIELDS = ("leaf_norms", "top_leaf_share", "top_leaf")
 
-# State class -> (short name used in stats keys, stat field names).
-_REGISTRY: dict[type, tuple[str, tuple[str, ...]]] = {}
+# State class -> (short name used in stats keys, stat names, where each stat
+# name lives in the state when not in a field of its own name).
+_REGISTRY: dict[type, tuple[str, tuple[str, ...], dict[str, tuple[str, ...]]]]
+_REGISTRY = {}
 
 
-def register(short: str, stat_fields: tuple[str, ...] = CLIP_FIELDS):
+def register(
+  short: str,
+  stat_fields: tuple[str, ...] = CLIP_FIELDS,
+  *,
+  paths: Optional[dict[str, tuple[str, ...]]] = None,
+):
   """Class decorator: registers a clipper's state class for :func:`stats`.
 
   Args:
     short: the name used in stats keys, the transformation's name
       (``"clip_global"``).
-    stat_fields: the fields :func:`stats` reports (scalars).
+    stat_fields: the statistics :func:`stats` reports (scalars), by the
+      names its keys end with.
+    paths: for a state that groups its fields, where a statistic lives:
+      ``{"skipped": ("counts", "skipped")}``; a name not in it is a field of
+      the state itself.
 
   Returns:
     The decorator, which returns the class unchanged (but for its
     ``__module__``, set to ``optaxclip``, where the class is public).
   """
+  paths = dict(paths or {})
 
   def decorate(cls: type) -> type:
-    missing = [f for f in stat_fields if f not in cls._fields]
+    missing = [
+      f for f in stat_fields if paths.get(f, (f,))[0] not in cls._fields
+    ]
     if missing:
       raise TypeError(f"{cls.__name__} lacks the stat fields {missing}.")
     cls.__module__ = "optaxclip"
-    _REGISTRY[cls] = (short, tuple(stat_fields))
+    _REGISTRY[cls] = (short, tuple(stat_fields), paths)
     return cls
 
   return decorate
@@ -52,6 +66,22 @@ def register(short: str, stat_fields: tuple[str, ...] = CLIP_FIELDS):
 def short_name(state_cls: type) -> str:
   """The name a registered state class is reported under (``"clip_global"``)."""
   return _REGISTRY[state_cls][0]
+
+
+def follow(node: Any, path: tuple[str, ...]) -> Any:
+  """The value at ``path`` (attribute names) below ``node``; ``None`` when
+  a group on the way is ``None`` (a part the configuration does not use).
+  """
+  for name in path:
+    if node is None:
+      return None
+    node = getattr(node, name)
+  return node
+
+
+def stat_value(state: Any, name: str) -> Any:
+  """The statistic ``name`` of a registered state (``None`` when unused)."""
+  return follow(state, _REGISTRY[type(state)][2].get(name, (name,)))
 
 
 def zeros(n: int = len(CLIP_FIELDS)) -> tuple[jax.Array, ...]:
@@ -104,7 +134,7 @@ def _registered_states(tree: Any, path: tuple = ()):
       continue
     where = path + tuple(sub_path)
     found.append((where, node))
-    _, fields = _REGISTRY[type(node)]
+    fields = _REGISTRY[type(node)][1]
     for name in node._fields:
       # Statistics and per-leaf norms are arrays: nothing inside.
       if name not in fields and name not in TELEMETRY_FIELDS:
@@ -133,7 +163,7 @@ def named_states(opt_state: Any) -> list[tuple[str, tuple, Any]]:
   counts = collections.Counter(_REGISTRY[type(s)][0] for _, s in found)
   prefixes = []
   for path, state in found:
-    short, _ = _REGISTRY[type(state)]
+    short = _REGISTRY[type(state)][0]
     prefixes.append(
       short
       if counts[short] == 1
@@ -168,7 +198,7 @@ def batch_shape(state: Any) -> tuple[int, ...]:
   ``pmap``): the shape of its first statistic, a scalar per step; ``()``
   for a state of one run.
   """
-  value = getattr(state, _REGISTRY[type(state)][1][0], None)
+  value = stat_value(state, _REGISTRY[type(state)][1][0])
   return tuple(jnp.shape(_unwrap(value))) if value is not None else ()
 
 
@@ -279,7 +309,7 @@ def stats(opt_state: Any, *, prefix: str = "") -> dict[str, jax.Array]:
   for key, state in _keyed_states(opt_state):
     key = _with_prefix(prefix, key)
     for field in _REGISTRY[type(state)][1]:
-      value = getattr(state, field)
+      value = stat_value(state, field)
       if value is not None:
         out[f"{key}/{field}"] = _unwrap(value)
     share = getattr(state, "top_leaf_share", None)
@@ -378,6 +408,30 @@ def _child(saved: Any, entry: Any) -> Any:
   return _MISSING
 
 
+def _regrouped(saved: Any, paths: dict[str, tuple[str, ...]]) -> Any:
+  """A saved state of a registered class that groups its fields, as nested
+  dicts of today's layout when it was saved flat (a field at the top for
+  each statistic); as it is when it holds today's groups.
+  """
+  if isinstance(saved, dict):
+    items = dict(saved)
+  elif hasattr(saved, "_asdict"):
+    items = saved._asdict()
+  else:
+    return saved
+  groups = {path[0] for path in paths.values() if len(path) > 1}
+  if groups & set(items) or not set(paths) & set(items):
+    return saved
+  out: dict[str, Any] = {k: v for k, v in items.items() if k not in paths}
+  for name, path in paths.items():
+    if name in items:
+      node = out
+      for part in path[:-1]:
+        node = node.setdefault(part, {})
+      node[path[-1]] = items[name]
+  return out
+
+
 def upgrade_state(saved: Any, template: Any, *, _path: str = "") -> Any:
   """An optimizer state saved by an earlier version, in today's layout.
 
@@ -387,7 +441,8 @@ def upgrade_state(saved: Any, template: Any, *, _path: str = "") -> Any:
   checkpoint without a target (orbax then returns dicts and lists) and pass
   it here with today's freshly initialised state as ``template``: every
   value the checkpoint holds is kept, cast to today's dtype; a field it
-  lacks takes the template's (initial) value.
+  lacks takes the template's (initial) value. A state whose fields are now
+  grouped (:class:`GuardState`) is read from its earlier flat layout too.
 
   Args:
     saved: the restored state: nested dicts (keyed by field names), lists,
@@ -411,6 +466,8 @@ def upgrade_state(saved: Any, template: Any, *, _path: str = "") -> Any:
     >>> type(state).__name__, float(state.norm), int(state.nonfinite)
     ('ClipPerExampleState', 2.0, 0)
   """
+  if type(template) in _REGISTRY and saved is not _MISSING:
+    saved = _regrouped(saved, _REGISTRY[type(template)][2])
   flat, treedef = jax.tree_util.tree_flatten_with_path(
     template, is_leaf=lambda node: node is not template
   )

@@ -950,7 +950,7 @@ def test_zscore_with_patience_never_passes_a_spike_at_its_own_size(norms):
   state = tx.init(global_tree(1.0))
   for t, g in enumerate(norms):
     m = float(state.mean)
-    s = float(optaxclip._adaptive.spread(state.mean, state.var))
+    s = float(optaxclip._moments.spread(state.mean, state.var))
     run = int(state.consecutive_spikes)
     out, state = update(global_tree(g), state)
     got = global_norm_of(out)

@@ -77,7 +77,7 @@ def test_orbax_round_trip_continues_bit_for_bit(tmp_path):
   # Every clipper acted at least once, and the guard skipped two steps.
   for name in ("clip_zscore", "clip_percentile", "clip_relative"):
     assert acted[f"{name}/clip_fraction"] > 0, name
-  assert int(s.skipped) == 2 and int(s.nonfinite) == 1
+  assert int(s.counts.skipped) == 2 and int(s.counts.nonfinite) == 1
 
   # A fresh process rebuilds the optimizer and restores into its layout.
   fresh = tx.init(params)
@@ -99,19 +99,19 @@ def test_orbax_round_trip_continues_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-# A checkpoint written by release 0.1.0 (commit ceb6c88, whose states were
-# generated at run time by make_state) with every clipper's state mid-run:
-# tests/data/make_checkpoint_fixture.py wrote it and can write one for any
-# later version.
+# Checkpoints with every clipper's state mid-run, written by
+# tests/data/make_checkpoint_fixture.py (which can write one for any later
+# version): checkpoint_0_1_0 by release 0.1.0 (commit ceb6c88, whose states
+# were generated at run time by make_state), checkpoint_4e92ede by commit
+# 4e92ede, the last layout with GuardState's fields flat.
 FIXTURE_DIR = pathlib.Path(__file__).parent / "data"
 sys.path.insert(0, str(FIXTURE_DIR))
 import make_checkpoint_fixture as fixture  # noqa: E402
 
 
-def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
-  saved = json.loads(
-    (FIXTURE_DIR / "checkpoint_0_1_0" / "stats.json").read_text()
-  )
+@pytest.mark.parametrize("name", ["checkpoint_0_1_0", "checkpoint_4e92ede"])
+def test_an_earlier_checkpoint_restores_and_continues(tmp_path, name):
+  saved = json.loads((FIXTURE_DIR / name / "stats.json").read_text())
   chained, per_example = fixture.optimizers()
   p = fixture.params()
   target = {
@@ -124,9 +124,7 @@ def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
   # today's layout, the new fields at their initial values.
   checkpointer = ocp.StandardCheckpointer()
   restored = optaxclip.upgrade_state(
-    checkpointer.restore(
-      fixture.extract(FIXTURE_DIR / "checkpoint_0_1_0", tmp_path)
-    ),
+    checkpointer.restore(fixture.extract(FIXTURE_DIR / name, tmp_path)),
     target,
   )
   checkpointer.close()
@@ -178,8 +176,8 @@ def test_a_release_0_1_0_checkpoint_restores_and_continues(tmp_path):
   )
   for t in range(first, first + 3):
     p, state, pe_state = step(p, state, pe_state, *fixture.gradients(t))
-  passed = 3 - (int(state.skipped) - int(before.skipped))
-  assert int(state.nonfinite) == int(before.nonfinite)
+  passed = 3 - (int(state.counts.skipped) - int(before.counts.skipped))
+  assert int(state.counts.nonfinite) == int(before.counts.nonfinite)
   assert (
     int(state.inner_state[6].index)
     == (int(before.inner_state[6].index) + passed) % 4

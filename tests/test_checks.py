@@ -840,7 +840,7 @@ def test_guard_hyperparameters_traced():
       alpha=alpha,
       warmup_steps=warmup_steps,
     )
-    return tx.update(grads, tx.init(grads))[1].skipped
+    return tx.update(grads, tx.init(grads))[1].counts.skipped
 
   skipped = jax.eval_shape(
     step,

@@ -51,29 +51,33 @@ def _guard(
   """A guard's state; ``cause`` its skip_cause (None: a state without)."""
   nonfinite, max_norm, spike = causes
   return optaxclip.GuardState(
-    norm=jnp.float32(norm),
-    threshold=jnp.float32(threshold),
-    skipped=_i(skipped),
-    nonfinite=_i(nonfinite),
-    consecutive_skips=_i(streak),
-    count=_i(25),
-    mean=jnp.float32(mean),
-    var=jnp.float32(var),
     inner_state=(),
-    consecutive_spikes=_i(0),
-    restarts=_i(0),
     step=_i(30),
-    skipped_nonfinite=_i(nonfinite),
-    skipped_max_norm=_i(max_norm),
-    skipped_spike=_i(spike),
-    z_score=jnp.float32(z),
-    skipped_loss_spike=_i(0),
-    loss=None,
-    loss_z_score=None,
-    loss_moments=None,
-    window=None,
-    skipped_leaves=None,
-    skip_cause=None if cause is None else _i(cause),
+    verdict=optaxclip.GuardVerdict(
+      norm=jnp.float32(norm),
+      threshold=jnp.float32(threshold),
+      z_score=jnp.float32(z),
+      skip_cause=None if cause is None else _i(cause),
+      skipped_leaves=None,
+    ),
+    counts=optaxclip.GuardCounts(
+      skipped=_i(skipped),
+      consecutive_skips=_i(streak),
+      nonfinite=_i(nonfinite),
+      restarts=_i(0),
+      skipped_nonfinite=_i(nonfinite),
+      skipped_max_norm=_i(max_norm),
+      skipped_spike=_i(spike),
+      skipped_loss_spike=_i(0),
+    ),
+    norm_moments=optaxclip.Moments(
+      count=_i(25),
+      mean=jnp.float32(mean),
+      var=jnp.float32(var),
+      consecutive_spikes=_i(0),
+      window=None,
+    ),
+    loss_monitor=None,
   )
 
 
@@ -336,7 +340,7 @@ def test_one_sentence_per_state(state, sentence):
 
 
 def test_every_state_class_has_a_sentence():
-  described = {short for short, _ in _stats._REGISTRY.values()}
+  described = {entry[0] for entry in _stats._REGISTRY.values()}
   assert described <= set(_explain._SENTENCES), described
   covered = {_stats.short_name(type(state)) for state, _ in CASES}
   assert described <= covered, described - covered
@@ -458,9 +462,12 @@ def test_a_loss_spike_skip_is_explained_by_the_loss():
     g = {"w": jnp.full(4, 50.0)} if t == 20 else _steady(rng)
     loss = 10.0 if t == 29 else 2.0 + 0.01 * rng.standard_normal()
     _, state = tx.update(g, state, params, value=loss)
-  assert int(state.skipped_spike) == 1 and int(state.skipped_loss_spike) == 1
-  z = float(state.loss_z_score)
-  mean = float(state.loss_moments.mean)
+  assert (
+    int(state.counts.skipped_spike) == 1
+    and int(state.counts.skipped_loss_spike) == 1
+  )
+  z = float(state.loss_monitor.z_score)
+  mean = float(state.loss_monitor.moments.mean)
   assert optaxclip.explain(state) == [
     (
       f"guard skipped the step: the loss 10 was {_explain._num(z)} standard "
@@ -486,13 +493,14 @@ def test_an_injected_hyperparameter_is_not_the_guards():
   for t in range(30):
     g = {"w": jnp.full(4, 15.0)} if t == 29 else _steady(rng)
     _, state = tx.update(g, state, params)
-  guard = state.inner_state
-  num = _explain._num
+  verdict = state.inner_state.verdict
+  moments = state.inner_state.norm_moments
+  num = lambda x: _explain._num(float(x))
   assert optaxclip.explain(state) == [
     (
-      f"guard skipped the step: the norm 30 was {num(float(guard.z_score))} "
-      f"standard deviations above its mean (now {num(float(guard.mean))}; "
-      f"threshold {num(float(guard.threshold))}); 1 skip in a row"
+      f"guard skipped the step: the norm 30 was {num(verdict.z_score)} "
+      f"standard deviations above its mean (now {num(moments.mean)}; "
+      f"threshold {num(verdict.threshold)}); 1 skip in a row"
     ),
     (
       "clip_global did not run this step (the guard around it skipped the "

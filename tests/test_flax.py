@@ -149,7 +149,7 @@ class FlaxTest(absltest.TestCase):
     for t in range(6):
       before = state.params
       state = step(state, x, 100.0 * y if t == 4 else y)
-      skipped.append(int(state.opt_state.skipped_loss_spike))
+      skipped.append(int(state.opt_state.counts.skipped_loss_spike))
       if t == 4:  # the bad batch: parameters unchanged
         unchanged = jax.tree.map(np.array_equal, state.params, before)
         self.assertTrue(all(jax.tree.leaves(unchanged)))

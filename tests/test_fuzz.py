@@ -932,8 +932,8 @@ def _check_finite_step(config, g, out, old, new, step):
       f"{msg}: the update is not the gradient times one factor"
     )
   if config.kind == "guard":
-    skipped = int(new.skipped) - int(old.skipped)
-    assert int(new.nonfinite) == int(old.nonfinite), (
+    skipped = int(new.counts.skipped) - int(old.counts.skipped)
+    assert int(new.counts.nonfinite) == int(old.counts.nonfinite), (
       f"{msg}: a finite norm {g_norm:.3g} counted as non-finite"
     )
     assert skipped in (0, 1), msg
@@ -941,7 +941,7 @@ def _check_finite_step(config, g, out, old, new, step):
       assert o_norm == 0, f"{msg}: a skipped step returned {o_norm}"
     if config.name == "guard.identity" and not skipped:
       assert o_norm == pytest.approx(g_norm, rel=rtol, abs=atol), msg
-    _stat_close(new.norm, g_norm, rtol=2 * rtol, what=f"{msg}: norm")
+    _stat_close(new.verdict.norm, g_norm, rtol=2 * rtol, what=f"{msg}: norm")
     return
   _stat_close(new.norm, g_norm, rtol=2 * rtol, what=f"{msg}: norm", atol=atol)
   _stat_close(
@@ -963,8 +963,8 @@ def _check_nonfinite_step(config, g, out, old, new, step):
   o_l = _host(out)
   if config.kind == "guard":
     assert all(np.all(y == 0) for y in o_l), f"{msg}: not skipped"
-    assert int(new.skipped) == int(old.skipped) + 1, msg
-    assert int(new.nonfinite) == int(old.nonfinite) + 1, msg
+    assert int(new.counts.skipped) == int(old.counts.skipped) + 1, msg
+    assert int(new.counts.nonfinite) == int(old.counts.nonfinite) + 1, msg
     return
   assert not _finite(o_l), f"{msg}: a non-finite gradient gave a finite update"
   assert not np.isfinite(np.asarray(new.clipped_norm)), (

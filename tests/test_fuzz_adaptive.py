@@ -39,6 +39,7 @@ import optax
 
 import fuzz_strategies as fz
 import optaxclip
+from optaxclip import _moments
 
 PATIENCE, WARMUP, HISTORY = 4, 3, 6
 ALPHA = 0.9
@@ -183,13 +184,15 @@ def test_float64_keeps_tiny_and_huge_norms(name, exponent, factors):
       assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(out))
       got = norm_of(out)
       assert math.isfinite(got) and 0 < got <= want * (1 + 1e-12), (got, want)
-      np.testing.assert_allclose(float(state.norm), want, rtol=1e-12)
+      norm = state.verdict.norm if name == "guard_plain" else state.norm
+      np.testing.assert_allclose(float(norm), want, rtol=1e-12)
     floats = [
       x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)
     ]
     assert all(x.dtype == jnp.float64 for x in floats)
     if name == "guard_plain":  # a finite 1e200 is not counted non-finite
-      assert int(state.nonfinite) == 0 and int(state.skipped) == 0
+      counts = state.counts
+      assert int(counts.nonfinite) == 0 and int(counts.skipped) == 0
 
 
 STAT_FIELDS = {
@@ -565,14 +568,12 @@ def test_the_python_spread_exponent_is_the_traced_one(x64, mean):
   as the traced ``spread_exponent`` keeps it, for any mean of the dtype
   (0, subnormals, the largest values, inf).
   """
-  from optaxclip import _adaptive
-
   dtype = np.float64 if x64 else np.float32
   with jax.enable_x64(x64):
     with np.errstate(over="ignore"):  # float64 beyond float32: inf
       value = np.asarray(mean).astype(dtype)
-    traced = int(_adaptive.spread_exponent(jnp.asarray(value)))
-  assert _adaptive.spread_exponent_of(float(value), dtype) == traced, value
+    traced = int(_moments.spread_exponent(jnp.asarray(value)))
+  assert _moments.spread_exponent_of(float(value), dtype) == traced, value
 
 
 # A mean near 0 beside a spread. The variance is kept at the scale of its
@@ -666,7 +667,7 @@ def test_loss_z_scores_around_a_mean_of_zero_equal_the_oracle(
       zip(losses, loss_z_oracle(losses, window))
     ):
       _, state = update(g, state, np.asarray(math.ldexp(x, k), dtype))
-      got = float(state.loss_z_score)
+      got = float(state.loss_monitor.z_score)
       # The rounding of the stored mean and of x - mean, against std; the
       # kept mean's distance from 0 moves a z-score by at most 2**-21.
       tol = 2.0**-20 + (
@@ -679,4 +680,4 @@ def test_loss_z_scores_around_a_mean_of_zero_equal_the_oracle(
         losses,
       )
       skipped += bool(skip)
-      assert int(state.skipped) == skipped, (step, losses)
+      assert int(state.counts.skipped) == skipped, (step, losses)

@@ -98,11 +98,12 @@ def test_stats_keys_are_unique_and_complete(tx):
   logs = optaxclip.stats(state)
   want = collections.Counter()
   for found in _registered(state):
-    short, fields = _stats._REGISTRY[type(found)]
+    short, fields = _stats._REGISTRY[type(found)][:2]
     want.update(
       f"{short}/{field}"
       for field in fields
-      if getattr(found, field) is not None  # an option that is off
+      # None: an option that is off.
+      if _stats.stat_value(found, field) is not None
     )
   # No key overwrote another: as many as the states' fields that are set,
   # each field of each state once (its key ends with "<short>/<field>").

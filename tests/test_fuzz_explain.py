@@ -205,7 +205,34 @@ def _close_pct(token: str, share: float, what: str, sentence: str) -> None:
     )
 
 
+# Where a guard's sentence reads each value, by its stats() key.
+GUARD_PATHS = {
+  "norm": ("verdict", "norm"),
+  "threshold": ("verdict", "threshold"),
+  "z_score": ("verdict", "z_score"),
+  "skipped_leaves": ("verdict", "skipped_leaves"),
+  "mean": ("norm_moments", "mean"),
+  "count": ("norm_moments", "count"),
+  "loss": ("loss_monitor", "value"),
+  "loss_z_score": ("loss_monitor", "z_score"),
+  "loss_moments": ("loss_monitor", "moments"),
+  **{
+    name: ("counts", name)
+    for name in (
+      "skipped",
+      "consecutive_skips",
+      "skipped_nonfinite",
+      "skipped_max_norm",
+      "skipped_spike",
+      "skipped_loss_spike",
+    )
+  },
+}
+
+
 def _f(state, *names) -> float:
+  if isinstance(state, optaxclip.GuardState):
+    names = GUARD_PATHS.get(names[0], names[:1]) + names[1:]
   value = state
   for name in names:
     value = getattr(value, name)
@@ -335,12 +362,12 @@ def _check_guard(who: str, body: str, old, new, sentence: str) -> None:
   m = re.search(r"(\d+) skips? in a row(?:, (\d+) in all)?", body)
   assert int(m.group(1)) == streak, sentence
   assert int(m.group(2) or streak) == int(_f(new, "skipped")), sentence
-  if new.skipped_leaves is not None and _f(new, "skipped_leaves") < np.size(
-    new.count
-  ):
+  if new.verdict.skipped_leaves is not None and _f(
+    new, "skipped_leaves"
+  ) < np.size(new.norm_moments.count):
     m = re.search(r"skipped (\d+) of its (\d+) leaves", body)
     assert int(m.group(1)) == int(_f(new, "skipped_leaves")), sentence
-    assert int(m.group(2)) == np.size(new.count), sentence
+    assert int(m.group(2)) == np.size(new.norm_moments.count), sentence
   checks = {
     rf"the norm {N} was": lambda s: _f(s, "norm"),
     rf"gradient norm was {N}": lambda s: _f(s, "norm"),

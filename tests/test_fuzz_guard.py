@@ -31,7 +31,7 @@ import optax
 import fuzz_strategies as fz
 import np_refs
 import optaxclip
-from optaxclip import _adaptive
+from optaxclip import _moments
 
 PATIENCE, WARMUP, Z, GROWTH = 3, 3, 2.0, 2.0
 # Put from the host: an eager jnp.zeros compiles a program as the module is
@@ -101,14 +101,14 @@ def test_counters_add_up_and_skips_leave_the_slots_as_they_were(config, stream):
   scope = config[1]
   for old, out, new in run(config, stream):
     causes = (
-      new.skipped_nonfinite
-      + new.skipped_max_norm
-      + new.skipped_spike
-      + new.skipped_loss_spike
+      new.counts.skipped_nonfinite
+      + new.counts.skipped_max_norm
+      + new.counts.skipped_spike
+      + new.counts.skipped_loss_spike
     )
-    assert int(causes) == int(new.skipped)
-    skipped_now = int(new.skipped) - int(old.skipped)
-    assert skipped_now == (int(new.consecutive_skips) > 0)
+    assert int(causes) == int(new.counts.skipped)
+    skipped_now = int(new.counts.skipped) - int(old.counts.skipped)
+    assert skipped_now == (int(new.counts.consecutive_skips) > 0)
     adam, adam_old = new.inner_state[0], old.inner_state[0]
     if scope == "global":
       if skipped_now:
@@ -118,7 +118,7 @@ def test_counters_add_up_and_skips_leave_the_slots_as_they_were(config, stream):
       continue
     # Per leaf: a leaf whose update is all zero while adam moved on was
     # skipped (adam's update of a nonzero moment is never exactly zero).
-    n_skipped = int(new.skipped_leaves)
+    n_skipped = int(new.verdict.skipped_leaves)
     assert (n_skipped > 0) == bool(skipped_now)
     if n_skipped == 2:
       jax.tree.map(
@@ -141,7 +141,7 @@ def _spread(mean, var):
   """The standard deviation of a state's ``(mean, var)`` (the variance is
   kept scaled beyond 2**+-40).
   """
-  e = _adaptive.spread_exponent_of(float(mean), np.float32)
+  e = _moments.spread_exponent_of(float(mean), np.float32)
   return math.sqrt(float(var)) * 2.0**e
 
 
@@ -152,12 +152,12 @@ def _stat_units(state):
   units = []
   for count, mean, var, run in zip(
     *(
-      np.atleast_1d(np.asarray(getattr(state, f)))
+      np.atleast_1d(np.asarray(getattr(state.norm_moments, f)))
       for f in ("count", "mean", "var", "consecutive_spikes")
     )
   ):
     units.append((int(count), float(mean), _spread(mean, var), int(run)))
-  m = state.loss_moments
+  m = state.loss_monitor.moments
   loss = (int(m.count), float(m.mean), _spread(m.mean, m.var))
   return units, (*loss, int(m.consecutive_spikes))
 
@@ -228,7 +228,9 @@ def test_a_lasting_new_level_passes_within_bounded_steps(
   # history it follows (NaN losses are skipped for as long as they last).
   runs, streak = [], 0
   for old, _, new in run(config, lasting, state):
-    streak = streak + 1 if int(new.skipped) > int(old.skipped) else 0
+    streak = (
+      streak + 1 if int(new.counts.skipped) > int(old.counts.skipped) else 0
+    )
     runs.append(streak)
   assert max(runs) <= most, (runs, most)
   assert runs[-WARMUP - 2 :] == [0] * (WARMUP + 2), runs
@@ -300,12 +302,12 @@ def test_a_value_above_the_bound_it_may_be_judged_by_is_never_applied(
           getattr(adam, slot)[k], getattr(adam_old, slot)[k]
         )
     if any(over):
-      assert int(new.consecutive_skips) > 0
+      assert int(new.counts.consecutive_skips) > 0
     # What went through is within the threshold it reports.
-    if not leaf and not int(new.consecutive_skips):
+    if not leaf and not int(new.counts.consecutive_skips):
       total = math.sqrt(norms["a"] ** 2 + norms["b"] ** 2)
       if math.isfinite(total):
-        assert total <= float(new.threshold) * (1 + 1e-5), (total, new)
+        assert total <= float(new.verdict.threshold) * (1 + 1e-5), (total, new)
 
 
 # guard(scope="leaf") judging nothing (no spike test, no max_norm, non-finite
@@ -330,7 +332,7 @@ def test_leaf_scope_that_skips_nothing_is_inner_bit_for_bit(stream):
       g = jax.tree.map(lambda x: jax.device_put(-np.asarray(x)), g)
     out, state = _PASS_UPDATE(g, state, PARAMS)
     want, adam_state = _ADAM_UPDATE(g, adam_state, PARAMS)
-    assert int(state.skipped_leaves) == 0
+    assert int(state.verdict.skipped_leaves) == 0
     for got, ref in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
       assert np.array_equal(np.signbit(got), np.signbit(ref))

@@ -188,21 +188,27 @@ class GuardTest(chex.TestCase):
         ref_out, ref_state = inner_update(g, ref_state, params)
         chex.assert_trees_all_close(out, ref_out, rtol=1e-6)
         chex.assert_trees_all_close(state.inner_state, ref_state, rtol=1e-6)
-      self.assertEqual(int(state.skipped), skipped, f"step {t}")
-      self.assertEqual(int(state.nonfinite), nonfinite)
+      self.assertEqual(int(state.counts.skipped), skipped, f"step {t}")
+      self.assertEqual(int(state.counts.nonfinite), nonfinite)
       for cause, n in causes.items():
-        self.assertEqual(int(getattr(state, f"skipped_{cause}")), n, cause)
+        self.assertEqual(
+          int(getattr(state.counts, f"skipped_{cause}")), n, cause
+        )
       np.testing.assert_allclose(
-        float(state.z_score), rule.z_score, rtol=1e-4, atol=1e-5
+        float(state.verdict.z_score), rule.z_score, rtol=1e-4, atol=1e-5
       )
-      self.assertEqual(int(state.consecutive_skips), run)
-      np.testing.assert_allclose(float(state.threshold), threshold, rtol=2e-5)
-      np.testing.assert_allclose(float(state.mean), rule.mean, rtol=2e-5)
+      self.assertEqual(int(state.counts.consecutive_skips), run)
       np.testing.assert_allclose(
-        float(state.var), rule.var, rtol=1e-4, atol=1e-9
+        float(state.verdict.threshold), threshold, rtol=2e-5
+      )
+      np.testing.assert_allclose(
+        float(state.norm_moments.mean), rule.mean, rtol=2e-5
+      )
+      np.testing.assert_allclose(
+        float(state.norm_moments.var), rule.var, rtol=1e-4, atol=1e-9
       )
       if math.isfinite(g_norm):
-        np.testing.assert_allclose(float(state.norm), g_norm, rtol=1e-5)
+        np.testing.assert_allclose(float(state.verdict.norm), g_norm, rtol=1e-5)
     self.assertGreater(min(rule.margins, default=1.0), 1e-4)
     self.assertGreater(skipped, nonfinite if kwargs else 0)
     self.assertLess(skipped, len(pairs))
@@ -218,7 +224,7 @@ class GuardTest(chex.TestCase):
     skips = []
     for n in norms:
       _, state = update(grads(n), state, params)
-      skips.append(int(state.consecutive_skips) > 0)
+      skips.append(int(state.counts.consecutive_skips) > 0)
       self.assertEqual(skips[-1], rule.step(float(n))[0])
     first_pass = skips.index(False, 20)
     self.assertGreater(first_pass - 20, 5)  # the jump was first taken as spikes
@@ -231,7 +237,7 @@ class GuardTest(chex.TestCase):
       grads(1.0, float("nan")), tx.init(params), params
     )
     assert np.isnan(np.asarray(out["b"])).any()
-    assert int(state.skipped) == 0 and int(state.nonfinite) == 1
+    assert int(state.counts.skipped) == 0 and int(state.counts.nonfinite) == 1
 
   def test_extra_args_reach_inner(self):
     def update(updates, state, params=None, *, scale_by=1.0):
@@ -301,16 +307,16 @@ class GuardTest(chex.TestCase):
       for g in data:
         params, state = step(params, state, g)
     self.assertLen(traces, 1)
-    self.assertEqual(state.skipped.dtype, jnp.int32)
-    self.assertEqual(state.norm.dtype, jnp.float32)
-    self.assertGreater(int(state.skipped), 2)
+    self.assertEqual(state.counts.skipped.dtype, jnp.int32)
+    self.assertEqual(state.verdict.norm.dtype, jnp.float32)
+    self.assertGreater(int(state.counts.skipped), 2)
 
   def test_keeps_dtypes(self):
     tx = optaxclip.guard(optax.sgd(1.0), max_norm=1.0)
     g = {"w": jnp.full((4,), 2.0, jnp.bfloat16)}
     out, state = jax.jit(tx.update)(g, tx.init(g))
     assert out["w"].dtype == jnp.bfloat16
-    assert int(state.skipped) == 1 and float(state.norm) == 4.0
+    assert int(state.counts.skipped) == 1 and float(state.verdict.norm) == 4.0
 
   @parameterized.parameters("global", "leaf")
   def test_inner_traced_once_and_skips_in_its_output_dtype(self, scope):
@@ -327,7 +333,7 @@ class GuardTest(chex.TestCase):
     self.assertEqual(out["a"].dtype, jnp.float32)
     np.testing.assert_array_equal(out["a"], np.zeros(4, np.float32))
     np.testing.assert_array_equal(out["b"], np.zeros(2, np.float32))
-    self.assertEqual(int(state.skipped), 1)
+    self.assertEqual(int(state.counts.skipped), 1)
 
   def test_skip_branch_traced_first_still_learns_inner_dtype(self):
     # A JAX that traced the false branch first: guard falls back to
@@ -344,7 +350,7 @@ class GuardTest(chex.TestCase):
       out, state = jax.jit(tx.update)(g, tx.init(g))
     self.assertEqual(out["a"].dtype, jnp.float32)
     np.testing.assert_array_equal(out["a"], np.zeros(4, np.float32))
-    self.assertEqual(int(state.skipped), 1)
+    self.assertEqual(int(state.counts.skipped), 1)
 
   def test_runs_under_disable_jit(self):
     # Without jit, cond runs one branch: a skipped step traces only the
@@ -358,7 +364,7 @@ class GuardTest(chex.TestCase):
       small = {"a": jnp.full((4,), 0.125, jnp.bfloat16)}
       out, state = tx.update(small, state)
     np.testing.assert_array_equal(out["a"], np.full(4, 0.125, np.float32))
-    self.assertEqual(int(state.skipped), 1)
+    self.assertEqual(int(state.counts.skipped), 1)
 
 
 def to_float32(traces: list) -> optax.GradientTransformation:
@@ -398,8 +404,8 @@ def test_skips_exactly_nonfinite_or_capped_steps(norms):
     )
     borderline = any(abs(n - 100.0) < 1e-3 for n in norms[:k])
     if not borderline:
-      assert int(state.skipped) == expected_skips
-    skipped_now = int(state.consecutive_skips) > 0
+      assert int(state.counts.skipped) == expected_skips
+    skipped_now = int(state.counts.consecutive_skips) > 0
     zero = all(not np.any(np.asarray(x)) for x in jax.tree.leaves(out))
     assert zero if skipped_now else (zero == (norm == 0.0))
 
@@ -445,7 +451,7 @@ def guarded_run(tx, norms, losses=None):
   out = []
   for norm, loss in zip(norms, losses):
     _, state = update(grads(norm), state, jnp.float32(loss))
-    out.append((int(state.consecutive_skips) == 0, state))
+    out.append((int(state.counts.consecutive_skips) == 0, state))
   return out
 
 
@@ -459,7 +465,7 @@ def held_at_most(level, mean, std, patience=25, growth=2.0):
 
 
 def spread_of(mean, var):
-  e = optaxclip._adaptive.spread_exponent_of(float(mean), np.float32)
+  e = optaxclip._moments.spread_exponent_of(float(mean), np.float32)
   return math.sqrt(float(var)) * 2.0**e
 
 
@@ -473,8 +479,8 @@ def check_level_released(test, steps, start, level, mean, std):
   test.assertLessEqual(first, held_at_most(level, mean, std))
   test.assertTrue(all(applied[first:]), applied)
   # Raised from the step after `patience` spikes to the one that passed.
-  raised = int(steps[start + first][1].restarts) - int(
-    steps[start - 1][1].restarts
+  raised = int(steps[start + first][1].counts.restarts) - int(
+    steps[start - 1][1].counts.restarts
   )
   test.assertEqual(raised, first - 25 + 1)
   return first
@@ -490,15 +496,20 @@ class GuardRaiseTest(chex.TestCase):
     tx = optaxclip.guard(optax.sgd(1.0), spike_z=3.0, window=window)
     steps = guarded_run(tx, noisy + [1000.0] * 60)
     warm = steps[24][1]
-    mean, std = float(warm.mean), spread_of(warm.mean, warm.var)
+    mean, std = (
+      float(warm.norm_moments.mean),
+      spread_of(warm.norm_moments.mean, warm.norm_moments.var),
+    )
     # The 26th and 27th spikes in a row are skipped too, and every skipped
     # spike is counted.
     self.assertFalse(steps[25 + 25][0] or steps[25 + 26][0])
     first = check_level_released(self, steps, 25, 1000.0, mean, std)
-    self.assertEqual(int(steps[-1][1].skipped_spike), first)
+    self.assertEqual(int(steps[-1][1].counts.skipped_spike), first)
     for applied, state in steps:
       if applied:  # never through above the bound it was judged by
-        self.assertLessEqual(float(state.norm), float(state.threshold) * 1.001)
+        self.assertLessEqual(
+          float(state.verdict.norm), float(state.verdict.threshold) * 1.001
+        )
 
   @parameterized.parameters(None, 8)
   def test_a_spike_after_equal_norms_is_skipped(self, window):
@@ -509,7 +520,7 @@ class GuardRaiseTest(chex.TestCase):
     self.assertEqual(
       [a for a, _ in steps[:36]], [True] * 25 + [False] + [True] * 10
     )
-    self.assertEqual(int(steps[35][1].restarts), 0)
+    self.assertEqual(int(steps[35][1].counts.restarts), 0)
     # A lasting level from there passes after 25 + log2(1000) steps.
     first = check_level_released(self, steps, 36, 1000.0, 1.0, 0.0)
     self.assertEqual(first, 25 + 9)  # raised to 2, 4, ..., 1024
@@ -520,14 +531,16 @@ class GuardRaiseTest(chex.TestCase):
     losses = list(2.0 + 0.05 * rng.standard_normal(25)) + [500.0] * 40
     tx = optaxclip.guard(optax.sgd(1.0), loss_spike_z=3.0, window=window)
     steps = guarded_run(tx, [1.0] * len(losses), losses)
-    moments = steps[24][1].loss_moments
+    moments = steps[24][1].loss_monitor.moments
     mean = float(moments.mean)
     std = spread_of(moments.mean, moments.var)
     self.assertFalse(steps[25 + 25][0] or steps[25 + 26][0])
     first = check_level_released(self, steps, 25, 500.0, mean, std)
-    self.assertEqual(int(steps[-1][1].skipped_loss_spike), first)
+    self.assertEqual(int(steps[-1][1].counts.skipped_loss_spike), first)
     # The loss's statistics kept each raise while its steps were skipped.
-    moved = [float(s.loss_moments.mean) for _, s in steps[25 + 25 : 25 + first]]
+    moved = [
+      float(s.loss_monitor.moments.mean) for _, s in steps[25 + 25 : 25 + first]
+    ]
     self.assertEqual(moved, sorted(moved))
     self.assertGreater(moved[-1], 100.0)
 
@@ -555,7 +568,7 @@ class GuardRaiseTest(chex.TestCase):
     )
     steps = guarded_run(tx, [0.0] * 5 + [5.0] * 3)
     self.assertTrue(all(a for a, _ in steps))
-    self.assertEqual(int(steps[-1][1].restarts), 1)
+    self.assertEqual(int(steps[-1][1].counts.restarts), 1)
 
 
 # ------------------------------------ loss-aware, windows, per-leaf scope
@@ -631,26 +644,26 @@ class GuardLossWindowTest(chex.TestCase):
       before = state.inner_state
       out, state = update(grads(norm), state, params, value=jnp.float32(loss))
       msg = f"step {t}"
-      self.assertEqual(int(state.consecutive_skips) > 0, skip, msg)
+      self.assertEqual(int(state.counts.consecutive_skips) > 0, skip, msg)
       if skip:
         counts[cause] += 1
         chex.assert_trees_all_equal(state.inner_state, before)
         chex.assert_trees_all_equal(out, jax.tree.map(jnp.zeros_like, out))
       for name, n in counts.items():
-        self.assertEqual(int(getattr(state, f"skipped_{name}")), n, msg)
-      self.assertEqual(int(state.skipped), sum(counts.values()), msg)
+        self.assertEqual(int(getattr(state.counts, f"skipped_{name}")), n, msg)
+      self.assertEqual(int(state.counts.skipped), sum(counts.values()), msg)
       close = lambda a, b, msg=msg: np.testing.assert_allclose(
         float(a), b, rtol=1e-4, atol=1e-5, err_msg=msg
       )
-      close(state.z_score, z_n)
-      close(state.loss_z_score, z_l)
-      close(state.mean, mean)
-      close(state.var, var)
-      close(state.loss_moments.mean, l_mean)
-      close(state.loss_moments.var, l_var)
+      close(state.verdict.z_score, z_n)
+      close(state.loss_monitor.z_score, z_l)
+      close(state.norm_moments.mean, mean)
+      close(state.norm_moments.var, var)
+      close(state.loss_monitor.moments.mean, l_mean)
+      close(state.loss_monitor.moments.var, l_var)
     # Not vacuous: every cause fired, and the new level of the loss passed.
     self.assertTrue(all(counts.values()), counts)
-    self.assertGreater(int(state.restarts), 0)
+    self.assertGreater(int(state.counts.restarts), 0)
     self.assertFalse(want[-1][0])
 
   def test_loss_aware_without_value_fails_when_traced(self):
@@ -675,7 +688,7 @@ class GuardLossWindowTest(chex.TestCase):
       _, state = update(params, state, params, value=loss)
     guard_state = state[1][0]
     self.assertLess(float(guard_state.inner_state.scale), 1.0)
-    self.assertEqual(float(guard_state.loss), 4.0)
+    self.assertEqual(float(guard_state.loss_monitor.value), 4.0)
 
   def test_one_trace_with_value_no_host_transfer(self):
     tx = optaxclip.guard(
@@ -699,7 +712,7 @@ class GuardLossWindowTest(chex.TestCase):
       for g, loss in data:
         params, state = step(params, state, g, loss)
     self.assertLen(traces, 1)
-    self.assertEqual(state.window.values.shape, (4, 2))
+    self.assertEqual(state.norm_moments.window.values.shape, (4, 2))
 
   def test_eager_update_with_value_compiles_once(self):
     tx = optaxclip.guard(optax.sgd(1.0), loss_spike_z=3.0, window=4)
@@ -756,9 +769,9 @@ class GuardLeafTest(chex.TestCase):
         seen = min(n, bound) if spike and window is None else n
         refs[k].learn(seen, window is None or not skips[k], spike, restart)
       np.testing.assert_allclose(
-        state.mean, [refs[k].mean for k in leaves], rtol=1e-5
+        state.norm_moments.mean, [refs[k].mean for k in leaves], rtol=1e-5
       )
-      self.assertEqual(int(state.skipped_leaves), sum(skips.values()))
+      self.assertEqual(int(state.verdict.skipped_leaves), sum(skips.values()))
       partial += 0 < sum(skips.values()) < 2
       # The reference: adam on the gradient with the skipped leaves zeroed,
       # kept where a leaf was skipped.
@@ -829,8 +842,10 @@ def test_float64_window_and_loss_keep_float64():
     for scale in (1e200, 1.1e200, 0.9e200):
       g = {"w": jnp.array([scale, 0.0], jnp.float64)}
       _, state = update(g, state, params, value=jnp.float64(scale))
-    assert state.window.values.dtype == jnp.float64
-    assert state.loss_moments.window.values.dtype == jnp.float64
-    assert int(state.skipped) == 0 and int(state.nonfinite) == 0
-    np.testing.assert_allclose(float(state.mean), 1e200, rtol=1e-12)
-    np.testing.assert_allclose(float(state.loss_moments.mean), 1e200)
+    assert state.norm_moments.window.values.dtype == jnp.float64
+    assert state.loss_monitor.moments.window.values.dtype == jnp.float64
+    assert int(state.counts.skipped) == 0 and int(state.counts.nonfinite) == 0
+    np.testing.assert_allclose(
+      float(state.norm_moments.mean), 1e200, rtol=1e-12
+    )
+    np.testing.assert_allclose(float(state.loss_monitor.moments.mean), 1e200)

@@ -330,7 +330,7 @@ class NanTest(parameterized.TestCase):
       state = tx.init(PARAMS)
       for step in range(3):
         out, state = tx.update(_grads(step), state)
-      assert int(state.skipped) == 1, name
+      assert int(state.counts.skipped) == 1, name
       np.testing.assert_array_equal(np.asarray(out["a"]), 0.0)
 
 

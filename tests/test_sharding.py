@@ -601,7 +601,7 @@ def test_guard_takes_one_decision_for_all_devices_under_pmap():
       state = tx.init(g)
       _, state = tx.update(g, state, g)  # norm 13.4: skipped
       _, state = tx.update(g / 10, state, g)  # norm 1.34: applied
-      return state.inner_state[0].count, state.skipped
+      return state.inner_state[0].count, state.counts.skipped
 
     return jax.pmap(run, axis_name="i")(kernel.reshape(8, 1, 2))
 
