@@ -54,6 +54,7 @@ import importlib.util
 import math
 import multiprocessing
 import pathlib
+import shlex
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,14 @@ SCRATCH = ROOT / "benchmarks" / "out" / "RESULTS.md"
 # RESULTS.md's heading of the other scripts' latest runs, which a full run
 # keeps as they are (it rewrites what comes before).
 OTHER_SCRIPTS = "## Other benchmarks"
+# The committed report's opening paragraph.
+INTRO = (
+  "The latest run of each benchmark script, with the command that "
+  "reproduces it. Earlier runs are\nin this file's git history; what the "
+  "figures mean, and what bounds them, is in\n`docs/performance.md`. Down "
+  'to "Other benchmarks", this file is what a full\n`python '
+  "benchmarks/run.py` writes (it keeps the rest as it is)."
+)
 SECTIONS = ("a", "b", "c", "compile", "leaves")
 # Run only when asked for (--only telemetry): not part of a full run.
 EXTRA_SECTIONS = ("telemetry",)
@@ -694,10 +703,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     sizes.leaf_counts = tuple(args.leaf_counts)
   sizes.leaf_rounds = args.leaf_rounds
 
-  command = " ".join(["python benchmarks/run.py", *(argv or sys.argv[1:])])
+  command = shlex.join(["python", "benchmarks/run.py", *(argv or sys.argv[1:])])
   lines = [
     "# optaxclip benchmarks",
     "",
+    *([] if args.out != RESULTS else [INTRO, ""]),
     *harness.machine_lines(),
     f"- Command: `{command}`"
     + (" (quick sizes: not for quoting)" if args.quick else ""),

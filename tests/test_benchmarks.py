@@ -7,6 +7,7 @@ this checks that every row is measured and every figure is a positive number.
 """
 
 import importlib
+import json
 import math
 import pathlib
 import re
@@ -321,3 +322,32 @@ def test_ghost_soundness_study_reports_exact_norms(capsys):
     assert error.strip() == "0.00%", name
     assert float(ghost_clipped) <= 1.0 + 1e-6, name
     assert float(vmap_clipped) <= 1.0 + 1e-6, name
+
+
+def test_program_fingerprints_tell_same_reordered_and_changed(tmp_path):
+  """benchmarks/programs.py: a run equals itself row by row; a program
+  with the same ops in another order, or with another op, is told apart.
+  """
+  programs = _import("programs")
+  assert programs.main(["--tiny", "--out", str(tmp_path / "a.json")]) == 0
+  prints = json.loads((tmp_path / "a.json").read_text())
+  assert set(prints) == {
+    f"{tree}/{row}" for tree in "abc" for row in STEP_ROWS[1:]
+  }
+  assert programs.compare(prints, prints)[2:] == [
+    f"| {name} | same |" for name in prints
+  ]
+  one = programs.fingerprint('%0 = stablehlo.add %a, %b loc("x.py":1:2)\n')
+  moved = programs.fingerprint('%0 = stablehlo.add %a, %b loc("y.py":9:9)\n')
+  assert one == moved  # source locations are not the program
+  two = programs.fingerprint("%0 = stablehlo.add %b, %a\n")
+  other = programs.fingerprint("%0 = stablehlo.multiply %a, %b\n")
+  old, new = {"s": one, "t": one, "u": one}, {"s": one, "t": two, "v": other}
+  assert programs.compare(old, new)[2:] == [
+    "| s | same |",
+    "| t | same ops, another order |",
+    "| u | only in the old run |",
+    "| v | only in the new run |",
+  ]
+  new["u"] = other
+  assert "| u | changed |" in programs.compare(old, new)
