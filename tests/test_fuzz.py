@@ -1,5 +1,4 @@
-"""The fuzz suite's cross-cutting invariants (issue 10), against float64
-oracles.
+"""The fuzz suite's cross-cutting invariants, against float64 oracles.
 
 Drawn with the strategies of ``fuzz_strategies`` (trees of float16, bfloat16,
 float32, float64 under x64 and complex64 leaves over the whole finite range,
@@ -34,7 +33,7 @@ subnormals (``fuzz_strategies.flush_atol``). Compilation dominates the cost:
 the limit is a traced argument and shapes come from a small set, so examples
 reuse compiled programs; each test's ``max_examples`` keeps the suite near a
 minute under the ``ci`` profile (``HYPOTHESIS_PROFILE=release`` runs many
-more, see conftest.py). The inputs of issue 10's reports are pinned as
+more, see conftest.py). Rare inputs each property must hold on are pinned as
 explicit examples. A property that fails on today's code only because a fix
 has not landed is marked ``xfail(strict=True)`` with the item and branch, so
 that the mark goes when the fix lands.
@@ -116,7 +115,7 @@ def _stat_close(got, want, rtol=2 * REL, what="", atol=0.0):
 def _limit_for(tree, value):
   """The limit as the clipper sees it: float64 for an all-float64 tree,
   else float32; no subnormal in either (XLA:CPU flushes it, in float64 too:
-  found by the release profile, a float64 limit of 1.7e-310 read as 0).
+  a float64 limit of 1.7e-310 reads as 0).
   """
   leaves = fz.leaves(tree)
   dtype = F32
@@ -357,10 +356,10 @@ def _static_case(draw, nonfinite=False, magnitudes="all"):
 
 @_examples(12)
 @hypothesis.given(case=_static_case(magnitudes="ordinary"))
-# Found by the release profile, a test fix: clipping twice moved the float32
-# leaf by 5.7e-5 relative (its own rounding allowed 2e-5), because the
-# tree's norm, measured again, sees the float16 and bfloat16 leaves rounded
-# to their dtypes.
+# Clipping twice moves the float32 leaf by 5.7e-5 relative (its own rounding
+# allows 2e-5): the tree's norm, measured again, sees the float16 and
+# bfloat16 leaves rounded to their dtypes, so the check allows the coarsest
+# leaf's rounding.
 @hypothesis.example(
   case=(
     fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))),
@@ -378,9 +377,9 @@ def _static_case(draw, nonfinite=False, magnitudes="all"):
     0.0,
   )
 )
-# Found by the release profile, a test fix: both parts of a complex element
-# scaled below float32's smallest normal are flushed, which moves the element
-# by up to sqrt(2) times it (here 1.56e-38 against an allowance of 1.18e-38).
+# Both parts of a complex element scaled below float32's smallest normal are
+# flushed, which moves the element by up to sqrt(2) times it (here 1.56e-38,
+# above the smallest normal, 1.18e-38).
 @hypothesis.example(
   case=(
     fz.Config("clip_block_rms", (("threshold", 1.0),)),
@@ -399,11 +398,11 @@ def test_static_clippers_match_the_oracle(case):
 
 @_examples(8)
 @hypothesis.given(case=_static_case(magnitudes="extreme"))
-# Found by this suite, fixed: a tree of a complex64 and a float64 leaf (x64)
-# whose complex values were all 0 (or below 2**-128) had a NaN norm:
-# the exact recompute's power-of-two scale, taken in float64's range
-# (2**1021), was cast to float32 (inf) to scale the complex parts (0 * inf).
-# It showed as clip(clip(g)) NaN at limit 0, where clip(g) is 0.
+# A tree of a complex64 and a float64 leaf (x64) whose complex values are
+# all 0 (or below 2**-128) has a finite norm: the exact recompute's
+# power-of-two scale, taken in float64's range (2**1021), must not be cast to
+# float32 (inf) to scale the complex parts (0 * inf is NaN). clip(clip(g)) at
+# limit 0, where clip(g) is 0, takes that path.
 @hypothesis.example(
   case=(
     fz.Config("clipped.global_clipnorm", (("global_clipnorm", 1.0),)),
@@ -412,9 +411,9 @@ def test_static_clippers_match_the_oracle(case):
     0.0,
   )
 )
-# Found by this suite, fixed: a complex64 leaf holding 3.4e38 - 8.2e37j (a
-# modulus beyond float32's range, both parts finite) came out NaN from
-# clip_block_rms (its norm was taken as inf, a non-finite gradient).
+# A complex64 leaf holding 3.4e38 - 8.2e37j (a modulus beyond float32's
+# range, both parts finite) is a finite gradient: clip_block_rms must not take
+# its norm as inf and return NaN.
 @hypothesis.example(
   case=(
     fz.Config("clip_block_rms", (("threshold", 1.0),)),
@@ -423,8 +422,8 @@ def test_static_clippers_match_the_oracle(case):
     0.0,
   )
 )
-# Issue 10 item 1's reports, pinned: a leaf above 2**126 (its norm flushed to
-# 0, the leaf unclipped) and a clip factor below float32's smallest normal.
+# A leaf above 2**126 (its norm must not flush to 0 and leave the leaf
+# unclipped) and a clip factor below float32's smallest normal.
 @hypothesis.example(
   case=(
     fz.Config("clip_norm", (("axis", None), ("max_norm", 1.0), ("ord", None))),
@@ -449,9 +448,9 @@ def test_static_clippers_match_the_oracle(case):
     1.0,
   )
 )
-# An explicit example: clip_block_rms's limit, the threshold
-# times sqrt(n)'s mantissa 0.5, was subnormal for a threshold of 1.5e-38 on
-# a one-element leaf (flushed: the leaf clipped to 0).
+# clip_block_rms's limit, the threshold times sqrt(n)'s mantissa 0.5, is
+# subnormal for a threshold of 1.5e-38 on a one-element leaf, and must not be
+# flushed (the leaf clipped to 0).
 @hypothesis.example(
   case=(
     fz.Config("clip_block_rms", (("threshold", 1.0),)),
@@ -463,10 +462,10 @@ def test_static_clippers_match_the_oracle(case):
     fz._ldexp32(0.5, -125),
   )
 )
-# Found by the release profile, test fixes: clip_global's unit is the whole
-# tree, so a flushed measure is allowed the tree's flush, not the float64
-# leaf's (both values subnormal: norm 0, nothing clipped at a zero limit);
-# and a bfloat16 param of 9.2e-41 is read as 0 (a limit of 0 with eps=0).
+# clip_global's unit is the whole tree, so a flushed measure is allowed the
+# tree's flush, not the float64 leaf's (both values subnormal: norm 0, nothing
+# clipped at a zero limit); and a bfloat16 param of 9.2e-41 is read as 0 (a
+# limit of 0 with eps=0).
 @hypothesis.example(
   case=(
     fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))),
@@ -489,10 +488,10 @@ def test_static_clippers_match_the_oracle(case):
     fz._ldexp32(0.5, -125),
   )
 )
-# An explicit example: the infinity norm of a complex leaf
-# whose modulus exceeds float32's range while both parts are finite read
-# inf, and the whole tree came out NaN (the p = inf paths took the plain
-# modulus; they scale by the largest part's power of two now).
+# The infinity norm of a complex leaf whose modulus exceeds float32's range
+# while both parts are finite: the p = inf paths scale by the largest part's
+# power of two (the plain modulus reads inf, and the whole tree would come
+# out NaN).
 @hypothesis.example(
   case=(
     _static("clip_global", max_norm=1.0, ord="inf"),
@@ -515,9 +514,9 @@ def test_static_clippers_match_the_oracle(case):
     1.0,
   )
 )
-# Found by the release profile, test fix: a float64 limit below the smallest
-# normal (1.7e-310, twice this leaf's RMS) is read as 0 by XLA:CPU, and the
-# leaf is clipped to 0, as for float32 limits.
+# A float64 limit below the smallest normal (1.7e-310, twice this leaf's RMS)
+# is read as 0 by XLA:CPU, and the leaf is clipped to 0, as for float32
+# limits.
 @hypothesis.example(
   case=(
     fz.Config("clip_block_rms", (("threshold", 1.0),)),
@@ -659,7 +658,7 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
 
 @_examples(8)
 @hypothesis.given(case=_static_case(nonfinite=True, magnitudes="ordinary"))
-# Issue 10 item 5's report: a NaN leaf switched clipping off for the others.
+# A NaN leaf must not switch clipping off for the others.
 @hypothesis.example(
   case=(
     fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))),
@@ -670,7 +669,7 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
 )
 # An explicit example (rarely drawn under the ci profile): clipping=inf is no
 # limit, also for a unit whose params' norm and eps are 0 (an empty leaf's; the
-# oracle took inf * 0 = NaN).
+# oracle must not take inf * 0 = NaN).
 @hypothesis.example(
   case=(
     _static("clip_unitwise", clipping=1.0, eps=0.0),
@@ -680,8 +679,9 @@ def _check_nonfinite_policy(config, tree, params, limit, out, clipped_norm):
   )
 )
 # An explicit example (rarely drawn under the ci profile): XLA:CPU's reductions
-# of 4096 elements or more dropped the NaN from clip_value's max |g| (the leaf's
-# other values were clipped as usual and clipped_norm read 0.5); _norms.nan_max.
+# of 4096 elements or more drop a NaN from a plain max, so clip_value's max |g|
+# is _norms.nan_max (else the leaf's other values are clipped as usual and
+# clipped_norm reads 0.5).
 @hypothesis.example(
   case=(
     _static("clip_value", max_delta=1.0),
@@ -1015,8 +1015,8 @@ def test_adaptive_and_guard_finite_histories(case):
 @hypothesis.given(
   case=_history_case(levels=(0.0, ZERO_LEAF, 1e-3, 1.0, 1e3), zero_warmup=True)
 )
-# Issue 10 item 4's reports: guard(spike_z) and clip_zscore after an
-# all-zero warm-up, clip_relative after one zero step of a leaf.
+# guard(spike_z) and clip_zscore after an all-zero warm-up, clip_relative
+# after one zero step of a leaf.
 @hypothesis.example(
   case=(
     fz.Config("guard.identity", (("spike_z", 3.0), ("warmup_steps", 3))),
@@ -1066,8 +1066,8 @@ def test_adaptive_and_guard_nonfinite_steps(case):
     levels=(1.0,) + F64_LEVELS, lasting=F64_LEVELS, dtypes=("float64",)
   )
 )
-# Issue 10 item 3's reports: a float64 norm of 1e-50 zeroed by
-# clip_percentile and clip_relative, a finite 1e200 counted non-finite.
+# A float64 norm of 1e-50, which clip_percentile and clip_relative must not
+# zero, and a finite 1e200, which must not count as non-finite.
 @hypothesis.example(
   case=(
     fz.Config("clip_percentile", (("history", 4),)),
@@ -1172,8 +1172,8 @@ def _per_example_property(config, tree):
   config=fz.per_example_configs(),
   tree=fz.per_example_trees(huge=False),
 )
-# Found by this suite (a regression, fixed): a tiny l2_clip and an example
-# norm below 0.5 were scaled by limit / mantissa.
+# A tiny l2_clip and an example norm below 0.5: the example is scaled by
+# limit / norm, not by limit / mantissa.
 @hypothesis.example(
   config=fz.Config(
     "clip_per_example",
@@ -1202,8 +1202,8 @@ def test_per_example_sensitivity_bound(config, tree):
   ),
   tree={"a": np.array([[3e38, 3e38], [1.0, 0.0]], F32)},
 )
-# Found by this suite, fixed: finite elements of 1.7e38 whose example norm
-# overflows float32 were counted in nonfinite and zeroed instead of clipped.
+# Finite elements of 1.7e38 whose example norm overflows float32 are clipped,
+# not counted in nonfinite and zeroed.
 @hypothesis.example(
   config=fz.Config(
     "clip_per_example",
@@ -1211,7 +1211,7 @@ def test_per_example_sensitivity_bound(config, tree):
   ),
   tree={"a": np.array([[0.0] * 4, [1.7014117e38] * 4], F32)},
 )
-# Issue 10 item 1's report: an example whose leaf norm is 1e38.
+# An example whose leaf norm is 1e38 (its sum of squares overflows float32).
 @hypothesis.example(
   config=fz.Config(
     "clip_per_example",
@@ -1219,8 +1219,8 @@ def test_per_example_sensitivity_bound(config, tree):
   ),
   tree={"a": np.array([[1e38, 1e38], [1.0, 0.0]], F32)},
 )
-# Found by the release profile, a test fix: with no clip, a float32 sum of
-# three examples of 1.7e38 overflows (the oracle's 5.1e38 is beyond float32).
+# With no clip, a float32 sum of three examples of 1.7e38 overflows (the
+# oracle's 5.1e38 is beyond float32).
 @hypothesis.example(
   config=fz.Config(
     "clip_per_example",
@@ -1328,9 +1328,9 @@ def test_sharded_leaves_match_the_oracle(case):
 
 @_examples(6)
 @hypothesis.given(case=_sharded_case(magnitudes="extreme"))
-# Found by this suite (release profile), fixed: clip_norm(ord=1) over 2
-# devices turned these values into NaN (the exact recompute's merge divided
-# by a subnormal largest magnitude where the compiled code keeps them).
+# clip_norm(ord=1) over 2 devices on these values: the exact recompute's merge
+# must not divide by a subnormal largest magnitude where the compiled code
+# keeps them (NaN).
 @hypothesis.example(
   case=(
     fz.Config("clip_norm", (("axis", None), ("max_norm", 1.0), ("ord", 1))),
@@ -1343,8 +1343,8 @@ def test_sharded_leaves_match_the_oracle(case):
     0.0,
   )
 )
-# Issue 10 item 1's report: [1e38, 1e38, 1, 1] over 2 devices passed
-# through unclipped with norm 0.
+# [1e38, 1e38, 1, 1] over 2 devices: the norm must not flush to 0 and let the
+# values through unclipped.
 @hypothesis.example(
   case=(
     fz.Config("clip_global", (("max_norm", 1.0), ("ord", None))),
@@ -1353,9 +1353,9 @@ def test_sharded_leaves_match_the_oracle(case):
     1.0,
   )
 )
-# Found by the release profile, a test fix: flushing n subnormal elements
-# moves an L1 norm by up to n times the smallest normal (sqrt(n) for L2):
-# these eight read 0, the oracle's L1 norm 7.1e-38.
+# Flushing n subnormal elements moves an L1 norm by up to n times the
+# smallest normal (sqrt(n) for L2): these eight read 0, the oracle's L1 norm
+# 7.1e-38.
 @hypothesis.example(
   case=(
     fz.Config("clip_norm", (("axis", None), ("max_norm", 1.0), ("ord", 1))),
@@ -1514,23 +1514,23 @@ def _derivative_example(config, scale, ratio, seed=0):
 
 
 # One property for both orders: each case compiles one program that gives
-# the first and the second derivative (two properties drew their own cases,
-# 6 and 5, each a compile of its own).
+# the first and the second derivative (a property per order would compile
+# each of its cases again).
 @_examples(8)
 @hypothesis.given(case=_derivative_case())
-# An explicit example: clip_block_rms's Hessian-vector
-# product on values near 1e19 (a leaf's sum of squares near 1e38, taken
-# directly) was NaN or off by 15%: JAX's rule for sqrt overflowed at the
-# second order (_numerics.floats._root now differentiates p = 2 too).
+# clip_block_rms's Hessian-vector product on values near 1e19 (a leaf's sum
+# of squares near 1e38, taken directly): JAX's rule for sqrt overflows at the
+# second order (NaN, or 15% off), so _numerics.floats._root differentiates
+# p = 2 too.
 @hypothesis.example(
   case=_derivative_example(
     fz.Config("clip_block_rms", (("threshold", 1.0),)), 1e19, 0.3, seed=2
   )
 )
-# An explicit example: clip_unitwise's Hessian-vector
-# product on a unit of four values near 1e19 was NaN: its sum of squares,
-# 3.3e38, fitted float32 and was taken directly, and its tangent overflowed
-# (_norms.trusted_max now sends such sums to the exact recompute).
+# clip_unitwise's Hessian-vector product on a unit of four values near 1e19:
+# its sum of squares, 3.3e38, fits float32, but taken directly its tangent
+# overflows (NaN), so _norms.trusted_max sends such sums to the exact
+# recompute.
 @hypothesis.example(
   case=_derivative_example(
     fz.Config("clip_unitwise", (("clipping", 1.0), ("eps", 0.001))), 1e19, 0.3
@@ -1546,8 +1546,8 @@ def test_first_and_second_derivatives_through_update(case):
 
 
 def test_first_derivative_of_a_clipped_global_norm_at_1e19():
-  """Found by this suite (release profile): the first derivative through
-  clip_global of a gradient of 1e19.
+  """The first derivative through clip_global of a gradient of 1e19, whose
+  squares (1e38) come near float32's largest value.
   """
   config = fz.Config("clip_global", (("max_norm", 1.0), ("ord", None)))
   _derivative_property(*_derivative_example(config, 1e19, 0.3), orders=(1,))
@@ -1666,10 +1666,10 @@ def test_sharded_adaptive_and_guard_match_one_device(case):
 
 
 def test_second_derivative_of_a_clipped_3_norm_in_float32():
-  """A falsifying example of test_second_derivative_through_update, fixed:
-  the float32 Hessian-vector product of clip_norm(ord=3) on a clipped
-  gradient of about 1e8 was 8% off (3.335e7 against 3.634e7): JAX's rule for
-  ``s ** (1/p)`` flushed ``s ** (1/p - 2)`` to zero (_numerics.floats._root).
+  """The float32 Hessian-vector product of clip_norm(ord=3) on a clipped
+  gradient of about 1e8: JAX's rule for ``s ** (1/p)`` flushes ``s ** (1/p -
+  2)`` to zero (8% off: 3.335e7 against 3.634e7), so _numerics.floats._root
+  differentiates through the sum's mantissa and exponent instead.
   """
   config = fz.Config(
     "clip_norm", (("axis", None), ("max_norm", 1.0), ("ord", 3))

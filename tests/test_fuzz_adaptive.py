@@ -1,6 +1,6 @@
-"""Hypothesis properties for the adaptive clippers and guard (issues 10, 15).
+"""Hypothesis properties for the adaptive clippers and guard.
 
-Each fix has a property here, beside the examples in test_adaptive.py and
+Each property here stands beside the examples in test_adaptive.py and
 test_guard.py:
 
 * no absorbing state: after any history (zeros, equal norms, NaN/Inf, huge
@@ -14,10 +14,10 @@ test_guard.py:
 * every scale: the z-score statistics (clip_zscore, guard's norm and loss
   tests, EMA and window) judge a stream of norms scaled by a power of two
   as the stream itself, in float32 and float64 (the variance is kept scaled
-  beyond 2**+-40; kept as it was, it saturated above ~1e19 in float32);
+  beyond 2**+-40; kept unscaled, it would saturate above ~1e19 in float32);
 * a mean near 0: guard's loss z-scores (EMA and window) over signed
   losses whose mean is 0 or near it equal a float64 oracle (kept at the
-  scale of a mean of 0, the variance saturated: z-scores of 2**21);
+  scale of a mean of 0, the variance would saturate: z-scores of 2**21);
 * non-finite steps: a NaN/Inf anywhere gives a non-finite update (the bad
   unit all NaN), ``clipped_norm`` is NaN, and the statistics do not move;
 * sharded == one device: under ``pmap`` with ``axis_name`` every device
@@ -322,9 +322,9 @@ def test_sharded_equals_one_device(name, norms):
     )
 
 
-# Finite trees whose norms exceed float32's range (found by the release
-# profile, fixed: clip_relative's warm-up share was inf / inf, and
-# scale_by_norm_ema divided its EMA target by an overflowed leaf norm, NaN).
+# Finite trees whose norms exceed float32's range: clip_relative's warm-up
+# share must not be inf / inf, nor scale_by_norm_ema's EMA target divided by
+# an overflowed leaf norm (NaN).
 BEYOND = {
   **CLIPPERS,
   "relative_warmup": lambda: optaxclip.clip_relative(
@@ -365,8 +365,8 @@ def huge_tree(value):
   ),
 )
 @hypothesis.example(name="relative_warmup", values=[1.0, 3e38])
-# An explicit example of the variance kept scaled:
-# a spread of ~1.4e38 made clip_zscore's clip limit z * std / eta = inf / inf.
+# An explicit example of the variance kept scaled: a spread of ~1.4e38 must
+# not make clip_zscore's clip limit z * std / eta = inf / inf.
 @hypothesis.example(name="zscore_leaf", values=[1.0, 1.0, 2e38, 3e38])
 @hypothesis.example(name="norm_ema", values=[1.0, 3e38])
 def test_norms_beyond_the_range_give_no_nan(name, values):
@@ -395,9 +395,9 @@ def test_explain_says_warming_up_only_when_nothing_has_a_threshold(
   """clip_relative with leaves whose gradient stays zero (unused
   parameters): the reported threshold (the norm of the per-leaf ones) may
   be inf while the used leaf is clipped after its warm-up; explain() never
-  says it is warming up in a sentence that says it clipped. Found by a
-  user's probe (5 Dec): "scaled down 50% of its units ... no threshold yet:
-  warming up" three steps after a one-step warm-up.
+  says it is warming up in a sentence that says it clipped (not "scaled down
+  50% of its units ... no threshold yet: warming up" three steps after a
+  one-step warm-up).
   """
   params = {
     "used": jnp.ones(3),
@@ -419,12 +419,12 @@ def test_explain_says_warming_up_only_when_nothing_has_a_threshold(
 
 
 # The z-score statistics at every scale. Kept as the variance itself, the
-# variance of the norms saturated at float32's largest value once the norms
-# passed ~1e19 (ordinary steps then read as spikes: 10 of 15 steps of norms
-# moving by 10% around 1e30 were clipped) and flushed to 0 below ~1e-19 (every
-# move read as a new level, and a spike restarted the statistics instead of
-# being clipped). It is now kept scaled beyond 2**+-40 (a power of two, so
-# exactly): a stream of norms scaled by 2**k must be judged as the stream.
+# variance of the norms would saturate at float32's largest value once the
+# norms pass ~1e19 (ordinary steps would read as spikes: 10 of 15 steps of
+# norms moving by 10% around 1e30 clipped) and flush to 0 below ~1e-19 (every
+# move a new level, and a spike restarting the statistics instead of being
+# clipped). It is kept scaled beyond 2**+-40 (a power of two, so exactly): a
+# stream of norms scaled by 2**k must be judged as the stream.
 SCALE_FREE = {
   # eps=0: ZClip's eps is an absolute floor on the spread, not scale-free.
   "zscore": lambda: optaxclip.clip_zscore(
@@ -512,9 +512,9 @@ def _scaled_run(name, stream, k, dtype, sign):
   sign=1.0,
 )
 # An explicit example (rarely drawn under the ci profile): the losses -4, -4, -4
-# then -0.0 restart the statistics at a mean of 0, whose variance (kept at the
-# scale of the mean) saturated; the next z-score read -2**21 at k=0, -2**22 at
-# k=1.
+# then -0.0 restart the statistics at a mean of 0: a variance kept at the
+# scale of that mean would saturate, and the next z-score read -2**21 at k=0,
+# -2**22 at k=1.
 @hypothesis.example(
   name="guard_loss",
   x64=False,
@@ -578,10 +578,10 @@ def test_the_python_spread_exponent_is_the_traced_one(x64, mean):
 
 # A mean near 0 beside a spread. The variance is kept at the scale of its
 # mean (above); beside a mean of 0 (losses around 0, a restart at a loss of
-# 0) any spread above ~5e-7 saturated, and the next steps read z-scores of
-# about 2**21: guard skipped ordinary losses as spikes (3 of 16 steps of the
-# losses -1, 1, -1, ... with window=4). The kept mean now sits at least
-# 2**-22 standard deviations from 0.
+# 0) any spread above ~5e-7 would saturate, and the next steps would read
+# z-scores of about 2**21: guard would skip ordinary losses as spikes (3 of 16
+# steps of the losses -1, 1, -1, ... with window=4). The kept mean sits at
+# least 2**-22 standard deviations from 0.
 LOSS_WARMUP, LOSS_WINDOW = 2, 3
 
 

@@ -296,9 +296,9 @@ def test_remat_must_be_linen_module_classes():
 # Exact norms beyond float32's range, without a per-layer choice: every layer
 # writes its fast squares, and one top-level branch recomputes the exact ones
 # (chunk by chunk of the batch) on the rare step some finite example's fast
-# squares overflow. The per-layer choice it replaces kept every layer's input
-# and output gradient alive until that layer's choice was made (1163 against
-# 980 MiB on the example's medium transformer).
+# squares overflow. A per-layer choice would keep every layer's input and
+# output gradient alive until that layer's choice is made (1163 against 980
+# MiB on the example's medium transformer).
 # ---------------------------------------------------------------------------
 
 

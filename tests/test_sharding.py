@@ -52,8 +52,8 @@ CLIPPERS = {
     optaxclip.clip_global(2.0), spike_z=1.0, warmup_steps=1
   ),
   # The SPAM family (whole optimizers chained before adam here too): on an
-  # Explicit mesh their selects of a state by a scalar raised a
-  # ShardingTypeError (the scalar was broadcast without a sharding).
+  # Explicit mesh their selects of a state by a scalar must give the scalar
+  # a sharding when broadcasting it (without one, a ShardingTypeError).
   "clip_spikes": lambda: optaxclip.clip_spikes(2.0, b2=0.5, grad_accu_steps=1),
   "clip_spikes_adaptive": lambda: optaxclip.clip_spikes_adaptive(0.5),
   "scale_by_norm_ema": optaxclip.scale_by_norm_ema,
@@ -763,11 +763,11 @@ def test_per_leaf_axes_on_a_2d_mesh_match_one_device():
 @pytest.mark.slow
 def test_a_nan_in_one_devices_units_takes_every_device_to_one_branch():
   """A NaN in units that one device holds: that device's unit sums leave
-  the trusted range, the others' do not. Each took its own branch of the
-  norms' recompute ``lax.cond``, whose collectives then waited for devices
-  that never came: ``clip_norm(axis=0)`` and ``clip_unitwise`` hung and
-  XLA aborted the process. Every device now takes the branch one needs, and
-  the updates equal one device's (NaN in the NaN's unit).
+  the trusted range, the others' do not. Every device takes the branch of
+  the norms' recompute ``lax.cond`` that one needs (a device taking its own
+  would leave the others' collectives waiting until XLA aborts the process,
+  as for ``clip_norm(axis=0)`` and ``clip_unitwise``), and the updates equal
+  one device's (NaN in the NaN's unit).
   """
   mesh = jax.make_mesh(
     (2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2
@@ -944,9 +944,9 @@ def test_spike_clipping_inside_shard_map_is_per_coordinate():
   shard_map (vma checked) on leaves split over the axis and replicated ones
   (small ones packed together, large ones alone), each device's updates are
   its part of one device's. Their counts (``clipped``) stay per device.
-  Before the packing kept varying and replicated leaves apart, the stacked
-  spike count made the replicated leaves' updates vary across devices and
-  shard_map refused the program.
+  The packing keeps varying and replicated leaves apart: a spike count
+  stacked over both would make the replicated leaves' updates vary across
+  devices, and shard_map would refuse the program.
   """
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
   rng = np.random.default_rng(3)
@@ -1069,10 +1069,10 @@ LAYER_CLIPPERS = {
 def test_layers_split_over_a_stage_axis_are_refused_not_mixed(name):
   """4 layers on a 2-device "stage" axis, init and update inside shard_map
   with the default sharded=True: each device holds layers (0, 1) or (2, 3),
-  and the per-layer norms were two, sqrt(L0**2 + L2**2) and sqrt(L1**2 +
-  L3**2). Now a clear error, and with a PartitionSpec the right numbers
-  where every device holds every layer (the split on another axis) and an
-  error where the layer axis is the split one.
+  and the per-layer norms would be two, sqrt(L0**2 + L2**2) and sqrt(L1**2
+  + L3**2). A clear error instead, and with a PartitionSpec the right
+  numbers where every device holds every layer (the split on another axis)
+  and an error where the layer axis is the split one.
   """
   make = LAYER_CLIPPERS[name]
   default = functools.partial(

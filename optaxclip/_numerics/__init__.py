@@ -75,7 +75,7 @@ Derivatives
 A :class:`Scaled` factor scales a leaf by its exact powers of two first and
 its mantissa last (:func:`scale_leaf`), so that the mantissa's cotangent is
 ``sum(ct * x * 2**E)``, of the size of the result, not ``sum(ct * x)``
-(inf for leaves near float32's largest value: the gradient was NaN). A zero
+(inf for leaves near float32's largest value: a NaN gradient). A zero
 limit gives a zero factor whose derivative does not depend on the norm
 (:func:`clip_scale`). The root of a power sum is differentiated through
 the sum's mantissa and exponent (``_root``), not as ``s ** (1/p - 1)``,
@@ -100,7 +100,7 @@ miss the norm's own term (clip_global(1.45e-37) of ``[1, 2, -1.5] *
 1e-37`` against the cotangent ``[1, 2, 3]``: 0.5385 where 0.5014 is right,
 in the first element; the gradient of the L2 norm of six values of
 1.76e-38 reads 0 where 0.408 is right) and a Hessian-vector product can be
-NaN (found by the release fuzz profile: clip_global with a limit of
+NaN (cases in float32 include clip_global with a limit of
 1.45e-38 on values of 1e-38; clip_unitwise(2.35e-38, eps=1e-3) on values
 of 1.2e-38 that are also its params; clip_norm(inf) and clip_block_rms(0)
 on a leaf of six values of 1.76e-38). The flushed product: the exact

@@ -26,9 +26,9 @@ def on_every_device(pred: jax.Array, axis_name: AxisName) -> jax.Array:
 
   The predicate of a ``lax.cond`` whose branches hold collectives must be
   the same on every device: a device that skips a branch leaves the others
-  waiting in its all-reduce until XLA aborts the process (found: a NaN in
-  one device's units of ``clip_norm(axis=0)`` on a 2-D mesh, whose units
-  differ across one of the axes).
+  waiting in its all-reduce until XLA aborts the process (the predicate
+  differs where a NaN lies in one device's units of ``clip_norm(axis=0)`` on
+  a 2-D mesh, whose units differ across one of the axes).
   """
   names = _names(axis_name)
   if not names:

@@ -41,11 +41,11 @@ def trusted_max(dtype: Any) -> float:
 
   Not the dtype's largest value: the sum's own derivatives (``p sum |x|**(p
   - 1) dx`` and the next order's) are of its size times the tangent's ratio
-  to the values, and overflowed where a sum near float32's largest value
-  (four values of 1e19) was taken directly (found by the release fuzz
-  profile: clip_unitwise's Hessian-vector product was NaN). The exact
-  recompute differentiates the values scaled by a power of two. A factor
-  ``1 / eps`` of headroom: float32 norms above about 6e15 are recomputed.
+  to the values, and overflow where a sum near float32's largest value (four
+  values of 1e19) is taken directly (clip_unitwise's Hessian-vector product
+  would be NaN). The exact recompute differentiates the values scaled by a
+  power of two. A factor ``1 / eps`` of headroom: float32 norms above about
+  6e15 are recomputed.
   """
   info = jnp.finfo(dtype)
   return float(info.max) * float(info.eps)
@@ -132,11 +132,11 @@ def scaled_sum(x: jax.Array, p: float, axes, dtype):
   finite, is scaled by the power of two of its largest part first.
 
   Not one pass with a two-output reduction whose merge rescales partial
-  sums by the ratio of their maxima (the earlier form): XLA:CPU does not
-  vectorize it, and it took 5x the two passes on 64 x 400k float32 (the
-  exact recompute's step was 2.4x the direct step's for clip_global, 3.0x
-  for clip_norm, against 1.4x and 1.6x now: benchmarks/exact_recompute.py);
-  nor does XLA's partitioner split it.
+  sums by the ratio of their maxima: XLA:CPU does not vectorize it, and it
+  takes 5x the two passes on 64 x 400k float32 (the exact recompute's step
+  2.4x the direct step's for clip_global, 3.0x for clip_norm, against 1.4x
+  and 1.6x with two passes: benchmarks/exact_recompute.py); nor does XLA's
+  partitioner split it.
   """
   axes = reduce_axes(x, axes)
   dtype = np.dtype(dtype)
