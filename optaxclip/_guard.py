@@ -42,8 +42,8 @@ class Moments(NamedTuple):
   Attributes:
     count: finite values gathered for the warm-up, at most ``warmup_steps``
       (with ``window``: values of steps that went through, back to 1 when a
-      window of only zeros restarts). The loss's take in only accepted
-      steps.
+      window of only zeros restarts); the loss's count only steps that went
+      through.
     mean: the mean (the warm-up's plain mean, then an EMA; with ``window``,
       the mean of the window).
     var: the variance, likewise (with the scale of

@@ -225,10 +225,9 @@ def norm_flush_atol(dtype, size: int, p: float = 2.0) -> float:
   are, a modulus up to sqrt(2) times that), ``size**(1/p)`` times it in all
   (``sqrt(size)`` for L2, ``size`` for L1, one for the max).
 
-  An explicit case: a complex64 leaf whose parts were all
-  subnormal, moduli up to 1.3e-38 (above the smallest normal, 1.18e-38),
-  read as zeros by XLA:CPU, had its clip counted against a bound of one
-  smallest normal.
+  A complex64 leaf whose parts are all subnormal can have moduli up to
+  1.3e-38 (above the smallest normal, 1.18e-38) that XLA:CPU reads as
+  zeros: a bound of one smallest normal would be too tight for it.
   """
   n = max(int(size), 1)
   return element_flush_atol(dtype) * (1.0 if math.isinf(p) else n ** (1.0 / p))
@@ -884,8 +883,8 @@ class Oracle:
     measure is within ``rtol`` (and its leaf's entry of ``atols``, e.g. a
     flush tolerance) of its limit counts as either clipped or not. The
     clipper's norm, accumulated in float32, cannot tell such a tie apart
-    (an explicit case: a float16 tree of global norm
-    3 + 3.6e-15 against a limit of 3 read 3.0, not clipped). A zero
+    (a float16 tree of global norm 3 + 3.6e-15 against a limit of 3 reads
+    3.0, not clipped). A zero
     measure at a zero limit is not clipped.
     """
     measures, limits = self.measures, self.limits

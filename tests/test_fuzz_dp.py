@@ -285,14 +285,14 @@ def _ghost_batches(draw):
 def test_ghost_clipped_sum_matches_the_per_example_oracle(
   data, clip, bookkeeping
 ):
-  # Pins three fixes: a layer nested in a block under the same name as a
-  # top-level one (both "Dense_0") went untapped and uncounted (norms too
-  # small); the rare recompute (an example with a non-finite gradient) now
-  # runs in up to 64 chunks, or in microbatch_size ones, to bound its
-  # memory; and the one-pass book-keeping sum (caught layer inputs and
-  # output gradients, also under nn.scan). Whatever the batch, padding,
-  # non-finite examples and chunking, the clipped sum is the float64
-  # oracle's over the finite, non-padding examples.
+  # Covers a layer nested in a block under the same name as a top-level
+  # one (both "Dense_0"), which must be tapped and counted; the rare
+  # recompute (an example with a non-finite gradient), which runs in up to
+  # 64 chunks, or in microbatch_size ones, to bound its memory; and the
+  # one-pass book-keeping sum (caught layer inputs and output gradients,
+  # also under nn.scan). Whatever the batch, padding, non-finite examples
+  # and chunking, the clipped sum is the float64 oracle's over the finite,
+  # non-padding examples.
   tokens, x, pad = data
   params = _params()
   batch = len(tokens)
