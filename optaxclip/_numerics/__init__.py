@@ -119,7 +119,7 @@ leaves that are sharded over the named axis (or axes) are ``psum``-ed, and the
 maxima ``pmax``-ed, so each device sees the norm of the whole array; leaves
 replicated over the axis are counted once.
 
-Performance notes (XLA on CPU, measured with ``benchmarks/run.py``): a plain
+Performance notes (XLA on CPU; figures in ``docs/performance.md``): a plain
 ``sum(x * x)`` is the fastest reduction XLA emits, but any scalar operand in
 it (a threshold, a scale) makes XLA write a broadcast of the scalar to memory,
 and a square (or bfloat16 upcast) of the raw gradient is merged with the

@@ -286,7 +286,7 @@ def select(k: Any, a: jax.Array, b: jax.Array) -> jax.Array:
   """``a`` where the scalar ``k`` holds, else ``b``. By lax, not
   ``jnp.where``, which is a nested jit for each call: to trace and lower
   for each of a tree's leaves and state slots (compile time on many-leaf
-  trees: guard(scope="leaf") on 300 small leaves 3.5x -> 2.9x adam's).
+  trees, such as guard(scope="leaf")'s: ``docs/performance.md``).
   """
   k = jnp.asarray(k)
   if k.shape or k.dtype != bool or a.dtype != b.dtype or a.shape != b.shape:

@@ -98,9 +98,9 @@ def largest_magnitude(
 def _largest_magnitude_fast(x, axes, keepdims):
   # With the count of NaN elements (those above an inf limit) as the second
   # output, used: XLA drops an unused output, and hands a single-output
-  # integer max to its reduction fusion, which writes the bits out in full
-  # (2.4x Adam's step on 64 x 400k float32 values for chain(clip_global(1,
-  # ord=inf), adam), against 1.2x so).
+  # integer max to its reduction fusion, which writes the bits out in full:
+  # a leaf-sized temporary and a second pass, which make an ord=inf
+  # clipper's step far slower (docs/performance.md).
   top, n_nan = _largest_and_count_reduce(x, jnp.inf, axes)
   top = jnp.where(n_nan > 0, jnp.asarray(jnp.nan, x.dtype), top)
   return jnp.expand_dims(top, axes) if keepdims else top
@@ -381,8 +381,8 @@ def _largest_and_count_reduce(x, limit, axes):
   the max of :func:`magnitude_bits` (which keeps NaN with no select) and
   the sum of their comparison with :func:`limit_bits`. XLA:CPU vectorises
   it, where the same reduction of floats with NaN-keeping merges is a
-  scalar loop (clip_value's step on 64 float32 leaves of 400k: 1.25x
-  Adam's against 2.2x-2.5x; float16 1.3x against 4.0x).
+  scalar loop, several times slower, in float16 even more so
+  (``docs/performance.md``).
 
   The max in ``x``'s dtype, the count in int32.
   """

@@ -56,8 +56,9 @@ def with_plain_derivative(fast, plain, n_args: int, n_static: int):
 # NaN above inf; see largest_magnitude), which XLA:CPU vectorises; a max or
 # a min of the values themselves is a reduction whose merge says that a
 # NaN wins (vectorised as a single-output reduction; a reduction of max and
-# min together is not, 3x the time). Maxima that only pick a power-of-two
-# scale for a sum stay plain: the sum carries the NaN they miss.
+# min together is not, and takes several times as long). Maxima that only
+# pick a power-of-two scale for a sum stay plain: the sum carries the NaN
+# they miss.
 
 
 def _nan_max_merge(u, v):
@@ -123,8 +124,8 @@ def drops_nan(x: jax.Array) -> bool:
 
 def _merge_dtype(x: jax.Array) -> jax.Array:
   """``x`` widened to float32 when narrower (exact): XLA:CPU computes each
-  merge of float16 or bfloat16 values through float32 conversions, 4.5x a
-  plain max's time on a bfloat16 leaf; widened first, 1.16x.
+  merge of float16 or bfloat16 values through float32 conversions, several
+  times a plain max's time on a bfloat16 leaf; widened first, close to it.
   """
   if x.dtype.itemsize < 4:
     return x.astype(jnp.float32)
@@ -274,8 +275,8 @@ def count(mask: jax.Array) -> jax.Array:
   used: XLA:CPU computes the mask inside it, in the pass over its operands.
   A plain sum of the mask is split into a tree of reductions (or handed to
   its YNNPACK fusion) that first writes the mask out in full: a leaf-sized
-  temporary and a second pass (clip_spikes_adaptive's count of a large
-  leaf: 351 MiB on benchmarks' transformer tree). A mask that may span
+  temporary and a second pass (for clip_spikes_adaptive's count, as much
+  temporary memory as the float32 gradients). A mask that may span
   devices is summed plainly, a reduction the partitioner splits.
   """
   if mask.size == 0 or mask.size >= 2**31 or may_span_devices(mask):

@@ -236,9 +236,10 @@ def scale_leaf(
   multipliers kept in memory (see :func:`materialized`): otherwise XLA
   fuses their arithmetic (about a hundred instructions: the factor from the
   norms and limits, exponent bits, clamps) into every consumer of the
-  scaled leaf, where it runs once per element, not once per unit (3.6x
-  Adam's step on a transformer's kernels, against 1.9x with them in
-  memory). A scalar factor's arithmetic is hoisted out of the loop anyway.
+  scaled leaf, where it runs once per element, not once per unit: on a
+  transformer's kernels, a step far slower than with them in memory
+  (``docs/performance.md``). A scalar factor's arithmetic is hoisted out of
+  the loop anyway.
   """
   # Not element-wise factors (clip_value's complex modulus): their
   # arithmetic runs once per element anyway.
@@ -266,9 +267,9 @@ def scale_all(
   most 1 does not fall. Each multiplier of a leaf is an instruction per
   element in every kernel that reads the scaled leaf (two per leaf when
   Adam follows), and on a tree of many small leaves their count sets the
-  compile time: ``chain(clip_global(1.0), adam)`` on 1000 leaves compiles in
-  1.53x Adam's time with three multipliers, 1.35x with two
-  (benchmarks/versions.py, CPU seconds, loaded machine). Where ``smallest``
+  compile time: ``chain(clip_global(1.0), adam)`` on 1000 leaves compiles
+  markedly faster with two multipliers than with three
+  (``docs/performance.md``). Where ``smallest``
   is at least ``2**(2 * minexp)`` (``2**-252`` in float32), two suffice: a
   normal power of two, then the factor's mantissa times the rest, also
   normal. With the flush to zero of XLA:CPU that is bit for bit what three
@@ -342,11 +343,11 @@ def materialized(v: jax.Array) -> jax.Array:
   (and drops ``optimization_barrier``), but never a reduction: ``v`` is
   returned as the product of the rows of ``[v; 1]`` (the padding row, so
   that ``v`` is not computed twice). Times 1 every value stays as it is,
-  a zero's sign and NaN included. Not a sum of ``[v; 0]`` (the former
-  form): XLA:CPU hands float sums (and max, min) to YNNPACK, whose call
-  costs far more than the sum: 0.4-4 ms each for a transformer's per-unit
-  multipliers and packed parts (12 blocks: about 10 ms a step, 0.08x Adam's
-  step), where XLA's own loop takes microseconds; and -0.0 + 0 is +0.
+  a zero's sign and NaN included. Not a sum of ``[v; 0]``: XLA:CPU hands
+  float sums (and max, min) to YNNPACK, whose call costs orders of
+  magnitude more than XLA's own loop over so few values: over a
+  transformer's per-unit multipliers and packed parts, a noticeable share
+  of its step (``docs/performance.md``); and -0.0 + 0 is +0.
   """
   v = jnp.asarray(v)
   if jnp.issubdtype(v.dtype, jnp.floating):

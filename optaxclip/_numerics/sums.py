@@ -133,10 +133,9 @@ def scaled_sum(x: jax.Array, p: float, axes, dtype):
 
   Not one pass with a two-output reduction whose merge rescales partial
   sums by the ratio of their maxima: XLA:CPU does not vectorize it, and it
-  takes 5x the two passes on 64 x 400k float32 (the exact recompute's step
-  2.4x the direct step's for clip_global, 3.0x for clip_norm, against 1.4x
-  and 1.6x with two passes: benchmarks/exact_recompute.py); nor does XLA's
-  partitioner split it.
+  is several times slower than the two passes: with it, a step that takes
+  the exact recompute costs far more (``docs/performance.md``); nor does
+  XLA's partitioner split it.
   """
   axes = reduce_axes(x, axes)
   dtype = np.dtype(dtype)
@@ -158,9 +157,9 @@ def scaled_sum(x: jax.Array, p: float, axes, dtype):
   # M only picks an exact power-of-two scale: it has no derivative, and a
   # NaN it misses (see nan_max) is in the sum. It is taken in x's own dtype
   # (exact), and the sum scales x itself: with |x| or a cast of x shared
-  # by the two reductions (or with any select in the sum), XLA:CPU wrote a
-  # leaf-sized temporary, or reduced both in a loop of its own, 4-5x slower
-  # than the two passes it vectorizes.
+  # by the two reductions (or with any select in the sum), XLA:CPU writes a
+  # leaf-sized temporary, or reduces both in a loop of its own, several times
+  # slower than the two passes it vectorizes.
   m = jax.lax.stop_gradient(
     jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0)
   ).astype(dtype)
