@@ -16,6 +16,23 @@ def f64(x):
   return x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)
 
 
+def spiky_gradients(shapes, steps, spikes, seed=1, size=1e3):
+  """``steps`` lists of float32 Gaussian gradients of ``shapes``; on the
+  steps in ``spikes`` (1-based) a few coordinates of each tensor are
+  multiplied by ``size`` (the per-tensor RMS then exceeds 1).
+  """
+  rng = np.random.default_rng(seed)
+  out = []
+  for t in range(1, steps + 1):
+    step = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    if t in spikes:
+      for g in step:
+        flat = g.reshape(-1)
+        flat[rng.integers(0, flat.size, size=min(2, flat.size))] *= size
+    out.append(step)
+  return out
+
+
 def pnorm(values, ord):
   """The p-norm of a flat array of magnitudes (|x|, so complex uses |x|^2)."""
   a = np.abs(f64(values)).ravel()

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 
+import np_refs
 import np_spam_refs
 import optaxclip
 
@@ -55,19 +56,8 @@ def _params(seed=0):
 
 
 def _grads(seed=1, steps=STEPS, spikes=SPIKE_STEPS, size=1e3):
-  """Gaussian gradients; on the spike steps, a few coordinates of each
-  tensor are multiplied by ``size``.
-  """
-  rng = np.random.default_rng(seed)
-  out = []
-  for t in range(1, steps + 1):
-    step = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
-    if t in spikes:
-      for g in step:
-        flat = g.reshape(-1)
-        flat[rng.integers(0, flat.size, size=min(2, flat.size))] *= size
-    out.append(step)
-  return out
+  """This file's gradient stream (``np_refs.spiky_gradients``)."""
+  return np_refs.spiky_gradients(SHAPES, steps, spikes, seed, size)
 
 
 def _as_tree(arrays):

@@ -25,6 +25,7 @@ import optax
 import pytest
 
 import fuzz_strategies as fz
+import np_refs
 import optaxclip
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -138,19 +139,8 @@ def _params(seed=0):
 
 
 def _grads(seed=1, steps=STEPS, spikes=SPIKE_STEPS, size=1e3):
-  """Gaussian gradients; on the spike steps a few coordinates of each
-  tensor are multiplied by ``size`` (the per-tensor RMS then exceeds 1).
-  """
-  rng = np.random.default_rng(seed)
-  out = []
-  for t in range(1, steps + 1):
-    step = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
-    if t in spikes:
-      for g in step:
-        flat = g.reshape(-1)
-        flat[rng.integers(0, flat.size, size=min(2, flat.size))] *= size
-    out.append(step)
-  return out
+  """This file's gradient stream (``np_refs.spiky_gradients``)."""
+  return np_refs.spiky_gradients(SHAPES, steps, spikes, seed, size)
 
 
 def _tree(arrays, dtype=None):
